@@ -1,0 +1,103 @@
+"""Every command the README shows is run (with smaller sizes) or, for GPU commands, parsed; the
+flag list in the README and `--help` name every field of Args."""
+
+import dataclasses
+import json
+import re
+import shlex
+import sys
+import time
+
+import pytest
+from conftest import ROOT, read_metrics, run_script
+
+import online_dpo_async as dpo
+
+README = (ROOT / "README.md").read_text()
+TINY_OVERRIDES = ["--total_episodes", "512", "--local_micro_batch_size", "8", "--eval_freq", "4", "--num_eval_prompts", "32"]
+
+
+def block(marker: str) -> list[str]:
+    """Command lines of the fenced block right after `<!-- marker -->`, comments stripped."""
+    match = re.search(rf"<!-- {marker} -->\n```bash\n(.*?)```", README, re.S)
+    assert match, f"README lost its {marker} block"
+    return [line.split("  #")[0].strip() for line in match.group(1).strip().splitlines()]
+
+
+def to_argv(command: str) -> tuple[dict, list[str]]:
+    """A README command as this test environment runs it: its env assignments and its argv."""
+    words = shlex.split(command)
+    env = {}
+    while "=" in words[0]:
+        key, value = words.pop(0).split("=", 1)
+        env[key] = value
+    if words[0].endswith("python"):
+        words[0] = sys.executable
+    elif words[0].endswith("accelerate") and words[1] == "launch":
+        words[:2] = [sys.executable, "-m", "accelerate.commands.launch"]
+    return env, words
+
+
+def check_run(output_dir, async_level: int, eval_freq: int):
+    args = json.loads((output_dir / "args.json").read_text())
+    train, evals = read_metrics(output_dir)
+    assert [m["step"] for m in train] == list(range(args["num_steps"]))
+    assert [m["async/lag"] for m in train] == [min(m["step"], async_level) for m in train]
+    assert [e["step"] for e in evals] == sorted({0, args["num_steps"], *range(0, args["num_steps"], eval_freq)})
+    assert all(m["loss/policy"] == m["loss/policy"] for m in train)  # no NaN
+    return args, train, evals
+
+
+def test_quickstart_run_command_learns(tmp_path):
+    """The README's first command, unchanged but for the output folder: the default tiny run."""
+    command = block("run-command")[0].split("&&")[-1].strip()
+    env, argv = to_argv(command)
+    assert argv[1:] == ["online_dpo_async.py"]
+    start = time.perf_counter()
+    run_script(argv + ["--output_dir", str(tmp_path)], timeout=900, env=env)
+    print(f"default run took {time.perf_counter() - start:.0f} s")
+    args, train, evals = check_run(tmp_path, async_level=1, eval_freq=dpo.Args.eval_freq)
+    print("win rate", [round(e["eval/win_rate"], 3) for e in evals], "ref ppl", [round(e["eval/ref_ppl"], 3) for e in evals])
+    assert evals[-1]["eval/win_rate"] >= evals[0]["eval/win_rate"] + 0.10
+    assert evals[-1]["eval/gold_score"] > evals[0]["eval/gold_score"]
+    for key in ("episode", "lr", "objective/scores", "objective/kl", "objective/entropy", "objective/rlhf_reward", "val/num_eos_tokens",
+                "loss/policy", "time/generation", "time/training", "time/weight_sync", "time/wait_for_rollouts", "time/step",
+                "throughput/episodes_per_second", "throughput/tokens_per_second"):
+        assert key in train[-1], key
+    assert train[-1]["episode"] == dpo.Args.total_episodes
+    assert any((tmp_path / "tensorboard").iterdir())
+    assert (tmp_path / "policy" / "model.safetensors").exists()
+
+
+@pytest.mark.parametrize("command", block("cpu-examples"))
+def test_cpu_example_commands_run(command, tmp_path):
+    env, argv = to_argv(command)
+    run_script(argv + TINY_OVERRIDES + ["--output_dir", str(tmp_path)], env=env)
+    args = json.loads((tmp_path / "args.json").read_text())
+    check_run(tmp_path, async_level=args["async_level"], eval_freq=4)
+    if "cpu_2proc" in command:
+        assert args["world_size"] == 2 and args["batch_size"] == 16
+
+
+def test_gpu_commands_parse():
+    """No GPU here: check that the configs load and the script's flags parse as written."""
+    import tyro
+    from accelerate.commands.config.config_args import load_config_from_file
+
+    match = re.search(r"## GPUs\n\n```bash\n(.*?)```", README, re.S)
+    commands = [line for line in match.group(1).splitlines() if line.startswith("accelerate launch")]
+    assert len(commands) == 2
+    for command in commands:
+        words = shlex.split(command.replace(" ...", ""))
+        config = load_config_from_file(words[words.index("--config_file") + 1])
+        assert config.distributed_type in ("MULTI_GPU", "DEEPSPEED")
+        flags = words[words.index("online_dpo_async.py") + 1 :]
+        assert tyro.cli(dpo.Args, args=flags).async_level == 1
+
+
+def test_every_flag_is_documented_in_help_and_readme():
+    proc = run_script([sys.executable, "online_dpo_async.py", "--help"], timeout=120)
+    flags_section = README[README.index("## Flags") : README.index("### Batch sizes")]
+    for field in dataclasses.fields(dpo.Args):
+        assert re.search(rf"--{field.name}(?!\w)", proc.stdout), f"--help misses --{field.name}"
+        assert f"`--{field.name}`" in flags_section, f"README flag list misses --{field.name}"
