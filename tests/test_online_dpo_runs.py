@@ -68,3 +68,56 @@ def test_ctrl_c_stops_trainer_thread_and_engine(tmp_path):
     assert proc.returncode == 130, output[-4000:]
     gone, alive = psutil.wait_procs(children, timeout=10)
     assert not alive, f"left behind: {alive}"
+
+
+def run_tracking_children(argv: list[str], timeout: float = 300) -> tuple[int, str, list]:
+    """Run a command, remembering every process it started, until it exits."""
+    proc = subprocess.Popen(argv, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    parent, children = psutil.Process(proc.pid), {}
+    deadline = time.time() + timeout
+    while proc.poll() is None and time.time() < deadline:
+        try:
+            children.update({c.pid: c for c in parent.children(recursive=True)})
+        except psutil.NoSuchProcess:
+            pass
+        time.sleep(0.2)
+    output, _ = proc.communicate(timeout=60)
+    return proc.returncode, output, list(children.values())
+
+
+def test_a_training_exception_stops_the_generation_side(tmp_path, tokenizer):
+    """Fault: a reward model whose embedding is too small for the policy's tokens fails in scoring."""
+    import torch
+    from transformers import LlamaForSequenceClassification
+
+    from conftest import small_config
+
+    torch.manual_seed(0)
+    LlamaForSequenceClassification(small_config(tokenizer, vocab_size=5, num_labels=1)).save_pretrained(tmp_path / "rm")
+    tokenizer.save_pretrained(tmp_path / "rm")
+    code, output, children = run_tracking_children(
+        [PYTHON, "online_dpo_async.py", "--reward_model_path", str(tmp_path / "rm"), "--output_dir", str(tmp_path / "run")])
+    assert code != 0 and "IndexError" in output, output[-3000:]
+    assert children, "the engine should have been started"
+    assert not psutil.wait_procs(children, timeout=10)[1]
+
+
+def test_the_engine_dying_surfaces_in_the_trainer(tmp_path):
+    """Fault: the engine process is killed mid-run; the generation thread's error reaches the trainer."""
+    proc = subprocess.Popen([PYTHON, "online_dpo_async.py", "--output_dir", str(tmp_path), "--total_episodes", "64000"],
+                            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    metrics = tmp_path / "metrics.jsonl"
+    deadline = time.time() + 300
+    while time.time() < deadline and not (metrics.exists() and metrics.read_text().count("async/lag") >= 3):
+        assert proc.poll() is None, proc.stdout.read()[-4000:]
+        time.sleep(0.5)
+    children = psutil.Process(proc.pid).children(recursive=True)
+    engines = [c for c in children if "EngineCore" in " ".join([c.name()] + c.cmdline())]
+    assert engines, [c.cmdline() for c in children]
+    killed_at = time.time()
+    for engine in engines:
+        engine.kill()
+    output, _ = proc.communicate(timeout=120)
+    print(f"trainer exited {time.time() - killed_at:.1f} s after the engine died")
+    assert proc.returncode not in (0, None) and "generation thread failed" in output, output[-4000:]
+    assert not psutil.wait_procs(children, timeout=10)[1]
