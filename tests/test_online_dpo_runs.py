@@ -53,15 +53,20 @@ def test_gptneox_policy_trains_through_the_engine(tmp_path, tokenizer):
     assert train[-1]["loss/policy"] == train[-1]["loss/policy"]  # not NaN
 
 
-def test_ctrl_c_stops_trainer_thread_and_engine(tmp_path):
-    proc = subprocess.Popen([PYTHON, "online_dpo_async.py", "--output_dir", str(tmp_path), "--total_episodes", "64000"],
+def start_long_run(output_dir) -> tuple[subprocess.Popen, list]:
+    """A long default run, returned once it has trained three steps, with its child processes."""
+    proc = subprocess.Popen([PYTHON, "online_dpo_async.py", "--output_dir", str(output_dir), "--total_episodes", "64000"],
                             cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    metrics = tmp_path / "metrics.jsonl"
+    metrics = output_dir / "metrics.jsonl"
     deadline = time.time() + 300
     while time.time() < deadline and not (metrics.exists() and metrics.read_text().count("async/lag") >= 3):
         assert proc.poll() is None, proc.stdout.read()[-4000:]
         time.sleep(0.5)
-    children = psutil.Process(proc.pid).children(recursive=True)
+    return proc, psutil.Process(proc.pid).children(recursive=True)
+
+
+def test_ctrl_c_stops_trainer_thread_and_engine(tmp_path):
+    proc, children = start_long_run(tmp_path)
     assert children, "the engine should run in child processes"
     proc.send_signal(signal.SIGINT)
     output, _ = proc.communicate(timeout=60)
@@ -104,14 +109,7 @@ def test_a_training_exception_stops_the_generation_side(tmp_path, tokenizer):
 
 def test_the_engine_dying_surfaces_in_the_trainer(tmp_path):
     """Fault: the engine process is killed mid-run; the generation thread's error reaches the trainer."""
-    proc = subprocess.Popen([PYTHON, "online_dpo_async.py", "--output_dir", str(tmp_path), "--total_episodes", "64000"],
-                            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    metrics = tmp_path / "metrics.jsonl"
-    deadline = time.time() + 300
-    while time.time() < deadline and not (metrics.exists() and metrics.read_text().count("async/lag") >= 3):
-        assert proc.poll() is None, proc.stdout.read()[-4000:]
-        time.sleep(0.5)
-    children = psutil.Process(proc.pid).children(recursive=True)
+    proc, children = start_long_run(tmp_path)
     engines = [c for c in children if "EngineCore" in " ".join([c.name()] + c.cmdline())]
     assert engines, [c.cmdline() for c in children]
     killed_at = time.time()
