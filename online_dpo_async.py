@@ -569,13 +569,13 @@ class MetricsLogger:
         if self.wandb:
             self.wandb.log(metrics)
 
-    def log_samples(self, step: int, rows: list[dict]) -> None:
+    def log_samples(self, step: int, episode: int, rows: list[dict]) -> None:
         text = "\n\n".join(" | ".join(f"**{k}**: {v}" for k, v in row.items()) for row in rows)
-        self.writer.add_text("samples", text, step)
+        self.writer.add_text("samples", text, episode)
         if self.wandb:
             import wandb
 
-            self.wandb.log({"samples": wandb.Table(columns=list(rows[0]), data=[list(r.values()) for r in rows]), "step": step})
+            self.wandb.log({"samples": wandb.Table(columns=list(rows[0]), data=[list(r.values()) for r in rows]), "step": step, "episode": episode})
 
     def close(self) -> None:
         self.file.close()
@@ -714,7 +714,7 @@ if __name__ == "__main__":
             {"query": q, "response": t, "gold": round(g, 3), "reference": r, "reference_gold": round(rg, 3)}
             for q, t, g, r, rg in list(zip(evaluation.queries, texts, policy_gold, evaluation.references, reference_gold))[: args.num_sample_completions]
         ]
-        logger.log_samples(rollout.version, rows)
+        logger.log_samples(rollout.version, rollout.version * sizes.episodes_per_step, rows)
         for row in rows:
             print(f"  [step {rollout.version}] {row['query']!r} -> {row['response']!r} (gold {row['gold']}, reference {row['reference']!r} gold {row['reference_gold']})")
         return {

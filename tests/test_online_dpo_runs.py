@@ -44,13 +44,15 @@ def test_gptneox_policy_trains_through_the_engine(tmp_path, tokenizer):
     keeps that backend's patches away from the trainer's GPTNeoX model."""
     policy = save_random_policy(tokenizer, tmp_path / "neox", arch="gptneox")
     run_script([PYTHON, "online_dpo_async.py", "--sft_model_path", str(policy), "--output_dir", str(tmp_path / "run"),
-                "--total_episodes", "256", "--local_micro_batch_size", "16", "--eval_freq", "0", "--num_eval_prompts", "16"])
+                "--total_episodes", "256", "--local_micro_batch_size", "16", "--eval_freq", "0", "--num_eval_prompts", "16", "--track"],
+               env={"WANDB_MODE": "offline"})
     train, evals = read_metrics(tmp_path / "run")
     assert_lag_invariant(train, async_level=1)
     assert len(train) == 8 and len(evals) == 2
     config = json.loads((tmp_path / "run" / "policy" / "config.json").read_text())
     assert config["architectures"] == ["GPTNeoXForCausalLM"]
     assert train[-1]["loss/policy"] == train[-1]["loss/policy"]  # not NaN
+    assert list((tmp_path / "run" / "wandb").glob("offline-run-*")), "--track should write an offline wandb run"
 
 
 def start_long_run(output_dir) -> tuple[subprocess.Popen, list]:

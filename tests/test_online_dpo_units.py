@@ -220,3 +220,32 @@ def test_gold_judge_is_the_builders_and_scores_by_hand():
     query = build.make_query(["fox", "ant", "cat"])
     assert dpo.tiny_gold_score(query, "ant cat fox </s>") == 1.0
     assert dpo.tiny_gold_score(query, "ant cat fox") == 0.0  # right words, never stopped
+
+
+# ------------------------------------------------------------------------------ data loading
+def write_rows(path, rows):
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+
+def test_prompts_load_from_a_folder_a_file_or_parquet_and_long_ones_are_dropped(tokenizer, tmp_path, capsys):
+    import datasets
+
+    rows = [{"query": "sort: fox ant ->", "reference_response": "ant fox </s>"},
+            {"query": "sort: " + " ".join(["fox"] * 30) + " ->", "reference_response": "fox </s>"},
+            {"query": "sort: cat ->", "reference_response": "cat </s>"}]
+    (tmp_path / "folder").mkdir()
+    write_rows(tmp_path / "folder" / "train.jsonl", rows)
+    write_rows(tmp_path / "single.jsonl", rows)
+    datasets.Dataset.from_list(rows).to_parquet(str(tmp_path / "rows.parquet"))
+    for name in (tmp_path / "folder", tmp_path / "single.jsonl", tmp_path / "rows.parquet"):
+        prompts = dpo.load_prompts(str(name), "train", tokenizer, max_prompt_length=12)
+        assert prompts.queries == [rows[0]["query"], rows[2]["query"]]
+        assert prompts.references == [rows[0]["reference_response"], rows[2]["reference_response"]]
+        assert prompts.token_ids[0] == tokenizer(rows[0]["query"]).input_ids
+        assert "dropped 1 of 3 prompts longer than --max_prompt_length 12" in capsys.readouterr().out
+
+
+def test_a_dataset_without_the_needed_columns_is_a_clear_error(tokenizer, tmp_path):
+    write_rows(tmp_path / "bad.jsonl", [{"prompt": "sort: fox ant ->"}])
+    with pytest.raises(ValueError, match=r"--dataset_name .*bad.jsonl .* lacks column\(s\) \['query', 'reference_response'\]"):
+        dpo.load_prompts(str(tmp_path / "bad.jsonl"), "train", tokenizer, max_prompt_length=12)
