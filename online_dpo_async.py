@@ -68,7 +68,7 @@ class Args:
     """evaluation-only judge: `tiny` (the tiny task's exact scorer) or a reward model path / hub id"""
     trust_remote_code: bool = False
     """allow model repositories to run their own code"""
-    max_prompt_length: int = 16
+    max_prompt_length: int = 12
     """prompts longer than this many tokens are dropped (the count is printed)"""
     response_length: int = 12
     """maximum number of generated tokens per completion"""
@@ -369,8 +369,9 @@ def dpo_loss(chosen_logps, rejected_logps, ref_chosen_logps, ref_rejected_logps,
 def tiny_gold_score(query: str, response: str) -> float:
     """Gold judge of the tiny task: 1.0 iff `response` is the query's words sorted, then "</s>".
 
-    Mean of three parts in [0, 1] (right word in the right place, F1 of the word multiset,
-    fraction of adjacent output words in increasing order); minus 1 when there is no "</s>"."""
+    quality q in [0, 1] = mean of: right word in the right place, F1 of the word multisets,
+    fraction of adjacent output words in increasing order. Score 2q - 1 if the response stopped
+    with "</s>", else q - 1: a stopped answer that is more than half right beats any that did not stop."""
     target = sorted(query.split()[1:-1])  # "sort: w1 ... wL ->"
     out = response.split()
     stopped = len(out) > 0 and out[-1] == "</s>"
@@ -379,8 +380,8 @@ def tiny_gold_score(query: str, response: str) -> float:
     common = sum(min(out.count(w), target.count(w)) for w in set(target))
     f1 = 2 * common / (len(out) + len(target))
     ordered = sum(a < b for a, b in zip(out, out[1:])) / max(len(out) - 1, 1)
-    score = (in_place + f1 + ordered) / 3
-    return score if stopped else score - 1.0
+    q = (in_place + f1 + ordered) / 3
+    return 2 * q - 1 if stopped else q - 1
 
 
 

@@ -4,7 +4,7 @@ The task mirrors the paper's controlled TLDR setup in miniature: an SFT policy t
 demonstrations, a proxy reward model trained on pairs labelled by a gold judge, and the gold judge
 itself (`tiny_gold_score`), used only for evaluation (win rate against noisy, human-like references).
 
-    python benchmark/tiny_task/build.py            # ~10 min on 2 CPU cores, writes next to this file
+    python benchmark/tiny_task/build.py            # ~6 min on 2 CPU cores, writes next to this file
     python benchmark/tiny_task/build.py --quick --out_dir /tmp/tiny   # < 1 min smoke test
 """
 
@@ -21,24 +21,29 @@ import torch.nn.functional as F
 from tokenizers import Tokenizer, models, pre_tokenizers, processors
 from transformers import LlamaConfig, LlamaForCausalLM, LlamaForSequenceClassification, PreTrainedTokenizerFast
 
-WORDS = "ant bat bee cat cow dog eel elk emu fox gnu hen owl pig rat yak".split()
+# three-letter animals; many share a first letter, which the "first_letter" sorters get wrong
+WORDS = "ant ape asp bat bee boa cat cod cow doe dog eel elk emu fox yak".split()
 SPECIAL_TOKENS = ["<pad>", "<s>", "</s>", "<unk>"]
 FORMAT_TOKENS = ["sort:", "->"]
 MIN_WORDS, MAX_WORDS = 3, 8
 MAX_PROMPT_LENGTH = 12  # BOS + "sort:" + up to 8 words + "->" = 11 tokens
-RESPONSE_LENGTH = 12  # 8 sorted words + EOS = 9 tokens, with room for rambling/duplicates
+RESPONSE_LENGTH = 12  # 8 sorted words + EOS = 9 tokens, with room for duplicates and loops
 EOS = "</s>"
+SLIPS = ["swap", "drop", "dup", "replace"]
 
-# Probabilities of each corruption of the sorted answer (the rest is clean).
-SFT_NOISE = {"swap": 0.12, "drop": 0.12, "dup": 0.08, "replace": 0.08, "ramble": 0.20}
-REFERENCE_NOISE = {"swap": 0.08, "drop": 0.06, "dup": 0.04, "replace": 0.06, "ramble": 0.06}
+# Demonstrator noise, three independent flaws (see noisy_response). Sampling at temperature 0.7
+# suppresses rare, scattered slips, so the SFT policy's flaws are mostly the systematic ones.
+SFT_NOISE = {"first_letter": 0.75, "slip": 0.3, "loop": 0.2}
+REFERENCE_NOISE = {"first_letter": 0.3, "slip": 0.15, "loop": 0.05}
+RM_PAIR_NOISE = {"first_letter": 0.5, "slip": 0.5, "loop": 0.25}  # broad coverage for RM pairs
 
 
 def tiny_gold_score(query: str, response: str) -> float:
     """Gold judge of the tiny task: 1.0 iff `response` is the query's words sorted, then "</s>".
 
-    Mean of three parts in [0, 1] (right word in the right place, F1 of the word multiset,
-    fraction of adjacent output words in increasing order); minus 1 when there is no "</s>"."""
+    quality q in [0, 1] = mean of: right word in the right place, F1 of the word multisets,
+    fraction of adjacent output words in increasing order. Score 2q - 1 if the response stopped
+    with "</s>", else q - 1: a stopped answer that is more than half right beats any that did not stop."""
     target = sorted(query.split()[1:-1])  # "sort: w1 ... wL ->"
     out = response.split()
     stopped = len(out) > 0 and out[-1] == "</s>"
@@ -47,8 +52,8 @@ def tiny_gold_score(query: str, response: str) -> float:
     common = sum(min(out.count(w), target.count(w)) for w in set(target))
     f1 = 2 * common / (len(out) + len(target))
     ordered = sum(a < b for a, b in zip(out, out[1:])) / max(len(out) - 1, 1)
-    score = (in_place + f1 + ordered) / 3
-    return score if stopped else score - 1.0
+    q = (in_place + f1 + ordered) / 3
+    return 2 * q - 1 if stopped else q - 1
 
 
 # ---------------------------------------------------------------- task: prompts and noisy answers
@@ -60,9 +65,9 @@ def sample_words(rng: random.Random) -> list[str]:
     return rng.sample(WORDS, rng.randint(MIN_WORDS, MAX_WORDS))
 
 
-def corrupt(target: list[str], kind: str, rng: random.Random) -> list[str]:
-    """One corruption of a word list; "ramble" keeps talking past the end (no EOS fits)."""
-    out = list(target)
+def corrupt(words: list[str], kind: str, rng: random.Random) -> list[str]:
+    """One random slip in a word list."""
+    out = list(words)
     i = rng.randrange(len(out))
     if kind == "swap":
         i = rng.randrange(len(out) - 1)
@@ -73,21 +78,19 @@ def corrupt(target: list[str], kind: str, rng: random.Random) -> list[str]:
         out.insert(i, out[i])
     elif kind == "replace":
         out[i] = rng.choice([w for w in WORDS if w != out[i]])
-    elif kind == "ramble":
-        out += [rng.choice(WORDS) for _ in range(RESPONSE_LENGTH)]
     return out
 
 
 def noisy_response(words: list[str], noise: dict[str, float], rng: random.Random) -> str:
-    """The sorted answer, corrupted with probability sum(noise); EOS text unless cut at RESPONSE_LENGTH."""
-    out = sorted(words)
-    u, kind = rng.random(), "clean"
-    for k, p in noise.items():
-        if u < p:
-            kind = k
-            break
-        u -= p
-    out = corrupt(out, kind, rng) + [EOS]
+    """A demonstrator's answer: sorts by the first letter only (ties keep query order) with
+    probability noise["first_letter"], makes one random slip with probability noise["slip"], and
+    loops (starts the list again instead of stopping, cut at RESPONSE_LENGTH, no EOS) with
+    probability noise["loop"]."""
+    first_letter = rng.random() < noise["first_letter"]
+    out = sorted(words, key=lambda w: w[0]) if first_letter else sorted(words)
+    if rng.random() < noise["slip"]:
+        out = corrupt(out, rng.choice(SLIPS), rng)
+    out = out * RESPONSE_LENGTH if rng.random() < noise["loop"] else out + [EOS]
     return " ".join(out[:RESPONSE_LENGTH])
 
 
@@ -217,12 +220,13 @@ def train_rm(rm, tokenizer, pairs, epochs: int, batch_size: int, lr: float, seed
     ids_c, mask_c, _ = encode(tokenizer, list(queries), list(chosen))
     ids_r, mask_r, _ = encode(tokenizer, list(queries), list(rejected))
     opt = torch.optim.AdamW(rm.parameters(), lr=lr, weight_decay=0.0)
-    steps = epochs * (len(pairs) // batch_size)
+    steps_per_epoch = len(pairs) // batch_size
+    steps = epochs * steps_per_epoch
     rm.train()
     for step in range(steps):
-        if step % (len(pairs) // batch_size) == 0:
+        if step % steps_per_epoch == 0:
             perm = torch.randperm(len(pairs), generator=g)
-        idx = perm[(step % (len(pairs) // batch_size)) * batch_size :][:batch_size]
+        idx = perm[(step % steps_per_epoch) * batch_size :][:batch_size]
         # chosen and rejected in one forward pass
         ids = torch.cat([ids_c[idx], ids_r[idx]])
         mask = torch.cat([mask_c[idx], mask_r[idx]])
@@ -249,43 +253,56 @@ def pair_accuracy(rm, tokenizer, pairs) -> float:
 
 
 # ---------------------------------------------------------------- evaluation of the targets
-def evaluate(policy, rm, tokenizer, test: list[dict], seed: int) -> dict:
+def evaluate(policy, rm, tokenizer, test: list[dict], seed: int, num_samples: int = 4) -> dict:
     queries = [row["query"] for row in test]
-    refs = [row["reference_response"] for row in test]
-    a = generate(policy, tokenizer, queries, temperature=0.7, seed=seed)
-    b = generate(policy, tokenizer, queries, temperature=0.7, seed=seed + 1)
-    gold_a = [tiny_gold_score(q, r) for q, r in zip(queries, a)]
-    gold_b = [tiny_gold_score(q, r) for q, r in zip(queries, b)]
-    gold_ref = [tiny_gold_score(q, r) for q, r in zip(queries, refs)]
-    rm_a, rm_b = rm_scores(rm, tokenizer, queries, a), rm_scores(rm, tokenizer, queries, b)
-    best_of_2 = [ga if ra >= rb else gb for ga, gb, ra, rb in zip(gold_a, gold_b, rm_a, rm_b)]
-    n = len(queries)
-    non_tied = [(ra > rb) == (ga > gb) for ga, gb, ra, rb in zip(gold_a, gold_b, rm_a, rm_b) if ga != gb]
-    # pairs a better policy produces: the exact answer vs a single corruption of it
+    gold_ref = [tiny_gold_score(row["query"], row["reference_response"]) for row in test]
+    samples = [generate(policy, tokenizer, queries, temperature=0.7, seed=seed + j) for j in range(num_samples)]
+    gold = [[tiny_gold_score(q, r) for q, r in zip(queries, s)] for s in samples]
+    reward = [rm_scores(rm, tokenizer, queries, s) for s in samples]
+    flat_gold = [g for row in gold for g in row]
+    # disjoint pairs of samples (0, 1), (2, 3), ...: what best-of-2 under the RM would pick
+    agree, single, best_of_2, oracle = [], [], [], []
+    for j in range(0, num_samples - 1, 2):
+        for ga, gb, ra, rb in zip(gold[j], gold[j + 1], reward[j], reward[j + 1]):
+            single.append(ga)
+            best_of_2.append(ga if ra >= rb else gb)
+            oracle.append(max(ga, gb))
+            if ga != gb:
+                agree.append((ra > rb) == (ga > gb))
+    # pairs a better policy produces: the exact answer vs the exact answer with one flaw
     rng = random.Random(seed)
-    near = []
+    near = {kind: [] for kind in ["first_letter", "loop"] + SLIPS}
     for q in queries:
-        target = q.split()[1:-1]
-        kind = rng.choice(list(SFT_NOISE))
-        near.append((q, clean_response(target), " ".join((corrupt(sorted(target), kind, rng) + [EOS])[:RESPONSE_LENGTH])))
-    low_t = generate(policy, tokenizer, queries, temperature=0.3, seed=seed + 2)
-    low_t2 = generate(policy, tokenizer, queries, temperature=0.3, seed=seed + 3)
-    return {
-        "sft_gold_mean": sum(gold_a + gold_b) / (2 * n),
-        "sft_exact_frac": sum(g == 1.0 for g in gold_a + gold_b) / (2 * n),
-        "sft_no_eos_frac": sum(not r.endswith(EOS) for r in a + b) / (2 * n),
-        "sft_win_rate_vs_ref": sum((g > gr) + 0.5 * (g == gr) for g, gr in zip(gold_a, gold_ref)) / n,
-        "ref_gold_mean": sum(gold_ref) / n,
-        "ref_exact_frac": sum(g == 1.0 for g in gold_ref) / n,
-        "exact_policy_win_rate_vs_ref": sum(1.0 if g < 1.0 else 0.5 for g in gold_ref) / n,
-        "rm_acc_sft_pairs_t0.7": sum(non_tied) / max(len(non_tied), 1),
-        "rm_num_sft_pairs_t0.7": len(non_tied),
-        "rm_acc_sft_pairs_t0.3": pair_accuracy(rm, tokenizer, gold_pairs(queries, low_t, low_t2)),
-        "rm_acc_exact_vs_one_corruption": pair_accuracy(rm, tokenizer, gold_pairs(*zip(*near))),
-        "best_of_2_gold_mean": sum(best_of_2) / n,
-        "single_sample_gold_mean": sum(gold_a) / n,
-        "oracle_best_of_2_gold_mean": sum(max(ga, gb) for ga, gb in zip(gold_a, gold_b)) / n,
+        words = q.split()[1:-1]
+        flawed = {"first_letter": sorted(words, key=lambda w: w[0]) + [EOS], "loop": sorted(words) * RESPONSE_LENGTH}
+        flawed |= {kind: corrupt(sorted(words), kind, rng) + [EOS] for kind in SLIPS}
+        for kind, out in flawed.items():
+            response = " ".join(out[:RESPONSE_LENGTH])
+            if tiny_gold_score(q, response) < 1.0:
+                near[kind].append((q, clean_response(words), response))
+    low_t = [generate(policy, tokenizer, queries, temperature=0.3, seed=seed + 100 + j) for j in range(2)]
+    metrics = {
+        "sft_gold_mean": sum(flat_gold) / len(flat_gold),
+        "sft_exact_frac": sum(g == 1.0 for g in flat_gold) / len(flat_gold),
+        "sft_no_eos_frac": sum(not r.endswith(EOS) for s in samples for r in s) / len(flat_gold),
+        "sft_win_rate_vs_ref": sum((g > gr) + 0.5 * (g == gr) for row in gold for g, gr in zip(row, gold_ref)) / len(flat_gold),
+        "ref_gold_mean": sum(gold_ref) / len(gold_ref),
+        "ref_exact_frac": sum(g == 1.0 for g in gold_ref) / len(gold_ref),
+        "ref_no_eos_frac": sum(not row["reference_response"].endswith(EOS) for row in test) / len(test),
+        "exact_policy_win_rate_vs_ref": sum(1.0 if g < 1.0 else 0.5 for g in gold_ref) / len(gold_ref),
+        "rm_acc_sft_pairs_t0.7": sum(agree) / max(len(agree), 1),
+        "rm_num_sft_pairs_t0.7": len(agree),
+        "rm_acc_sft_pairs_t0.3": pair_accuracy(rm, tokenizer, gold_pairs(queries, *low_t)),
+        "rm_num_sft_pairs_t0.3": len(gold_pairs(queries, *low_t)),
+        "rm_acc_exact_vs_one_flaw": pair_accuracy(rm, tokenizer, [p for pairs in near.values() for p in pairs]),
     }
+    metrics |= {f"rm_acc_exact_vs_{kind}": pair_accuracy(rm, tokenizer, pairs) for kind, pairs in near.items()}
+    metrics |= {
+        "single_sample_gold_mean": sum(single) / len(single),
+        "rm_best_of_2_gold_mean": sum(best_of_2) / len(best_of_2),
+        "gold_best_of_2_gold_mean": sum(oracle) / len(oracle),
+    }
+    return metrics
 
 
 # ---------------------------------------------------------------- main
@@ -294,8 +311,8 @@ def main(out_dir: str, quick: bool) -> dict:
     torch.set_num_threads(2)
     torch.manual_seed(0)
     n_train, n_test = (2_000, 64) if quick else (32_768, 512)
-    sft_steps, n_sft_demos = (150, 10_000) if quick else (3_000, 200_000)
-    n_rm_prompts, rm_epochs = (1_000, 1) if quick else (24_000, 2)
+    sft_steps, n_sft_demos = (100, 10_000) if quick else (1_200, 100_000)
+    n_rm_prompts, rm_epochs = (1_000, 1) if quick else (24_000, 6)
 
     # 1. prompts: test first, then train / SFT / RM prompts that never repeat a test prompt
     rng = random.Random(1234)
@@ -338,7 +355,7 @@ def main(out_dir: str, quick: bool) -> dict:
     )
     policy = LlamaForCausalLM(LlamaConfig(hidden_size=128, intermediate_size=256, num_hidden_layers=4, **common))
     print(f"[{time.time() - start:5.0f}s] training SFT policy", flush=True)
-    train_sft(policy, tokenizer, demo_queries, demo_responses, steps=sft_steps, batch_size=64, lr=2e-3, seed=1)
+    train_sft(policy, tokenizer, demo_queries, demo_responses, steps=sft_steps, batch_size=128, lr=2e-3, seed=1)
 
     # 3. proxy RM on gold-labelled pairs: half pairs of SFT samples, half pairs of synthetic corruptions
     # (the synthetic half covers the near-correct answers an improving policy produces)
@@ -348,7 +365,7 @@ def main(out_dir: str, quick: bool) -> dict:
     rm_queries = [make_query(w) for w in rm_words]
     sampled_a = generate(policy, tokenizer, rm_queries[:half], temperature=1.0, seed=2)
     sampled_b = generate(policy, tokenizer, rm_queries[:half], temperature=1.0, seed=3)
-    synthetic = [(noisy_response(w, SFT_NOISE, rng), noisy_response(w, SFT_NOISE, rng)) for w in rm_words[half:]]
+    synthetic = [(noisy_response(w, RM_PAIR_NOISE, rng), noisy_response(w, RM_PAIR_NOISE, rng)) for w in rm_words[half:]]
     pairs = gold_pairs(rm_queries, sampled_a + [s[0] for s in synthetic], sampled_b + [s[1] for s in synthetic])
     rm = LlamaForSequenceClassification(LlamaConfig(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_labels=1, **common))
     print(f"[{time.time() - start:5.0f}s] training RM on {len(pairs)} pairs", flush=True)
@@ -363,17 +380,20 @@ def main(out_dir: str, quick: bool) -> dict:
 
     # 5. measure the targets listed in README.md
     print(f"[{time.time() - start:5.0f}s] evaluating", flush=True)
-    metrics = evaluate(policy, rm, tokenizer, test, seed=5)
+    metrics = evaluate(policy, rm, tokenizer, test, seed=5, num_samples=2 if quick else 4)
     metrics["build_seconds"] = time.time() - start
     for k, v in metrics.items():
-        print(f"  {k:32s} {v:.3f}")
+        print(f"  {k:32s} {v:.3f}" if isinstance(v, float) else f"  {k:32s} {v}")
     print(f"response_length={RESPONSE_LENGTH} max_prompt_length={MAX_PROMPT_LENGTH} vocab_size={len(tokenizer)}")
     return metrics
 
 
 if __name__ == "__main__":
+    here = os.path.dirname(os.path.abspath(__file__))
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out_dir", default=os.path.dirname(os.path.abspath(__file__)), help="where sft/, reward/, data/ go")
+    parser.add_argument("--out_dir", default=here, help="where sft/, reward/, data/ go (default: next to this file)")
     parser.add_argument("--quick", action="store_true", help="tiny data and few steps: checks the builder end to end in < 60 s")
     args = parser.parse_args()
+    if args.quick and os.path.abspath(args.out_dir) == here:
+        parser.error("--quick would overwrite the committed artifacts; pass another --out_dir")
     main(args.out_dir, args.quick)
