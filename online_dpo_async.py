@@ -611,6 +611,8 @@ if __name__ == "__main__":
     accelerator = Accelerator(gradient_accumulation_steps=args.gradient_accumulation_steps)
     sizes = compute_sizes(args, accelerator.num_processes)
     if accelerator.state.deepspeed_plugin is not None:  # DeepSpeed wants these in its own config
+        if accelerator.state.deepspeed_plugin.zero_stage == 3:
+            raise ValueError("ZeRO-3 is not supported yet (the reference and reward models are not sharded): use ZeRO-2")
         accelerator.state.deepspeed_plugin.deepspeed_config["train_micro_batch_size_per_gpu"] = args.local_micro_batch_size
         accelerator.state.deepspeed_plugin.deepspeed_config["gradient_accumulation_steps"] = args.gradient_accumulation_steps
     run_name = f"{args.exp_name}__{args.seed}__{int(time.time())}"

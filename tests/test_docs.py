@@ -2,6 +2,7 @@
 flag list in the README and `--help` name every field of Args."""
 
 import dataclasses
+import importlib
 import json
 import re
 import shlex
@@ -95,9 +96,11 @@ def test_gpu_commands_parse():
         assert tyro.cli(dpo.Args, args=flags).async_level == 1
 
 
-def test_every_flag_is_documented_in_help_and_readme():
-    proc = run_script([sys.executable, "online_dpo_async.py", "--help"], timeout=120)
+@pytest.mark.parametrize("script", sorted(p.name for p in ROOT.glob("*_async.py")))
+def test_every_flag_is_documented_in_help_and_readme(script):
+    module = importlib.import_module(script.removesuffix(".py"))
+    proc = run_script([sys.executable, script, "--help"], timeout=120)
     flags_section = README[README.index("## Flags") : README.index("### Batch sizes")]
-    for field in dataclasses.fields(dpo.Args):
-        assert re.search(rf"--{field.name}(?!\w)", proc.stdout), f"--help misses --{field.name}"
-        assert f"`--{field.name}`" in flags_section, f"README flag list misses --{field.name}"
+    for field in dataclasses.fields(module.Args):
+        assert re.search(rf"--{field.name}(?!\w)", proc.stdout), f"{script} --help misses --{field.name}"
+        assert f"`--{field.name}`" in flags_section, f"README flag list misses --{field.name} of {script}"

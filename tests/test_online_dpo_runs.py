@@ -121,3 +121,14 @@ def test_the_engine_dying_surfaces_in_the_trainer(tmp_path):
     print(f"trainer exited {time.time() - killed_at:.1f} s after the engine died")
     assert proc.returncode not in (0, None) and "generation thread failed" in output, output[-4000:]
     assert not psutil.wait_procs(children, timeout=10)[1]
+
+
+def test_deepspeed_zero2_with_gradient_accumulation(tmp_path):
+    """The shipped ZeRO-2 config, on one CPU process (DeepSpeed's CPU accelerator, gloo)."""
+    run_script([PYTHON, "-m", "accelerate.commands.launch", "--config_file", "configs/deepspeed_zero2.yaml", "--num_processes", "1",
+                "online_dpo_async.py", "--output_dir", str(tmp_path), "--total_episodes", "256", "--local_micro_batch_size", "8",
+                "--gradient_accumulation_steps", "2", "--eval_freq", "0", "--num_eval_prompts", "16"])
+    train, evals = read_metrics(tmp_path)
+    assert_lag_invariant(train, async_level=1)
+    assert len(train) == 8 and len(evals) == 2
+    assert all(m["loss/policy"] == m["loss/policy"] for m in train)

@@ -1,0 +1,113 @@
+"""rloo_async.py end to end, as a user runs it (subprocesses, real engine, tiny task)."""
+
+import dataclasses
+import json
+import math
+import re
+import sys
+import time
+
+import torch
+from conftest import read_metrics, run_script
+
+import rloo_async as rloo
+
+PYTHON = sys.executable
+TINY_OVERRIDES = ["--total_episodes", "512", "--local_micro_batch_size", "8", "--eval_freq", "4", "--num_eval_prompts", "32"]
+STEP_KEYS = (
+    "episode", "lr", "objective/scores", "objective/kl", "objective/entropy", "objective/non_score_reward", "objective/rlhf_reward",
+    "val/num_eos_tokens", "loss/policy", "policy/approxkl", "policy/clipfrac", "policy/ratio_mean", "policy/ratio_max",
+    "policy/ratio_min", "policy/engine_logprob_diff", "policy/engine_kl", "async/lag", "async/version", "time/generation",
+    "time/weight_sync", "time/generator_wait", "time/wait_for_rollouts", "time/scoring", "time/old_logprobs", "time/reference",
+    "time/update", "time/training", "time/step", "throughput/episodes_per_second", "throughput/tokens_per_second",
+)
+
+
+def check_run(output_dir, async_level: int, eval_freq: int):
+    args = json.loads((output_dir / "args.json").read_text())
+    train, evals = read_metrics(output_dir)
+    assert [m["step"] for m in train] == list(range(args["num_steps"]))
+    assert [m["async/lag"] for m in train] == [min(m["step"], async_level) for m in train]
+    assert all(m["async/version"] == max(0, m["step"] - async_level) for m in train)
+    assert [e["step"] for e in evals] == sorted({0, args["num_steps"], *range(0, args["num_steps"], eval_freq)})
+    for m in train:
+        for key in STEP_KEYS:
+            assert key in m and math.isfinite(m[key]), (m["step"], key)
+    assert train[-1]["episode"] == args["total_episodes"]
+    assert (output_dir / "policy" / "model.safetensors").exists()
+    return args, train, evals
+
+
+def test_async_1_keeps_the_lag_invariant_and_the_on_policy_ratio(tmp_path):
+    run_script([PYTHON, "rloo_async.py", "--async_level", "1", *TINY_OVERRIDES, "--output_dir", str(tmp_path)])
+    args, train, _ = check_run(tmp_path, async_level=1, eval_freq=4)
+    assert args["episodes_per_step"] == 8 * 2 and args["num_steps"] == 32
+    # one mini-batch, one epoch: the only update meets the data with old logprobs from the same weights
+    for m in train:
+        assert m["policy/clipfrac"] == 0.0
+        assert abs(m["policy/ratio_max"] - 1) < 1e-5 and abs(m["policy/ratio_min"] - 1) < 1e-5, m["step"]
+    assert "policy/tis_weight_mean" not in train[0]  # --old_logprobs trainer
+
+
+def test_engine_logprobs_with_truncated_importance_weights_at_async_2(tmp_path):
+    run_script([PYTHON, "rloo_async.py", "--old_logprobs", "engine", "--async_level", "2", "--num_mini_batches", "2",
+                *TINY_OVERRIDES, "--output_dir", str(tmp_path)])
+    args, train, _ = check_run(tmp_path, async_level=2, eval_freq=4)
+    assert args["old_logprobs"] == "engine" and args["num_steps"] == 16
+    diffs = [m["policy/engine_logprob_diff"] for m in train]
+    print("engine vs trainer |logprob diff| per token:", [f"{d:.1e}" for d in diffs])
+    # Step 0 (lag 0): engine and trainer hold the same float32 weights, so only numerics differ.
+    # Later steps compare the engine's theta_{n-2} with the trainer's theta_n: the policy change shows too.
+    assert diffs[0] < 1e-3
+    assert all(abs(m["policy/engine_kl"]) <= m["policy/engine_logprob_diff"] + 1e-9 for m in train)
+    assert max(diffs) < 0.5
+    for m in train:
+        assert 0 < m["policy/tis_weight_mean"] <= args["tis_cap"] and 0 <= m["policy/tis_capped_frac"] <= 1
+    assert train[0]["policy/tis_capped_frac"] == 0.0 and abs(train[0]["policy/tis_weight_mean"] - 1) < 1e-3
+    # the second mini-batch of a step meets a policy that has moved: its ratios leave 1
+    assert any(m["policy/ratio_max"] > 1 + 1e-4 or m["policy/ratio_min"] < 1 - 1e-4 for m in train)
+
+
+def test_engine_logprobs_are_the_trainers_after_temperature(tokenizer):
+    """The engine returns processed logprobs (after temperature): for the same float32 weights they match
+    the trainer's temperature-scaled logprobs of the same tokens; raw logprobs (temperature 1) would not."""
+    from transformers import AutoModelForCausalLM
+
+    args = rloo.Args()
+    llm = rloo.make_engine(args, num_training_processes=1)
+    try:
+        prompts = [tokenizer(q).input_ids for q in ("sort: fox ant cat ->", "sort: yak bee cow dog elk emu ->", "sort: ape asp ->")]
+        responses, logprobs = rloo.generate(llm, prompts, 4, args.temperature, args.response_length, tokenizer.eos_token_id, [0, 1, 2])
+    finally:
+        llm.llm_engine.engine_core.shutdown()
+    policy = AutoModelForCausalLM.from_pretrained(args.sft_model_path).eval()
+    q_ids, q_mask = rloo.left_pad(prompts, args.max_prompt_length, tokenizer.pad_token_id)
+    r_ids, r_mask, _ = rloo.truncate_responses(responses, args.response_length, tokenizer.eos_token_id, tokenizer.pad_token_id)
+    engine = rloo.pad_logprobs(logprobs, args.response_length, r_mask)
+    with torch.no_grad():
+        trainer = rloo.response_logprobs(policy, q_ids.repeat_interleave(4, 0), q_mask.repeat_interleave(4, 0), r_ids, r_mask, args.temperature)
+        raw = rloo.response_logprobs(policy, q_ids.repeat_interleave(4, 0), q_mask.repeat_interleave(4, 0), r_ids, r_mask, 1.0)
+    assert [len(lp) for lp in logprobs] == [len(r) for r in responses]
+    diff = (engine - trainer).abs().max().item()
+    print(f"max |engine - trainer| per token: {diff:.2e}")
+    assert diff < 1e-3
+    assert (engine - raw).abs().max().item() > 1e-2
+
+
+def test_every_flag_has_help():
+    proc = run_script([PYTHON, "rloo_async.py", "--help"], timeout=120)
+    for field in dataclasses.fields(rloo.Args):
+        assert re.search(rf"--{field.name}(?!\w)", proc.stdout), f"--help misses --{field.name}"
+
+
+def test_default_run_learns(tmp_path):
+    """`python rloo_async.py` with no flags but the output folder: the tiny task visibly learns."""
+    start = time.perf_counter()
+    run_script([PYTHON, "rloo_async.py", "--output_dir", str(tmp_path)], timeout=900)
+    print(f"default run took {time.perf_counter() - start:.0f} s")
+    args, train, evals = check_run(tmp_path, async_level=1, eval_freq=rloo.Args.eval_freq)
+    print("win rate", [round(e["eval/win_rate"], 3) for e in evals], "ref ppl", [round(e["eval/ref_ppl"], 3) for e in evals])
+    assert evals[-1]["eval/win_rate"] >= evals[0]["eval/win_rate"] + 0.10
+    assert evals[-1]["eval/gold_score"] > evals[0]["eval/gold_score"]
+    assert train[-1]["episode"] == rloo.Args.total_episodes
+    assert any((tmp_path / "tensorboard").iterdir())
