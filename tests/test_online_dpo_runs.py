@@ -26,7 +26,11 @@ def test_saved_policy_loads_in_transformers_and_vllm(tmp_path, tokenizer):
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
-    run_script([PYTHON, "online_dpo_async.py", "--output_dir", str(tmp_path), "--total_episodes", "128", "--eval_freq", "0", "--num_eval_prompts", "8"])
+    # A reward model as gold judge (TLDR's path): the tiny proxy RM stands in for TLDR's 6.9B gold RM.
+    run_script([PYTHON, "online_dpo_async.py", "--output_dir", str(tmp_path), "--total_episodes", "128", "--eval_freq", "0",
+                "--num_eval_prompts", "8", "--gold_judge", str(TINY / "reward")])
+    _, evals = read_metrics(tmp_path)
+    assert len(evals) == 2 and all(0 <= e["eval/win_rate"] <= 1 for e in evals)
     policy = AutoModelForCausalLM.from_pretrained(tmp_path / "policy").eval()
     prompt = tokenizer("sort: fox ant cat ->").input_ids
     with torch.no_grad():
