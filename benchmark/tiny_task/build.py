@@ -141,6 +141,15 @@ def lr_at(step: int, total: int, lr: float, warmup: int = 50) -> float:
     return lr * min(1.0, (step + 1) / warmup) * 0.5 * (1 + math.cos(math.pi * step / total))
 
 
+def optimizer_step(opt, model, loss, lr: float) -> None:
+    for group in opt.param_groups:
+        group["lr"] = lr
+    opt.zero_grad()
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    opt.step()
+
+
 # ---------------------------------------------------------------- SFT policy
 def train_sft(model, tokenizer, queries, responses, steps: int, batch_size: int, lr: float, seed: int):
     g = torch.Generator().manual_seed(seed)
@@ -153,12 +162,7 @@ def train_sft(model, tokenizer, queries, responses, steps: int, batch_size: int,
         logits = model(input_ids=ids, attention_mask=mask, position_ids=position_ids(mask)).logits
         nll = F.cross_entropy(logits[:, :-1].flatten(0, 1), ids[:, 1:].flatten(), reduction="none")
         loss = (nll * resp[:, 1:].flatten()).sum() / resp[:, 1:].sum()
-        for group in opt.param_groups:
-            group["lr"] = lr_at(step, steps, lr)
-        opt.zero_grad()
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
+        optimizer_step(opt, model, loss, lr_at(step, steps, lr))
         if step % 200 == 0 or step == steps - 1:
             print(f"  sft step {step:5d}  loss {loss.item():.4f}", flush=True)
     model.eval()
@@ -232,12 +236,7 @@ def train_rm(rm, tokenizer, pairs, epochs: int, batch_size: int, lr: float, seed
         mask = torch.cat([mask_c[idx], mask_r[idx]])
         r_chosen, r_rejected = rm_score(rm, ids, mask).chunk(2)
         loss = -F.logsigmoid(r_chosen - r_rejected).mean()
-        for group in opt.param_groups:
-            group["lr"] = lr_at(step, steps, lr)
-        opt.zero_grad()
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(rm.parameters(), 1.0)
-        opt.step()
+        optimizer_step(opt, rm, loss, lr_at(step, steps, lr))
         if step % 200 == 0 or step == steps - 1:
             acc = (r_chosen > r_rejected).float().mean().item()
             print(f"  rm step {step:5d}  loss {loss.item():.4f}  acc {acc:.3f}", flush=True)
