@@ -1,0 +1,97 @@
+"""ppo_async.py end to end, as a user runs it (subprocesses, real engine, tiny task)."""
+
+import dataclasses
+import json
+import math
+import re
+import sys
+import time
+
+from conftest import read_metrics, run_script
+
+import ppo_async as ppo
+
+PYTHON = sys.executable
+TINY_OVERRIDES = ["--total_episodes", "256", "--local_micro_batch_size", "8", "--eval_freq", "4", "--num_eval_prompts", "32"]
+STEP_KEYS = (
+    "episode", "lr", "objective/scores", "objective/kl", "objective/entropy", "objective/non_score_reward", "objective/rlhf_reward",
+    "objective/kl_coef", "val/num_eos_tokens", "loss/policy", "loss/value", "policy/approxkl", "policy/clipfrac", "policy/entropy",
+    "policy/ratio_mean", "policy/ratio_max", "policy/ratio_min", "val/clipfrac", "val/value_error", "val/explained_variance",
+    "policy/engine_logprob_diff", "policy/engine_kl", "async/lag", "async/version", "time/generation", "time/weight_sync",
+    "time/generator_wait", "time/wait_for_rollouts", "time/scoring", "time/old_logprobs", "time/reference", "time/update",
+    "time/training", "time/step", "throughput/episodes_per_second", "throughput/tokens_per_second",
+)
+
+
+def check_run(output_dir, async_level: int, eval_freq: int):
+    args = json.loads((output_dir / "args.json").read_text())
+    train, evals = read_metrics(output_dir)
+    assert [m["step"] for m in train] == list(range(args["num_steps"]))
+    assert [m["async/lag"] for m in train] == [min(m["step"], async_level) for m in train]
+    assert all(m["async/version"] == max(0, m["step"] - async_level) for m in train)
+    assert [e["step"] for e in evals] == sorted({0, args["num_steps"], *range(0, args["num_steps"], eval_freq)})
+    for m in train:
+        for key in STEP_KEYS:
+            assert key in m and math.isfinite(m[key]), (m["step"], key)
+    for e in evals:
+        assert all(math.isfinite(v) for v in e.values() if isinstance(v, float))
+    assert train[-1]["episode"] == args["total_episodes"]
+    assert (output_dir / "policy" / "model.safetensors").exists()
+    return args, train, evals
+
+
+def test_async_1_keeps_the_lag_invariant_and_the_on_policy_ratio(tmp_path):
+    run_script([PYTHON, "ppo_async.py", "--async_level", "1", *TINY_OVERRIDES, "--output_dir", str(tmp_path)])
+    args, train, _ = check_run(tmp_path, async_level=1, eval_freq=4)
+    assert args["episodes_per_step"] == 8 and args["num_steps"] == 32
+    # one mini-batch, one epoch: the only update meets the data with old logprobs and values from the same weights
+    for m in train:
+        assert m["policy/clipfrac"] == 0.0 and m["val/clipfrac"] == 0.0
+        assert abs(m["policy/ratio_max"] - 1) < 1e-5 and abs(m["policy/ratio_min"] - 1) < 1e-5, m["step"]
+        assert m["objective/kl_coef"] == args["kl_coef"]  # no --adaptive_kl
+    assert "policy/tis_weight_mean" not in train[0]  # --old_logprobs trainer
+    # the saved policy is the causal LM alone, under the names transformers and vLLM expect
+    from transformers import AutoModelForCausalLM
+
+    AutoModelForCausalLM.from_pretrained(tmp_path / "policy")
+
+
+def test_engine_logprobs_with_truncated_importance_weights_at_async_2(tmp_path):
+    run_script([PYTHON, "ppo_async.py", "--old_logprobs", "engine", "--async_level", "2", "--num_mini_batches", "2",
+                "--adaptive_kl", "--kl_target", "0.1", *TINY_OVERRIDES, "--output_dir", str(tmp_path)])
+    args, train, _ = check_run(tmp_path, async_level=2, eval_freq=4)
+    assert args["old_logprobs"] == "engine" and args["num_steps"] == 16
+    diffs = [m["policy/engine_logprob_diff"] for m in train]
+    print("engine vs trainer |logprob diff| per token:", [f"{d:.1e}" for d in diffs])
+    assert diffs[0] < 1e-3  # lag 0: the same float32 weights, numerics only
+    assert all(abs(m["policy/engine_kl"]) <= m["policy/engine_logprob_diff"] + 1e-9 for m in train)
+    assert max(diffs) < 0.5
+    for m in train:
+        assert 0 < m["policy/tis_weight_mean"] <= args["tis_cap"] and 0 <= m["policy/tis_capped_frac"] <= 1
+    assert train[0]["policy/tis_capped_frac"] == 0.0 and abs(train[0]["policy/tis_weight_mean"] - 1) < 1e-3
+    # the second mini-batch of a step meets a policy that has moved: its ratios leave 1
+    assert any(m["policy/ratio_max"] > 1 + 1e-4 or m["policy/ratio_min"] < 1 - 1e-4 for m in train)
+    # adaptive KL: each step's coefficient follows from the previous one's KL
+    coef = args["kl_coef"]
+    for m in train:
+        assert m["objective/kl_coef"] == coef or abs(m["objective/kl_coef"] - coef) < 1e-12
+        coef = ppo.adaptive_kl_coef(coef, m["objective/kl"], args["kl_target"], args["episodes_per_step"], args["kl_horizon"])
+
+
+def test_every_flag_has_help():
+    proc = run_script([PYTHON, "ppo_async.py", "--help"], timeout=120)
+    for field in dataclasses.fields(ppo.Args):
+        assert re.search(rf"--{field.name}(?!\w)", proc.stdout), f"--help misses --{field.name}"
+
+
+def test_default_run_learns(tmp_path):
+    """`python ppo_async.py` with no flags but the output folder: the tiny task visibly learns."""
+    start = time.perf_counter()
+    run_script([PYTHON, "ppo_async.py", "--output_dir", str(tmp_path)], timeout=900)
+    print(f"default run took {time.perf_counter() - start:.0f} s")
+    args, train, evals = check_run(tmp_path, async_level=1, eval_freq=ppo.Args.eval_freq)
+    print("win rate", [round(e["eval/win_rate"], 3) for e in evals], "ref ppl", [round(e["eval/ref_ppl"], 3) for e in evals])
+    assert evals[-1]["eval/win_rate"] >= evals[0]["eval/win_rate"] + 0.10
+    assert evals[-1]["eval/gold_score"] > evals[0]["eval/gold_score"]
+    assert train[-1]["episode"] == ppo.Args.total_episodes
+    assert any((tmp_path / "tensorboard").iterdir())
