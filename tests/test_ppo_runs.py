@@ -1,9 +1,7 @@
 """ppo_async.py end to end, as a user runs it (subprocesses, real engine, tiny task)."""
 
-import dataclasses
 import json
 import math
-import re
 import sys
 import time
 
@@ -76,12 +74,6 @@ def test_engine_logprobs_with_truncated_importance_weights_at_async_2(tmp_path):
     for m in train:
         assert m["objective/kl_coef"] == coef or abs(m["objective/kl_coef"] - coef) < 1e-12
         coef = ppo.adaptive_kl_coef(coef, m["objective/kl"], args["kl_target"], args["episodes_per_step"], args["kl_horizon"])
-
-
-def test_every_flag_has_help():
-    proc = run_script([PYTHON, "ppo_async.py", "--help"], timeout=120)
-    for field in dataclasses.fields(ppo.Args):
-        assert re.search(rf"--{field.name}(?!\w)", proc.stdout), f"--help misses --{field.name}"
 
 
 def test_default_run_learns(tmp_path):
