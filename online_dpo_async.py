@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Literal, NamedTuple
 
 import numpy as np
+import psutil
 import torch
 import torch.nn.functional as F
 import tyro
@@ -428,13 +429,27 @@ def published_versions(schedule: list[tuple[str, int, int]]) -> set[int]:
     return {version for _, _, version in schedule if version > 0}
 
 
-def get_or_raise(q: queue.Queue, stop: threading.Event, error: list, timeout: float = 0.5):
-    """Blocking get that wakes up to notice the other side failing or shutting down."""
+def dead_processes(processes: list[psutil.Process]) -> list[int]:
+    dead = []
+    for process in processes:
+        try:
+            if process.status() == psutil.STATUS_ZOMBIE:
+                dead.append(process.pid)
+        except psutil.NoSuchProcess:
+            dead.append(process.pid)
+    return dead
+
+
+def get_or_raise(q: queue.Queue, stop: threading.Event, error: list, engine_processes: list[psutil.Process] | tuple = (), timeout: float = 0.5):
+    """Blocking get that wakes up to notice the other side failing or shutting down. The engine's own
+    processes are watched too: when one is killed, vLLM's client can wait for its output forever."""
     while True:
         if error:
             raise RuntimeError("generation thread failed (its traceback is above)") from error[0]
         if stop.is_set():
             raise SystemExit("stopped")
+        if dead := dead_processes(engine_processes):
+            raise RuntimeError(f"the generation engine's process(es) {dead} died")
         try:
             return q.get(timeout=timeout)
         except queue.Empty:
@@ -662,12 +677,15 @@ if __name__ == "__main__":
     weights_queue, rollout_queue, eval_queue = queue.Queue(), queue.Queue(), queue.Queue()
     stop, error = threading.Event(), []
     llm = thread = weights_dir = logger = None
+    engine_processes = []
     if accelerator.is_main_process:
         os.makedirs(output_dir, exist_ok=True)
         with open(os.path.join(output_dir, "args.json"), "w") as f:
             json.dump({**asdict(args), **sizes._asdict(), "output_dir": output_dir, "git_revision": git_revision()}, f, indent=2)
         logger = MetricsLogger(output_dir, run_name, args)
+        children_before = {p.pid for p in psutil.Process().children(recursive=True)}
         llm = make_engine(args, accelerator.num_processes)
+        engine_processes = [p for p in psutil.Process().children(recursive=True) if p.pid not in children_before]
         weights_dir = tempfile.mkdtemp(prefix="policy-weights-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
         thread = threading.Thread(
             target=generation_thread,
@@ -749,7 +767,7 @@ if __name__ == "__main__":
         for step in progress:
             step_start = time.perf_counter()
             # 1. get the rollouts of this step (rank 0 has them; every rank takes its slice)
-            rollout = get_or_raise(rollout_queue, stop, error) if accelerator.is_main_process else None
+            rollout = get_or_raise(rollout_queue, stop, error, engine_processes) if accelerator.is_main_process else None
             rollout = broadcast_object_list([rollout])[0]
             wait_for_rollouts = time.perf_counter() - step_start
             lag = step - rollout.version
@@ -876,7 +894,7 @@ if __name__ == "__main__":
 
         if accelerator.is_main_process:
             while evals_done < len(eval_steps):
-                log_eval(get_or_raise(eval_queue, stop, error))
+                log_eval(get_or_raise(eval_queue, stop, error, engine_processes))
                 evals_done += 1
         save_policy(accelerator, model, tokenizer, os.path.join(output_dir, "policy"))
     except KeyboardInterrupt:
@@ -889,7 +907,7 @@ if __name__ == "__main__":
         if llm is not None:
             llm.llm_engine.engine_core.shutdown()
         if thread is not None:
-            thread.join(timeout=30)
+            thread.join(timeout=5)  # a daemon: a thread stuck on a dead engine does not keep the process alive
         if weights_dir is not None:
             shutil.rmtree(weights_dir, ignore_errors=True)
         if logger is not None:

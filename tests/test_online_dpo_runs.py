@@ -114,7 +114,8 @@ def test_a_training_exception_stops_the_generation_side(tmp_path, tokenizer):
 
 
 def test_the_engine_dying_surfaces_in_the_trainer(tmp_path):
-    """Fault: the engine process is killed mid-run; the generation thread's error reaches the trainer."""
+    """Fault: the engine process is killed mid-run. vLLM's client may wait for it forever, so the trainer
+    watches the engine's processes itself."""
     proc, children = start_long_run(tmp_path)
     engines = [c for c in children if "EngineCore" in " ".join([c.name()] + c.cmdline())]
     assert engines, [c.cmdline() for c in children]
@@ -123,7 +124,8 @@ def test_the_engine_dying_surfaces_in_the_trainer(tmp_path):
         engine.kill()
     output, _ = proc.communicate(timeout=120)
     print(f"trainer exited {time.time() - killed_at:.1f} s after the engine died")
-    assert proc.returncode not in (0, None) and "generation thread failed" in output, output[-4000:]
+    assert proc.returncode not in (0, None), output[-4000:]
+    assert "generation engine's process(es)" in output or "generation thread failed" in output, output[-4000:]
     assert not psutil.wait_procs(children, timeout=10)[1]
 
 
