@@ -15,7 +15,7 @@ from conftest import ROOT, read_metrics, run_script
 import online_dpo_async as dpo
 
 README = (ROOT / "README.md").read_text()
-TINY_OVERRIDES = ["--total_episodes", "512", "--local_micro_batch_size", "8", "--eval_freq", "4", "--num_eval_prompts", "32"]
+TINY_OVERRIDES = ["--total_episodes", "256", "--local_micro_batch_size", "8", "--eval_freq", "4", "--num_eval_prompts", "32"]
 
 
 def block(marker: str) -> list[str]:
