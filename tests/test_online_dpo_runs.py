@@ -59,20 +59,31 @@ def test_gptneox_policy_trains_through_the_engine(tmp_path, tokenizer):
     assert list((tmp_path / "run" / "wandb").glob("offline-run-*")), "--track should write an offline wandb run"
 
 
-def start_long_run(output_dir) -> tuple[subprocess.Popen, list]:
-    """A long default run, returned once it has trained three steps, with its child processes."""
-    proc = subprocess.Popen([PYTHON, "online_dpo_async.py", "--output_dir", str(output_dir), "--total_episodes", "64000"],
+@pytest.fixture
+def long_run(tmp_path):
+    """A long default run, handed over once it has trained three steps, with its child processes;
+    killed at teardown whatever the test did."""
+    proc = subprocess.Popen([PYTHON, "online_dpo_async.py", "--output_dir", str(tmp_path), "--total_episodes", "64000"],
                             cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    metrics = output_dir / "metrics.jsonl"
-    deadline = time.time() + 300
-    while time.time() < deadline and not (metrics.exists() and metrics.read_text().count("async/lag") >= 3):
-        assert proc.poll() is None, proc.stdout.read()[-4000:]
-        time.sleep(0.5)
-    return proc, psutil.Process(proc.pid).children(recursive=True)
+    children = []
+    try:
+        metrics = tmp_path / "metrics.jsonl"
+        deadline = time.time() + 300
+        while time.time() < deadline and not (metrics.exists() and metrics.read_text().count("async/lag") >= 3):
+            assert proc.poll() is None, proc.stdout.read()[-4000:]
+            time.sleep(0.5)
+        children = psutil.Process(proc.pid).children(recursive=True)
+        yield proc, children
+    finally:
+        for process in [proc, *children]:
+            try:
+                process.kill()
+            except (psutil.NoSuchProcess, ProcessLookupError):
+                pass
 
 
-def test_ctrl_c_stops_trainer_thread_and_engine(tmp_path):
-    proc, children = start_long_run(tmp_path)
+def test_ctrl_c_stops_trainer_thread_and_engine(long_run):
+    proc, children = long_run
     assert children, "the engine should run in child processes"
     proc.send_signal(signal.SIGINT)
     output, _ = proc.communicate(timeout=60)
@@ -113,10 +124,10 @@ def test_a_training_exception_stops_the_generation_side(tmp_path, tokenizer):
     assert not psutil.wait_procs(children, timeout=10)[1]
 
 
-def test_the_engine_dying_surfaces_in_the_trainer(tmp_path):
+def test_the_engine_dying_surfaces_in_the_trainer(long_run):
     """Fault: the engine process is killed mid-run. vLLM's client may wait for it forever, so the trainer
     watches the engine's processes itself."""
-    proc, children = start_long_run(tmp_path)
+    proc, children = long_run
     engines = [c for c in children if "EngineCore" in " ".join([c.name()] + c.cmdline())]
     assert engines, [c.cmdline() for c in children]
     killed_at = time.time()
