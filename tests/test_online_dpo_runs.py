@@ -144,7 +144,9 @@ def test_deepspeed_zero2_with_gradient_accumulation(tmp_path):
     """The shipped ZeRO-2 config, on one CPU process (DeepSpeed's CPU accelerator, gloo)."""
     run_script([PYTHON, "-m", "accelerate.commands.launch", "--config_file", "configs/deepspeed_zero2.yaml", "--num_processes", "1",
                 "online_dpo_async.py", "--output_dir", str(tmp_path), "--total_episodes", "256", "--local_micro_batch_size", "8",
-                "--gradient_accumulation_steps", "2", "--eval_freq", "0", "--num_eval_prompts", "16"])
+                "--gradient_accumulation_steps", "2", "--eval_freq", "0", "--num_eval_prompts", "16", "--save_freq", "4"])
+    assert (tmp_path / "checkpoints" / "step_000004" / "model.safetensors").exists()  # every --save_freq steps
+    assert not list((tmp_path / "checkpoints").glob("*.tmp"))
     train, evals = read_metrics(tmp_path)
     assert_lag_invariant(train, async_level=1)
     assert len(train) == 8 and len(evals) == 2
