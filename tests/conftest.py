@@ -55,3 +55,17 @@ def run_script(argv: list[str], timeout: float = 600, env: dict | None = None) -
 def read_metrics(output_dir: Path) -> tuple[list[dict], list[dict]]:
     lines = [json.loads(line) for line in (Path(output_dir) / "metrics.jsonl").read_text().splitlines()]
     return [m for m in lines if "async/lag" in m], sorted((m for m in lines if "eval/win_rate" in m), key=lambda m: m["step"])
+
+
+def assert_default_run_learns(script: str, output_dir: Path) -> None:
+    """`python <script>` with no flags but the output folder: the tiny task visibly learns."""
+    import time
+
+    start = time.perf_counter()
+    run_script([sys.executable, script, "--output_dir", str(output_dir)], timeout=900)
+    print(f"{script} default run took {time.perf_counter() - start:.0f} s")
+    train, evals = read_metrics(output_dir)
+    print("win rate", [round(e["eval/win_rate"], 3) for e in evals], "ref ppl", [round(e["eval/ref_ppl"], 3) for e in evals])
+    assert evals[-1]["eval/win_rate"] >= evals[0]["eval/win_rate"] + 0.10
+    assert evals[-1]["eval/gold_score"] > evals[0]["eval/gold_score"]
+    assert any((output_dir / "tensorboard").iterdir())

@@ -3,9 +3,8 @@
 import json
 import math
 import sys
-import time
 
-from conftest import read_metrics, run_script
+from conftest import assert_default_run_learns, read_metrics, run_script
 
 import ppo_async as ppo
 
@@ -77,13 +76,6 @@ def test_engine_logprobs_with_truncated_importance_weights_at_async_2(tmp_path):
 
 
 def test_default_run_learns(tmp_path):
-    """`python ppo_async.py` with no flags but the output folder: the tiny task visibly learns."""
-    start = time.perf_counter()
-    run_script([PYTHON, "ppo_async.py", "--output_dir", str(tmp_path)], timeout=900)
-    print(f"default run took {time.perf_counter() - start:.0f} s")
+    assert_default_run_learns("ppo_async.py", tmp_path)
     args, train, evals = check_run(tmp_path, async_level=1, eval_freq=ppo.Args.eval_freq)
-    print("win rate", [round(e["eval/win_rate"], 3) for e in evals], "ref ppl", [round(e["eval/ref_ppl"], 3) for e in evals])
-    assert evals[-1]["eval/win_rate"] >= evals[0]["eval/win_rate"] + 0.10
-    assert evals[-1]["eval/gold_score"] > evals[0]["eval/gold_score"]
     assert train[-1]["episode"] == ppo.Args.total_episodes
-    assert any((tmp_path / "tensorboard").iterdir())

@@ -3,10 +3,9 @@
 import json
 import math
 import sys
-import time
 
 import torch
-from conftest import read_metrics, run_script
+from conftest import assert_default_run_learns, read_metrics, run_script
 
 import rloo_async as rloo
 
@@ -93,13 +92,6 @@ def test_engine_logprobs_are_the_trainers_after_temperature(tokenizer):
 
 
 def test_default_run_learns(tmp_path):
-    """`python rloo_async.py` with no flags but the output folder: the tiny task visibly learns."""
-    start = time.perf_counter()
-    run_script([PYTHON, "rloo_async.py", "--output_dir", str(tmp_path)], timeout=900)
-    print(f"default run took {time.perf_counter() - start:.0f} s")
+    assert_default_run_learns("rloo_async.py", tmp_path)
     args, train, evals = check_run(tmp_path, async_level=1, eval_freq=rloo.Args.eval_freq)
-    print("win rate", [round(e["eval/win_rate"], 3) for e in evals], "ref ppl", [round(e["eval/ref_ppl"], 3) for e in evals])
-    assert evals[-1]["eval/win_rate"] >= evals[0]["eval/win_rate"] + 0.10
-    assert evals[-1]["eval/gold_score"] > evals[0]["eval/gold_score"]
     assert train[-1]["episode"] == rloo.Args.total_episodes
-    assert any((tmp_path / "tensorboard").iterdir())
