@@ -407,12 +407,15 @@ class Rollout(NamedTuple):
     generation_time: float
     weight_sync_time: float
     wait_time: float  # generator idle, waiting for the weights it needs
+    generation_start: float  # time.perf_counter() when each phase began (for the timeline plot)
+    weight_sync_start: float
 
 
 class EvalRollout(NamedTuple):
     version: int
     responses: list[list[int]]
     generation_time: float
+    generation_start: float
 
 
 def generation_schedule(num_steps: int, async_level: int, eval_steps: list[int]) -> list[tuple[str, int, int]]:
@@ -495,12 +498,13 @@ def generation_thread(
         version = 0
         for kind, index, needed in schedule:
             wait_start = time.perf_counter()
-            sync_time = 0.0
+            sync_time, sync_start = 0.0, None
             while version < needed:
                 weights = get_or_raise(weights_queue, stop, [])
-                sync_start = time.perf_counter()
+                push_start = time.perf_counter()
+                sync_start = sync_start or push_start
                 push_weights(llm, weights.state_dict, weights_dir)
-                sync_time += time.perf_counter() - sync_start
+                sync_time += time.perf_counter() - push_start
                 version = weights.version
             if version != needed:
                 raise RuntimeError(f"{kind} {index} needs policy version {needed} but the engine holds {version}")
@@ -512,12 +516,12 @@ def generation_thread(
                 responses = generate(
                     llm, [train_prompts[i] for i in indices], args.num_samples, args.temperature, args.response_length, eos_token_id, seeds
                 )
-                rollout = Rollout(index, version, indices, responses, time.perf_counter() - gen_start, sync_time, wait_time)
+                rollout = Rollout(index, version, indices, responses, time.perf_counter() - gen_start, sync_time, wait_time, gen_start, sync_start or gen_start)
                 rollout_queue.put(rollout)
             else:
                 seeds = [args.seed + i for i in range(len(eval_prompts))]
                 responses = generate(llm, eval_prompts, 1, args.temperature, args.response_length, eos_token_id, seeds)
-                eval_queue.put(EvalRollout(version, responses, time.perf_counter() - gen_start))
+                eval_queue.put(EvalRollout(version, responses, time.perf_counter() - gen_start, gen_start))
     except SystemExit:
         pass
     except BaseException as exc:
@@ -633,9 +637,13 @@ if __name__ == "__main__":
     run_name = f"{args.exp_name}__{args.seed}__{int(time.time())}"
     output_dir = args.output_dir or os.path.join("runs", run_name)
     device = accelerator.device
-    if device.type == "cpu":
-        # The engine's worker takes one core; training gets the others.
-        torch.set_num_threads(max(1, (os.cpu_count() or 2) - 1))
+    cores = sorted(os.sched_getaffinity(0))
+    if device.type == "cpu" and len(cores) > accelerator.num_processes:
+        # Split the cores as the paper splits GPUs: the engine's worker gets the first (make_engine binds it),
+        # training the others, so that neither side slows the other down. Threads started later inherit this.
+        os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", str(cores[0]))
+        os.sched_setaffinity(0, cores[1:])
+        torch.set_num_threads(len(cores) - 1)
     set_seed(args.seed + accelerator.process_index)
 
     tokenizer = AutoTokenizer.from_pretrained(args.sft_model_path, padding_side="left", trust_remote_code=args.trust_remote_code)
@@ -676,7 +684,7 @@ if __name__ == "__main__":
     # generation thread: rank 0 owns the engine and generates for every rank
     weights_queue, rollout_queue, eval_queue = queue.Queue(), queue.Queue(), queue.Queue()
     stop, error = threading.Event(), []
-    llm = thread = weights_dir = logger = None
+    llm = thread = weights_dir = logger = run_start = None
     engine_processes = []
     if accelerator.is_main_process:
         os.makedirs(output_dir, exist_ok=True)
@@ -693,6 +701,7 @@ if __name__ == "__main__":
                   weights_queue, rollout_queue, eval_queue, stop, error, weights_dir),
             daemon=True,
         )
+        run_start = time.perf_counter()
         thread.start()
 
     def to_batch(prompt_token_ids: list[list[int]], responses: list[list[int]], repeat: int):
@@ -746,6 +755,7 @@ if __name__ == "__main__":
             "eval/num_eos_tokens": contain_eos.float().mean().item(),
             "eval/response_length": r_mask.sum(1).float().mean().item(),
             "time/eval_generation": rollout.generation_time,
+            "timeline/eval_generation_start": rollout.generation_start - run_start,
         }
 
     def log_eval(rollout: EvalRollout) -> None:
@@ -877,6 +887,10 @@ if __name__ == "__main__":
                     "time/update": update_time,
                     "time/training": training_time,
                     "time/step": step_time,
+                    "timeline/step_start": step_start - run_start,  # seconds since the engine was up
+                    "timeline/training_start": train_start - run_start,
+                    "timeline/generation_start": rollout.generation_start - run_start,
+                    "timeline/weight_sync_start": rollout.weight_sync_start - run_start,
                     "throughput/episodes_per_second": sizes.episodes_per_step / step_time,
                     "throughput/tokens_per_second": reduced["response_tokens"] * sizes.world_size / step_time,
                 }
