@@ -69,3 +69,86 @@ def assert_default_run_learns(script: str, output_dir: Path) -> None:
     assert evals[-1]["eval/win_rate"] >= evals[0]["eval/win_rate"] + 0.10
     assert evals[-1]["eval/gold_score"] > evals[0]["eval/gold_score"]
     assert any((output_dir / "tensorboard").iterdir())
+
+
+def training_lines_without_timings(output_dir: Path) -> tuple[list[dict], list[dict]]:
+    """metrics.jsonl minus wall-clock figures, which no two runs share."""
+    strip = lambda m: {k: v for k, v in m.items() if not k.startswith(("time/", "timeline/", "throughput/"))}  # noqa: E731
+    train, evals = read_metrics(output_dir)
+    return [strip(m) for m in train], [strip(m) for m in evals]
+
+
+def start_and_stop(argv: list[str], output_dir: Path, after_steps: int, sig: int, timeout: float = 300) -> tuple[int, str]:
+    """Start a run and, once it has logged `after_steps` training steps, send `sig` to the trainer (SIGKILL:
+    to the trainer and its engine at once, like a machine going away). Returns exit code and output."""
+    import signal
+    import time
+
+    import psutil
+
+    proc = subprocess.Popen(argv, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    family = []
+    try:
+        metrics, deadline = Path(output_dir) / "metrics.jsonl", time.time() + timeout
+        while not (metrics.exists() and metrics.read_text().count("async/lag") >= after_steps):
+            assert proc.poll() is None and time.time() < deadline, proc.stdout.read()[-4000:] if proc.poll() is not None else "timed out"
+            time.sleep(0.05)
+        family = [psutil.Process(proc.pid), *psutil.Process(proc.pid).children(recursive=True)]
+        for process in family if sig == signal.SIGKILL else family[:1]:
+            process.send_signal(sig)
+        output, _ = proc.communicate(timeout=120)
+        assert not psutil.wait_procs(family[1:], timeout=15)[1], "processes left behind"
+        return proc.returncode, output
+    finally:
+        for process in family:
+            try:
+                process.kill()
+            except psutil.NoSuchProcess:
+                pass
+        proc.kill()
+
+
+def assert_resumed_run_matches(script: str, flags: list[str], tmp_path: Path, stop_after: int, sig: int) -> Path:
+    """A run stopped by `sig` after `stop_after` steps and resumed with --resume ends with the same
+    metrics.jsonl (wall-clock figures aside) and the same final policy as an uninterrupted run."""
+    import signal
+
+    import torch
+    from safetensors.torch import load_file
+
+    reference, interrupted = tmp_path / "reference", tmp_path / "interrupted"
+    run_script([sys.executable, script, *flags, "--output_dir", str(reference)])
+    argv = [sys.executable, script, *flags, "--output_dir", str(interrupted)]
+    code, output = start_and_stop(argv, interrupted, stop_after, sig)
+    assert code == (-signal.SIGKILL if sig == signal.SIGKILL else 128 + sig), output[-4000:]
+    print(f"stopped with exit code {code}; checkpoints: {sorted(p.name for p in (interrupted / 'checkpoints').iterdir())}")
+    assert not (interrupted / "policy").exists(), "the run finished before it was stopped: stop it earlier"
+    run_script(argv + ["--resume"])
+    assert training_lines_without_timings(interrupted) == training_lines_without_timings(reference)
+    final, expected = load_file(interrupted / "policy" / "model.safetensors"), load_file(reference / "policy" / "model.safetensors")
+    assert all(torch.equal(final[k], expected[k]) for k in expected)
+    return interrupted
+
+
+def run_with_fault(script: str, fault: str, flags: list[str], output_dir: Path) -> tuple[int, str, float, list]:
+    """Run with a fault injected (ASYNC_RLHF_TEST_FAULT, the scripts' test-only hook); returns exit code,
+    output, seconds from the fault to the exit, and every process the run started."""
+    import re
+    import time
+
+    import psutil
+
+    env = {**os.environ, "ASYNC_RLHF_TEST_FAULT": fault}
+    proc = subprocess.Popen([sys.executable, script, *flags, "--output_dir", str(output_dir)], cwd=ROOT, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    parent, children, deadline = psutil.Process(proc.pid), {}, time.time() + 300
+    while proc.poll() is None and time.time() < deadline:
+        try:
+            children.update({c.pid: c for c in parent.children(recursive=True)})
+        except psutil.NoSuchProcess:
+            pass
+        time.sleep(0.1)
+    exited = time.time()
+    output, _ = proc.communicate(timeout=60)
+    fault_time = re.search(r"injected test fault .*\(time ([\d.]+)\)", output)
+    return proc.returncode, output, exited - float(fault_time.group(1)) if fault_time else float("nan"), list(children.values())

@@ -82,7 +82,8 @@ def long_run(tmp_path):
                 pass
 
 
-def test_ctrl_c_stops_trainer_thread_and_engine(long_run):
+def test_ctrl_c_checkpoints_and_stops_trainer_thread_and_engine(long_run, tmp_path):
+    """Ctrl-C: the step in progress finishes, a checkpoint is written, everything stops, exit code 130."""
     proc, children = long_run
     assert children, "the engine should run in child processes"
     proc.send_signal(signal.SIGINT)
@@ -90,6 +91,10 @@ def test_ctrl_c_stops_trainer_thread_and_engine(long_run):
     assert proc.returncode == 130, output[-4000:]
     gone, alive = psutil.wait_procs(children, timeout=10)
     assert not alive, f"left behind: {alive}"
+    (checkpoint,) = (tmp_path / "checkpoints").iterdir()
+    state = json.loads((checkpoint / "trainer_state.json").read_text())
+    assert f"resume from {checkpoint} with --resume" in output and state["step"] >= 3
+    assert (checkpoint / "policy" / "model.safetensors").exists() and (checkpoint / "optimizer.safetensors").exists()
 
 
 def run_tracking_children(argv: list[str], timeout: float = 300) -> tuple[int, str, list]:
@@ -145,7 +150,7 @@ def test_deepspeed_zero2_with_gradient_accumulation(tmp_path):
     run_script([PYTHON, "-m", "accelerate.commands.launch", "--config_file", "configs/deepspeed_zero2.yaml", "--num_processes", "1",
                 "online_dpo_async.py", "--output_dir", str(tmp_path), "--total_episodes", "256", "--local_micro_batch_size", "8",
                 "--gradient_accumulation_steps", "2", "--eval_freq", "0", "--num_eval_prompts", "16", "--save_freq", "4"])
-    assert (tmp_path / "checkpoints" / "step_000004" / "model.safetensors").exists()  # every --save_freq steps
+    assert (tmp_path / "checkpoints" / "step_000004" / "policy" / "model.safetensors").exists()  # every --save_freq steps
     assert not list((tmp_path / "checkpoints").glob("*.tmp"))
     train, evals = read_metrics(tmp_path)
     assert_lag_invariant(train, async_level=1)

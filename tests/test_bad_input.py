@@ -1,0 +1,106 @@
+"""Bad input gets a one-line error naming the flag or file, before any model loads (SPEC, issue on faults)."""
+
+import importlib
+import json
+import shutil
+import subprocess
+import sys
+
+import pytest
+from conftest import ROOT, TINY, save_random_policy, small_config
+
+SCRIPTS = ["online_dpo_async.py"]
+
+
+@pytest.fixture(params=SCRIPTS)
+def script(request):
+    return importlib.import_module(request.param.removesuffix(".py"))
+
+
+def test_flag_values_out_of_range_name_the_flag(script):
+    for flags, message in [({"async_level": -1}, "--async_level must be >= 0"), ({"response_length": 0}, "--response_length must be >= 1"),
+                           ({"save_freq": -2}, "--save_freq must be >= 0"), ({"temperature": 0.0}, "--temperature must be > 0"),
+                           ({"total_episodes": 100}, "change --total_episodes or one of those flags")]:
+        with pytest.raises(script.UsageError, match=message):
+            script.compute_sizes(script.Args(**flags), world_size=1)
+
+
+def test_dpo_needs_two_samples_per_prompt():
+    import online_dpo_async as dpo
+
+    with pytest.raises(dpo.UsageError, match="--num_samples must be >= 2"):
+        dpo.compute_sizes(dpo.Args(num_samples=1), world_size=1)
+
+
+def test_an_unknown_choice_is_refused_by_the_parser(script, capsys):
+    import tyro
+
+    with pytest.raises(SystemExit):
+        tyro.cli(script.Args, args=["--loss_type" if hasattr(script.Args, "loss_type") else "--old_logprobs", "nonsense"], use_underscores=True)
+    assert "nonsense" in capsys.readouterr().err
+
+
+def test_a_response_beyond_the_models_context_is_refused(script, tokenizer, tmp_path):
+    policy = save_random_policy(tokenizer, tmp_path / "policy")  # 128 positions
+    script.check_model(str(policy), "--sft_model_path", script.Args(max_prompt_length=12, response_length=116))
+    with pytest.raises(script.UsageError, match=r"--max_prompt_length 12 \+ --response_length 117 exceed the 128-token context of --sft_model_path"):
+        script.check_model(str(policy), "--sft_model_path", script.Args(max_prompt_length=12, response_length=117))
+
+
+def test_missing_models_and_pickled_weights_are_refused(script, tokenizer, tmp_path):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    with pytest.raises(script.UsageError, match="--reward_model_path .*nowhere"):
+        script.check_model(str(tmp_path / "nowhere"), "--reward_model_path", script.Args())
+    model = AutoModelForCausalLM.from_config(small_config(tokenizer))
+    model.config.save_pretrained(tmp_path / "bin")
+    torch.save(model.state_dict(), tmp_path / "bin" / "pytorch_model.bin")  # the pickled format
+    with pytest.raises(script.UsageError, match="--sft_model_path .*bin has no .safetensors weights"):
+        script.check_model(str(tmp_path / "bin"), "--sft_model_path", script.Args())
+    assert script.Args().trust_remote_code is False
+
+
+def test_a_tokenizer_without_eos_is_refused_and_one_without_pad_pads_with_eos(script, tokenizer, tmp_path):
+    tokenizer.save_pretrained(tmp_path / "tok")
+    config = json.loads((tmp_path / "tok" / "tokenizer_config.json").read_text())
+    json.dump({**config, "pad_token": None}, open(tmp_path / "tok" / "tokenizer_config.json", "w"))
+    no_pad = script.load_tokenizer(str(tmp_path / "tok"), "--sft_model_path", False)
+    assert no_pad.pad_token_id == no_pad.eos_token_id == tokenizer.eos_token_id
+    json.dump({**config, "pad_token": None, "eos_token": None}, open(tmp_path / "tok" / "tokenizer_config.json", "w"))
+    with pytest.raises(script.UsageError, match="the tokenizer of --sft_model_path .*tok has no EOS token"):
+        script.load_tokenizer(str(tmp_path / "tok"), "--sft_model_path", False)
+
+
+def test_datasets_of_an_unknown_kind_or_split_name_the_flag(script, tokenizer, tmp_path):
+    (tmp_path / "prompts.txt").write_text("sort: a ->\n")
+    with pytest.raises(script.UsageError, match="--dataset_name .*prompts.txt: a single file must be one of"):
+        script.load_split(str(tmp_path / "prompts.txt"), "train")
+    with pytest.raises(script.UsageError, match="--dataset_name .* split validation"):
+        script.load_split(str(TINY / "data"), "validation")
+
+
+def test_an_output_dir_holding_a_run_needs_resume_with_the_same_flags(script, tmp_path):
+    args = script.Args(output_dir=str(tmp_path))
+    assert script.checkpoint_to_resume(str(tmp_path), args, world_size=1) is None  # empty: a fresh run
+    (tmp_path / "args.json").write_text(json.dumps({**vars(args), "world_size": 1}))
+    with pytest.raises(script.UsageError, match=f"--output_dir {tmp_path} holds another run: pass --resume"):
+        script.checkpoint_to_resume(str(tmp_path), args, world_size=1)
+    resumed = script.Args(output_dir=str(tmp_path), resume=True)
+    assert script.checkpoint_to_resume(str(tmp_path), resumed, world_size=1) is None  # no checkpoint yet: starts over
+    for name in ("step_000004", "step_000012", "step_000008.tmp"):
+        (tmp_path / "checkpoints" / name).mkdir(parents=True)
+        (tmp_path / "checkpoints" / name / "trainer_state.json").write_text(json.dumps({"optimizer": {}}))
+    assert script.checkpoint_to_resume(str(tmp_path), resumed, world_size=1) == str(tmp_path / "checkpoints" / "step_000012")
+    with pytest.raises(script.UsageError, match=r"--resume: --learning_rate .* -> 0\.5, training processes 1 -> 2 differ"):
+        script.checkpoint_to_resume(str(tmp_path), script.Args(output_dir=str(tmp_path), resume=True, learning_rate=0.5), world_size=2)
+
+
+@pytest.mark.parametrize("name", SCRIPTS)
+def test_the_command_line_prints_one_line_and_loads_no_model(name, tmp_path):
+    """From the shell: exit 1, one line on stderr, no traceback, well before a model could have loaded."""
+    (tmp_path / "metrics.jsonl").write_text("")
+    proc = subprocess.run([sys.executable, name, "--output_dir", str(tmp_path)], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 1
+    assert proc.stderr.strip().splitlines() == [f"error: --output_dir {tmp_path} holds another run: pass --resume to continue it, or choose another --output_dir"]
+    assert not (tmp_path / "args.json").exists()

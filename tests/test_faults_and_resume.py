@@ -1,0 +1,53 @@
+"""Runs that survive faults: every algorithm file stops cleanly on a fault injected in generation, in
+reward scoring or as a NaN loss, and a run killed mid-way resumes to the same result as one that was not."""
+
+import json
+import signal
+import sys
+
+import psutil
+import pytest
+from conftest import ROOT, assert_resumed_run_matches, read_metrics, run_script, run_with_fault
+
+SCRIPTS = ["online_dpo_async.py"]
+SMALL = ["--total_episodes", "512", "--local_micro_batch_size", "8", "--eval_freq", "4", "--num_eval_prompts", "32"]
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
+@pytest.mark.parametrize("fault", ["generation:3", "scoring:3"])
+def test_a_fault_surfaces_within_5_s_and_shuts_the_engine_down(script, fault, tmp_path):
+    code, output, seconds, children = run_with_fault(script, fault, SMALL, tmp_path)
+    print(f"{script} {fault}: exit {code} {seconds:.1f} s after the fault")
+    assert code not in (0, None) and "Traceback" in output and "injected test fault in" in output, output[-3000:]
+    assert seconds < 5, output[-3000:]
+    assert children, "the engine should have been started"
+    assert not psutil.wait_procs(children, timeout=10)[1], "processes left behind"
+    assert not (tmp_path / "policy").exists()
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_a_nan_loss_stops_the_run_and_keeps_the_last_good_checkpoint(script, tmp_path):
+    code, output, _, children = run_with_fault(script, "nan_loss:5", [*SMALL, "--save_freq", "2"], tmp_path)
+    assert code not in (0, None) and "loss is nan at step 5" in output, output[-3000:]
+    assert f"the last good one is {tmp_path}/checkpoints/step_000004" in output
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step_000002", "step_000004"]
+    train, _ = read_metrics(tmp_path)
+    assert [m["step"] for m in train] == [0, 1, 2, 3, 4]  # the NaN step is not logged as if it were fine
+    assert not psutil.wait_procs(children, timeout=10)[1]
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_a_run_killed_mid_way_resumes_exactly(script, tmp_path):
+    """SIGKILL to the trainer and its engine after step 12; the run resumes from its step-10 checkpoint.
+    async_level 2: the checkpoint must carry the two older policy versions the generator still owes batches from."""
+    flags = [*SMALL, "--save_freq", "5", "--async_level", "2"]
+    run = assert_resumed_run_matches(script, flags, tmp_path, stop_after=12, sig=signal.SIGKILL)
+    assert sorted(p.name for p in (run / "checkpoints").glob("step_*")) == ["step_000005", "step_000010", "step_000015", "step_000020",
+                                                                           "step_000025", "step_000030"]
+
+
+def test_sigterm_writes_a_checkpoint_at_the_step_boundary_and_resumes_exactly(tmp_path):
+    """Pre-emption: SIGTERM to the trainer only; it finishes its step, checkpoints, exits with 143."""
+    run = assert_resumed_run_matches("online_dpo_async.py", [*SMALL, "--async_level", "1"], tmp_path, stop_after=7, sig=signal.SIGTERM)
+    state = json.loads(next((run / "checkpoints").glob("step_*/trainer_state.json")).read_text())
+    assert state["step"] >= 7
