@@ -5,11 +5,14 @@ A vLLM engine, driven by a generation thread, samples the next batches from a po
 Usage, flags, metrics and the async schedule: README.md.
 """
 
+import gc
 import json
 import math
 import os
 import queue
+import re
 import shutil
+import signal
 import subprocess
 import tempfile
 import threading
@@ -26,9 +29,9 @@ import tyro
 from accelerate import Accelerator
 from accelerate.utils import broadcast_object_list
 from datasets import load_dataset
-from safetensors.torch import save_file
+from safetensors.torch import load_file, save_file
 from tqdm import tqdm
-from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer, set_seed
+from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer, set_seed
 from vllm import LLM, SamplingParams
 from vllm.inputs import TokensPrompt
 
@@ -135,7 +138,9 @@ class Args:
     eval_freq: int = 25
     """evaluate every this many steps (and at step 0 and at the end)"""
     save_freq: int = 0
-    """save the policy every this many steps (0: only at the end)"""
+    """write a resumable checkpoint every this many steps (0: none; one is also written on SIGTERM / Ctrl-C)"""
+    resume: bool = False
+    """continue the run in --output_dir from its latest checkpoint (a run that has none starts over)"""
     num_sample_completions: int = 4
     """eval completions printed and logged as a table at each evaluation"""
 
@@ -154,33 +159,34 @@ class Sizes(NamedTuple):
     num_updates: int
 
 
-def exact_div(a: int, b: int, what: str) -> int:
-    if b <= 0 or a % b != 0:
-        raise ValueError(f"{what}: {a} is not divisible by {b}")
-    return a // b
+class UsageError(ValueError):
+    """Bad flags or input files: reported in one line, before any model loads."""
 
 
 def compute_sizes(args: Args, world_size: int) -> Sizes:
     """Derive and check the batch sizes; errors name the flags to change."""
     if args.async_level < 0:
-        raise ValueError(f"--async_level must be >= 0, got {args.async_level}")
+        raise UsageError(f"--async_level must be >= 0, got {args.async_level}")
     if args.cliprange <= 0 or args.cliprange_value <= 0 or args.tis_cap <= 0:
-        raise ValueError(f"--cliprange, --cliprange_value and --tis_cap must be > 0, got {args.cliprange}, {args.cliprange_value} and {args.tis_cap}")
+        raise UsageError(f"--cliprange, --cliprange_value and --tis_cap must be > 0, got {args.cliprange}, {args.cliprange_value} and {args.tis_cap}")
     if not 0 <= args.gamma <= 1 or not 0 <= args.lam <= 1:
-        raise ValueError(f"--gamma and --lam must be in [0, 1], got {args.gamma} and {args.lam}")
+        raise UsageError(f"--gamma and --lam must be in [0, 1], got {args.gamma} and {args.lam}")
     if args.adaptive_kl and (args.kl_target <= 0 or args.kl_horizon <= 0):
-        raise ValueError(f"--adaptive_kl needs --kl_target > 0 and --kl_horizon > 0, got {args.kl_target} and {args.kl_horizon}")
+        raise UsageError(f"--adaptive_kl needs --kl_target > 0 and --kl_horizon > 0, got {args.kl_target} and {args.kl_horizon}")
     if args.temperature <= 0:
-        raise ValueError(f"--temperature must be > 0 (logprobs divide logits by it), got {args.temperature}")
-    for flag in ("local_micro_batch_size", "gradient_accumulation_steps", "num_mini_batches", "num_ppo_epochs"):
+        raise UsageError(f"--temperature must be > 0 (logprobs divide logits by it), got {args.temperature}")
+    for flag in ("local_micro_batch_size", "gradient_accumulation_steps", "num_mini_batches", "num_ppo_epochs", "max_prompt_length", "response_length"):
         if getattr(args, flag) < 1:
-            raise ValueError(f"--{flag} must be >= 1")
+            raise UsageError(f"--{flag} must be >= 1, got {getattr(args, flag)}")
+    for flag in ("eval_freq", "save_freq"):
+        if getattr(args, flag) < 0:
+            raise UsageError(f"--{flag} must be >= 0, got {getattr(args, flag)}")
     local_mini_batch_size = args.local_micro_batch_size * args.gradient_accumulation_steps
     local_batch_size = local_mini_batch_size * args.num_mini_batches
     batch_size = local_batch_size * world_size
     episodes_per_step = batch_size
     if args.total_episodes % episodes_per_step != 0 or args.total_episodes < episodes_per_step:
-        raise ValueError(
+        raise UsageError(
             f"--total_episodes {args.total_episodes} must be a positive multiple of the episodes per step, "
             f"{episodes_per_step} = local_micro_batch_size {args.local_micro_batch_size} x gradient_accumulation_steps "
             f"{args.gradient_accumulation_steps} x num_mini_batches {args.num_mini_batches} x processes {world_size}; "
@@ -205,9 +211,14 @@ def compute_sizes(args: Args, world_size: int) -> Sizes:
 def load_split(name: str, split: str):
     """A split from a hub id, a local dataset folder or a single local file: the same `datasets` path."""
     if os.path.isfile(name):
-        builder = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".csv": "csv"}[Path(name).suffix]
-        return load_dataset(builder, data_files={split: name}, split=split)
-    return load_dataset(name, split=split)
+        builders = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".csv": "csv"}
+        if Path(name).suffix not in builders:
+            raise UsageError(f"--dataset_name {name}: a single file must be one of {', '.join(builders)}")
+        return load_dataset(builders[Path(name).suffix], data_files={split: name}, split=split)
+    try:
+        return load_dataset(name, split=split)
+    except (FileNotFoundError, ValueError) as exc:  # no such dataset / split: say which flag, not a traceback
+        raise UsageError(f"--dataset_name {name} split {split}: {str(exc).splitlines()[0]}") from exc
 
 
 class Prompts(NamedTuple):
@@ -220,7 +231,7 @@ def load_prompts(name: str, split: str, tokenizer, max_prompt_length: int, limit
     dataset = load_split(name, split)
     missing = {"query", "reference_response"} - set(dataset.column_names)
     if missing:
-        raise ValueError(f"--dataset_name {name} split {split} lacks column(s) {sorted(missing)}; it has {dataset.column_names}")
+        raise UsageError(f"--dataset_name {name} split {split} lacks column(s) {sorted(missing)}; it has {dataset.column_names}")
     if limit is not None:
         dataset = dataset.select(range(min(limit, len(dataset))))
     queries, references = list(dataset["query"]), list(dataset["reference_response"])
@@ -229,7 +240,7 @@ def load_prompts(name: str, split: str, tokenizer, max_prompt_length: int, limit
     if len(keep) < len(token_ids):
         print(f"{split}: dropped {len(token_ids) - len(keep)} of {len(token_ids)} prompts longer than --max_prompt_length {max_prompt_length}")
     if not keep:
-        raise ValueError(f"no {split} prompt fits --max_prompt_length {max_prompt_length}")
+        raise UsageError(f"no {split} prompt fits --max_prompt_length {max_prompt_length}")
     return Prompts(
         token_ids=[token_ids[i] for i in keep],
         queries=[queries[i] for i in keep],
@@ -549,12 +560,15 @@ class Rollout(NamedTuple):
     generation_time: float
     weight_sync_time: float
     wait_time: float  # generator idle, waiting for the weights it needs
+    generation_start: float  # time.perf_counter() when each phase began (for the timeline plot)
+    weight_sync_start: float
 
 
 class EvalRollout(NamedTuple):
     version: int
     responses: list[list[int]]
     generation_time: float
+    generation_start: float
 
 
 def generation_schedule(num_steps: int, async_level: int, eval_steps: list[int]) -> list[tuple[str, int, int]]:
@@ -582,10 +596,13 @@ def dead_processes(processes: list[psutil.Process]) -> list[int]:
     return dead
 
 
-def get_or_raise(q: queue.Queue, stop: threading.Event, error: list, engine_processes: list[psutil.Process] | tuple = (), timeout: float = 0.5):
+def get_or_raise(q: queue.Queue, stop: threading.Event, error: list, engine_processes=(), interrupt: list | tuple = (), timeout: float = 0.5):
     """Blocking get that wakes up to notice the other side failing or shutting down. The engine's own
-    processes are watched too: when one is killed, vLLM's client can wait for its output forever."""
+    processes are watched too: when one is killed, vLLM's client can wait for its output forever.
+    Returns None once `interrupt` is non-empty (a SIGTERM / Ctrl-C, which may have hit the engine too)."""
     while True:
+        if interrupt:
+            return None
         if error:
             raise RuntimeError("generation thread failed (its traceback is above)") from error[0]
         if stop.is_set():
@@ -640,29 +657,32 @@ def generation_thread(
         version = 0
         for kind, index, needed in schedule:
             wait_start = time.perf_counter()
-            sync_time = 0.0
+            sync_time, sync_start = 0.0, None
             while version < needed:
                 weights = get_or_raise(weights_queue, stop, [])
-                sync_start = time.perf_counter()
+                push_start = time.perf_counter()
+                sync_start = sync_start or push_start
                 push_weights(llm, weights.state_dict, weights_dir)
-                sync_time += time.perf_counter() - sync_start
+                sync_time += time.perf_counter() - push_start
                 version = weights.version
             if version != needed:
                 raise RuntimeError(f"{kind} {index} needs policy version {needed} but the engine holds {version}")
             wait_time = time.perf_counter() - wait_start - sync_time
             gen_start = time.perf_counter()
             if kind == "rollout":
+                if injected_fault("generation", index):
+                    raise RuntimeError(f"injected test fault in generation at rollout {index} (time {time.time():.2f})")
                 indices = prompt_indices_for_step(index, len(train_prompts), batch_size, args.seed)
                 seeds = [args.seed * 1_000_003 + index * batch_size + i for i in range(len(indices))]
                 responses, logprobs = generate(
                     llm, [train_prompts[i] for i in indices], 1, args.temperature, args.response_length, eos_token_id, seeds
                 )
-                rollout = Rollout(index, version, indices, responses, logprobs, time.perf_counter() - gen_start, sync_time, wait_time)
+                rollout = Rollout(index, version, indices, responses, logprobs, time.perf_counter() - gen_start, sync_time, wait_time, gen_start, sync_start or gen_start)
                 rollout_queue.put(rollout)
             else:
                 seeds = [args.seed + i for i in range(len(eval_prompts))]
                 responses, _ = generate(llm, eval_prompts, 1, args.temperature, args.response_length, eos_token_id, seeds)
-                eval_queue.put(EvalRollout(version, responses, time.perf_counter() - gen_start))
+                eval_queue.put(EvalRollout(version, responses, time.perf_counter() - gen_start, gen_start))
     except SystemExit:
         pass
     except BaseException as exc:
@@ -697,6 +717,7 @@ def make_engine(args: Args, num_training_processes: int) -> LLM:
             gpu_memory_utilization=args.vllm_gpu_memory_utilization,
             enforce_eager=True,
             use_tqdm_on_load=False,
+            load_format="safetensors",
             logprobs_mode="processed_logprobs",  # logprobs after temperature, like the trainer's
             trust_remote_code=args.trust_remote_code,
         )
@@ -761,6 +782,19 @@ def save_policy(accelerator: Accelerator, model, tokenizer, path: str) -> None:
     accelerator.wait_for_everyone()
 
 
+def value_state_dict(state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The value model's weights under the plain sequence-classification names `from_pretrained` expects."""
+    return {k.removeprefix("value_model."): v for k, v in state_dict.items() if k.startswith("value_model.")}
+
+
+def save_value_model(accelerator: Accelerator, model, path: str) -> None:
+    """save_pretrained (safetensors) of the value model, for checkpoints: a resumed run loads it from there."""
+    state_dict = value_state_dict(accelerator.get_state_dict(model))
+    if accelerator.is_main_process:
+        accelerator.unwrap_model(model).value_model.save_pretrained(path, state_dict=state_dict, safe_serialization=True)
+    accelerator.wait_for_everyone()
+
+
 def git_revision() -> str:
     try:
         return subprocess.check_output(["git", "rev-parse", "HEAD"], cwd=Path(__file__).parent, stderr=subprocess.DEVNULL, text=True).strip()
@@ -768,48 +802,162 @@ def git_revision() -> str:
         return "unknown"
 
 
+# ---------------------------------------------------------------------------------------------
+# Checks of the inputs, checkpoints and resuming
+# ---------------------------------------------------------------------------------------------
+def load_tokenizer(path: str, flag: str, trust_remote_code: bool):
+    tokenizer = AutoTokenizer.from_pretrained(path, padding_side="left", trust_remote_code=trust_remote_code)
+    if tokenizer.eos_token_id is None:
+        raise UsageError(f"the tokenizer of {flag} {path} has no EOS token: completions could never end")
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token  # safe: masks come from lengths, not from pad ids
+    return tokenizer
+
+
+def check_model(path: str, flag: str, args: Args) -> None:
+    """Before any weights load: the model exists, has safetensors weights (pickled ones are never loaded),
+    and prompt + response fit its positions."""
+    if os.path.isdir(path) and not list(Path(path).glob("*.safetensors")):
+        raise UsageError(f"{flag} {path} has no .safetensors weights (pickled .bin weights are not loaded)")
+    try:
+        config = AutoConfig.from_pretrained(path, trust_remote_code=args.trust_remote_code)
+    except (OSError, ValueError) as exc:
+        raise UsageError(f"{flag} {path}: {str(exc).strip().splitlines()[0]}") from exc
+    context = getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None)
+    if context and args.max_prompt_length + args.response_length > context:
+        raise UsageError(
+            f"--max_prompt_length {args.max_prompt_length} + --response_length {args.response_length} exceed the "
+            f"{context}-token context of {flag} {path}"
+        )
+
+
+# Flags that may change when a run is resumed; any other must be what the run started with.
+RESUMABLE_CHANGES = {"resume", "output_dir", "track", "wandb_project", "wandb_entity", "save_freq", "num_sample_completions"}
+
+
+def checkpoint_to_resume(output_dir: str, args: Args, world_size: int) -> str | None:
+    """The checkpoint a run continues from (None: it starts at step 0); two runs never share a folder."""
+    run_file = os.path.join(output_dir, "args.json")
+    if not args.resume:
+        if os.path.exists(run_file) or os.path.exists(os.path.join(output_dir, "metrics.jsonl")):
+            raise UsageError(f"--output_dir {output_dir} holds another run: pass --resume to continue it, or choose another --output_dir")
+        return None
+    if os.path.exists(run_file):
+        previous = json.loads(Path(run_file).read_text())
+        changed = [f"--{k} {previous.get(k)!r} -> {v!r}" for k, v in asdict(args).items() if k not in RESUMABLE_CHANGES and previous.get(k) != v]
+        if previous.get("world_size") != world_size:
+            changed.append(f"training processes {previous.get('world_size')} -> {world_size}")
+        if changed:
+            raise UsageError(f"--resume: {', '.join(changed)} differ from the run in --output_dir {output_dir}; resume it with its own flags")
+    checkpoints = sorted(p for p in Path(output_dir, "checkpoints").glob("step_*") if re.fullmatch(r"step_\d{6}", p.name))
+    if checkpoints and "optimizer" not in json.loads((checkpoints[-1] / "trainer_state.json").read_text()):
+        raise UsageError(f"--resume: {checkpoints[-1]} was written under DeepSpeed, whose optimizer state it lacks; it cannot be resumed")
+    return str(checkpoints[-1]) if checkpoints else None
+
+
+def pending_events(schedule: list[tuple[str, int, int]], next_step: int, evals_logged: set[int]) -> list[tuple[str, int, int]]:
+    """The generator's work still owed to a trainer about to run `next_step`: later rollouts and the
+    evaluations not yet logged. The policy versions they need are what a checkpoint must keep."""
+    return [e for e in schedule if (e[1] >= next_step if e[0] == "rollout" else e[1] not in evals_logged)]
+
+
+def optimizer_state_to_tensors(state: dict) -> tuple[dict[str, torch.Tensor], dict]:
+    """An optimizer state_dict as safetensors tensors named "<param index>.<name>", plus a JSON part."""
+    tensors, other = {}, {}
+    for index, values in state["state"].items():
+        for name, value in values.items():
+            if torch.is_tensor(value):
+                tensors[f"{index}.{name}"] = value.detach().cpu().contiguous()
+            else:
+                other[f"{index}.{name}"] = value
+    return tensors, {"param_groups": state["param_groups"], "other": other}
+
+
+def optimizer_state_from_tensors(tensors: dict[str, torch.Tensor], meta: dict) -> dict:
+    state = {}
+    for key, value in [*tensors.items(), *meta["other"].items()]:
+        index, name = key.split(".", 1)
+        state.setdefault(int(index), {})[name] = value
+    return {"state": state, "param_groups": meta["param_groups"]}
+
+
+def keep_metrics_until(path: str, step: int, evals_logged: set[int]) -> None:
+    """On resume, drop what the interrupted run logged after its checkpoint: those steps are trained again."""
+    if not os.path.exists(path):
+        return
+    kept = []
+    for line in Path(path).read_text().splitlines():
+        metrics = json.loads(line)
+        is_eval = any(key.startswith("eval/") for key in metrics)
+        if (metrics["step"] in evals_logged) if is_eval else (metrics["step"] < step):
+            kept.append(line + "\n")
+    Path(f"{path}.tmp").write_text("".join(kept))
+    os.replace(f"{path}.tmp", path)
+
+
+def injected_fault(where: str, step: int) -> bool:
+    """Fault injection, used only by the tests: ASYNC_RLHF_TEST_FAULT=<where>:<step>."""
+    return os.environ.get("ASYNC_RLHF_TEST_FAULT") == f"{where}:{step}"
+
+
 if __name__ == "__main__":
     args = tyro.cli(Args, use_underscores=True)
     accelerator = Accelerator(gradient_accumulation_steps=args.gradient_accumulation_steps)
-    sizes = compute_sizes(args, accelerator.num_processes)
-    if accelerator.state.deepspeed_plugin is not None:  # DeepSpeed wants these in its own config
-        if accelerator.state.deepspeed_plugin.zero_stage == 3:
-            raise ValueError("ZeRO-3 is not supported yet (the reference and reward models are not sharded): use ZeRO-2")
-        accelerator.state.deepspeed_plugin.deepspeed_config["train_micro_batch_size_per_gpu"] = args.local_micro_batch_size
-        accelerator.state.deepspeed_plugin.deepspeed_config["gradient_accumulation_steps"] = args.gradient_accumulation_steps
     run_name = f"{args.exp_name}__{args.seed}__{int(time.time())}"
     output_dir = args.output_dir or os.path.join("runs", run_name)
+    deepspeed = accelerator.state.deepspeed_plugin
+    try:  # every check of the flags and input files, before any model loads
+        sizes = compute_sizes(args, accelerator.num_processes)
+        if deepspeed is not None and deepspeed.zero_stage == 3:
+            raise UsageError("ZeRO-3 is not supported yet (the reference and reward models are not sharded): use ZeRO-2")
+        if deepspeed is not None and args.resume:
+            raise UsageError("--resume does not support DeepSpeed yet (its optimizer state is sharded): resume without DeepSpeed")
+        if args.resume and args.output_dir is None:
+            raise UsageError("--resume needs --output_dir, the folder of the run to continue")
+        checkpoint = checkpoint_to_resume(output_dir, args, sizes.world_size)
+        check_model(args.sft_model_path, "--sft_model_path", args)
+        check_model(args.reward_model_path, "--reward_model_path", args)
+        tokenizer = load_tokenizer(args.sft_model_path, "--sft_model_path", args.trust_remote_code)
+        reward_tokenizer = load_tokenizer(args.reward_model_path, "--reward_model_path", args.trust_remote_code)
+        if not same_tokenizer(reward_tokenizer, tokenizer):
+            raise UsageError(f"the value model starts from --reward_model_path {args.reward_model_path} and reads the policy's tokens: its tokenizer must be the policy's")
+        train = load_prompts(args.dataset_name, args.dataset_train_split, tokenizer, args.max_prompt_length)
+        evaluation = load_prompts(args.dataset_name, args.dataset_eval_split, tokenizer, args.max_prompt_length, args.num_eval_prompts)
+        if len(train.token_ids) < sizes.batch_size:
+            raise UsageError(f"{len(train.token_ids)} training prompts cannot fill one batch of {sizes.batch_size} prompts; lower the batch sizes")
+    except UsageError as exc:
+        raise SystemExit(f"error: {exc}")
+    if deepspeed is not None:  # DeepSpeed wants these in its own config
+        deepspeed.deepspeed_config["train_micro_batch_size_per_gpu"] = args.local_micro_batch_size
+        deepspeed.deepspeed_config["gradient_accumulation_steps"] = args.gradient_accumulation_steps
     device = accelerator.device
-    if device.type == "cpu":
-        # The engine's worker takes one core; training gets the others.
-        torch.set_num_threads(max(1, (os.cpu_count() or 2) - 1))
+    cores = sorted(os.sched_getaffinity(0))
+    if device.type == "cpu" and len(cores) > accelerator.num_processes:
+        # Split the cores as the paper splits GPUs: the engine's worker gets the first (make_engine binds it),
+        # training the others, so that neither side slows the other down. Threads started later inherit this.
+        os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", str(cores[0]))
+        os.sched_setaffinity(0, cores[1:])
+        torch.set_num_threads(len(cores) - 1)
     set_seed(args.seed + accelerator.process_index)
 
-    tokenizer = AutoTokenizer.from_pretrained(args.sft_model_path, padding_side="left", trust_remote_code=args.trust_remote_code)
-    if tokenizer.eos_token_id is None:
-        raise ValueError(f"tokenizer of --sft_model_path {args.sft_model_path} has no EOS token")
-    if tokenizer.pad_token_id is None:
-        tokenizer.pad_token = tokenizer.eos_token  # safe: masks come from lengths, not from pad ids
-    train = load_prompts(args.dataset_name, args.dataset_train_split, tokenizer, args.max_prompt_length)
-    evaluation = load_prompts(args.dataset_name, args.dataset_eval_split, tokenizer, args.max_prompt_length, args.num_eval_prompts)
-    if len(train.token_ids) < sizes.batch_size:
-        raise ValueError(f"{len(train.token_ids)} training prompts cannot fill one batch of {sizes.batch_size} prompts; lower the batch sizes")
+    # resuming: the checkpoint's step, the evaluations already logged, and the generator's work still owed
+    state = json.loads(Path(checkpoint, "trainer_state.json").read_text()) if checkpoint else {"step": 0, "evals_logged": []}
+    start_step, evals_logged = state["step"], set(state["evals_logged"])
+    if checkpoint:
+        print(f"resuming from {checkpoint} (step {start_step})")
+    elif args.resume:
+        print(f"--resume: no checkpoint in {output_dir} yet, starting at step 0")
     eval_steps = sorted({0, sizes.num_steps, *range(0, sizes.num_steps, args.eval_freq or sizes.num_steps)})
-    schedule = generation_schedule(sizes.num_steps, args.async_level, eval_steps)
+    schedule = pending_events(generation_schedule(sizes.num_steps, args.async_level, eval_steps), start_step, evals_logged)
     to_publish = published_versions(schedule)
 
-    # models
-    model_kwargs = dict(trust_remote_code=args.trust_remote_code)
-    policy = AutoModelForCausalLM.from_pretrained(args.sft_model_path, **model_kwargs)
+    # models (safetensors only: no pickled weights are ever loaded)
+    model_kwargs = dict(trust_remote_code=args.trust_remote_code, use_safetensors=True)
+    policy = AutoModelForCausalLM.from_pretrained(os.path.join(checkpoint, "policy") if checkpoint else args.sft_model_path, **model_kwargs)
     ref_policy = AutoModelForCausalLM.from_pretrained(args.sft_model_path, **model_kwargs)
     reward_model = AutoModelForSequenceClassification.from_pretrained(args.reward_model_path, num_labels=1, **model_kwargs)
-    reward_tokenizer = AutoTokenizer.from_pretrained(args.reward_model_path, trust_remote_code=args.trust_remote_code)
-    if reward_tokenizer.pad_token_id is None:
-        reward_tokenizer.pad_token = reward_tokenizer.eos_token
-    if not same_tokenizer(reward_tokenizer, tokenizer):
-        raise ValueError(f"the value model starts from --reward_model_path {args.reward_model_path} and reads the policy's tokens: its tokenizer must be the policy's")
     # its own copy of the reward model, trained with the policy (N details, #7: value model initialised from the reward model)
-    value_model = AutoModelForSequenceClassification.from_pretrained(args.reward_model_path, num_labels=1, **model_kwargs)
+    value_model = AutoModelForSequenceClassification.from_pretrained(os.path.join(checkpoint, "value") if checkpoint else args.reward_model_path, num_labels=1, **model_kwargs)
     gold_model = gold_tokenizer = None
     if args.gold_judge != "tiny" and accelerator.is_main_process:
         gold_model = AutoModelForSequenceClassification.from_pretrained(args.gold_judge, num_labels=1, **model_kwargs).to(device).eval()
@@ -824,14 +972,22 @@ if __name__ == "__main__":
     # Stepped by hand once per optimizer update (accelerate's prepared scheduler would step per process).
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda update: 1.0 - update / sizes.num_updates)
     shuffle_rng = np.random.default_rng([args.seed, accelerator.process_index])
+    if checkpoint:  # the trainer exactly as it was when the checkpoint was written
+        optimizer.load_state_dict(optimizer_state_from_tensors(load_file(os.path.join(checkpoint, "optimizer.safetensors")), state["optimizer"]))
+        scheduler.load_state_dict(state["scheduler"])
+        rng = json.loads(Path(checkpoint, f"rng_{accelerator.process_index}.json").read_text())
+        shuffle_rng.bit_generator.state = rng["shuffle_rng"]
+        torch.set_rng_state(torch.tensor(rng["torch_rng"], dtype=torch.uint8))
 
     # generation thread: rank 0 owns the engine and generates for every rank
     weights_queue, rollout_queue, eval_queue = queue.Queue(), queue.Queue(), queue.Queue()
     stop, error = threading.Event(), []
-    llm = thread = weights_dir = logger = None
+    llm = thread = weights_dir = logger = run_start = None
     engine_processes = []
     if accelerator.is_main_process:
         os.makedirs(output_dir, exist_ok=True)
+        if args.resume:
+            keep_metrics_until(os.path.join(output_dir, "metrics.jsonl"), start_step, evals_logged)
         with open(os.path.join(output_dir, "args.json"), "w") as f:
             json.dump({**asdict(args), **sizes._asdict(), "output_dir": output_dir, "git_revision": git_revision()}, f, indent=2)
         logger = MetricsLogger(output_dir, run_name, args)
@@ -845,6 +1001,7 @@ if __name__ == "__main__":
                   weights_queue, rollout_queue, eval_queue, stop, error, weights_dir),
             daemon=True,
         )
+        run_start = time.perf_counter()
         thread.start()
 
     def to_batch(prompt_token_ids: list[list[int]], responses: list[list[int]], repeat: int):
@@ -898,30 +1055,93 @@ if __name__ == "__main__":
             "eval/num_eos_tokens": contain_eos.float().mean().item(),
             "eval/response_length": r_mask.sum(1).float().mean().item(),
             "time/eval_generation": rollout.generation_time,
+            "timeline/eval_generation_start": rollout.generation_start - run_start,
         }
 
     def log_eval(rollout: EvalRollout) -> None:
         metrics = {"step": rollout.version, "episode": rollout.version * sizes.episodes_per_step, **evaluate(rollout)}
         logger.log(metrics)
+        evals_logged.add(rollout.version)
         print(f"eval step {rollout.version}: " + ", ".join(f"{k} {v:.4g}" for k, v in metrics.items() if k.startswith("eval/")))
+
+    snapshots = {}  # policy versions the generator may still need: a checkpoint hands them on
 
     def publish(version: int) -> None:
         """Snapshot theta_version for the engine. The copy is taken here, between optimizer steps,
         so the generation thread never reads tensors the optimizer is changing."""
         state_dict = policy_state_dict(accelerator.get_state_dict(model, unwrap=True))
         if accelerator.is_main_process:
-            weights_queue.put(Weights(version, {k: v.detach().to("cpu", copy=True).contiguous() for k, v in state_dict.items()}))
+            snapshots[version] = {k: v.detach().to("cpu", copy=True).contiguous() for k, v in state_dict.items()}
+            weights_queue.put(Weights(version, snapshots[version]))
 
-    evals_done = 0
+    def save_checkpoint(step: int) -> str:
+        """Everything a resumed run needs to go on exactly: policy, optimizer, scheduler and RNG states, the
+        evaluations logged, and the older policy versions the generator still owes batches or evaluations
+        from (so no engine state is needed). Written to a temporary folder, then renamed."""
+        path = os.path.join(output_dir, "checkpoints", f"step_{step:06d}")
+        tmp = f"{path}.tmp"
+        if accelerator.is_main_process:
+            shutil.rmtree(tmp, ignore_errors=True)
+            os.makedirs(tmp)
+        accelerator.wait_for_everyone()
+        save_policy(accelerator, model, tokenizer, os.path.join(tmp, "policy"))
+        save_value_model(accelerator, model, os.path.join(tmp, "value"))
+        rng = {"shuffle_rng": shuffle_rng.bit_generator.state, "torch_rng": torch.get_rng_state().tolist()}
+        Path(tmp, f"rng_{accelerator.process_index}.json").write_text(json.dumps(rng))
+        if accelerator.is_main_process:
+            for version in sorted(v for v in published_versions(pending_events(schedule, step, evals_logged)) if v < step):
+                save_file(snapshots[version], os.path.join(tmp, f"version_{version:06d}.safetensors"))
+            state = {"step": step, "evals_logged": sorted(evals_logged), "scheduler": scheduler.state_dict()}
+            state["kl_coef"] = kl_coef  # the adaptive KL controller's state: the coefficient of step `step`
+            if deepspeed is None:  # DeepSpeed shards its optimizer state: such a checkpoint is not resumable
+                tensors, state["optimizer"] = optimizer_state_to_tensors(optimizer.state_dict())
+                save_file(tensors, os.path.join(tmp, "optimizer.safetensors"))
+            Path(tmp, "trainer_state.json").write_text(json.dumps(state))
+        accelerator.wait_for_everyone()
+        if accelerator.is_main_process:
+            shutil.rmtree(path, ignore_errors=True)
+            os.replace(tmp, path)
+        accelerator.wait_for_everyone()
+        return path
+
+    # A resumed run re-sends the versions the generator still needs: older ones from the checkpoint, then theta_start.
+    for version in sorted(v for v in to_publish if v <= start_step):
+        if version == start_step:
+            publish(version)
+        elif accelerator.is_main_process:
+            snapshots[version] = load_file(os.path.join(checkpoint, f"version_{version:06d}.safetensors"))
+            weights_queue.put(Weights(version, snapshots[version]))
+
+    # SIGTERM (pre-emption) or Ctrl-C: finish the step, write a checkpoint, exit; a second one exits at once.
+    stop_signal = []
+
+    def request_stop(signum, frame):
+        os.write(2, f"\n{signal.Signals(signum).name}: writing a checkpoint at the end of this step, then exiting\n".encode())
+        stop_signal.append(signum)
+        signal.signal(signum, signal.default_int_handler if signum == signal.SIGINT else signal.SIG_DFL)
+
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(signum, request_stop)
+
+    last_checkpoint = checkpoint
     exit_code = 0
-    kl_coef = args.kl_coef
+    kl_coef = state["kl_coef"] if checkpoint else args.kl_coef
     try:
-        progress = tqdm(range(sizes.num_steps), disable=not accelerator.is_main_process, desc="steps")
+        progress = tqdm(range(start_step, sizes.num_steps), initial=start_step, total=sizes.num_steps, disable=not accelerator.is_main_process, desc="steps")
         for step in progress:
             step_start = time.perf_counter()
-            # 1. get the rollouts of this step (rank 0 has them; every rank takes its slice)
-            rollout = get_or_raise(rollout_queue, stop, error, engine_processes) if accelerator.is_main_process else None
+            # 1. get the rollouts of this step (rank 0 has them; every rank takes its slice), or a stop signal
+            rollout = None
+            if accelerator.is_main_process:
+                rollout = get_or_raise(rollout_queue, stop, error, engine_processes, interrupt=stop_signal)
+                rollout = stop_signal[0] if rollout is None else rollout
             rollout = broadcast_object_list([rollout])[0]
+            if isinstance(rollout, int):
+                if step > start_step:
+                    last_checkpoint = save_checkpoint(step)
+                print(f"stopped before step {step}; resume from {last_checkpoint} with --resume" if last_checkpoint else f"stopped before step {step}")
+                exit_code = 128 + rollout
+                break
             wait_for_rollouts = time.perf_counter() - step_start
             lag = step - rollout.version
             if rollout.step != step or lag != min(step, args.async_level):
@@ -937,6 +1157,8 @@ if __name__ == "__main__":
             # 2. score: reward model on query + response, fixed score without EOS
             scores = score_completions(reward_model, reward_tokenizer, tokenizer, q_ids, q_mask, r_ids, r_mask, contain_eos, args.local_rollout_forward_batch_size)
             scores = apply_missing_eos_penalty(scores, contain_eos, args.missing_eos_penalty)
+            if injected_fault("scoring", step):
+                raise RuntimeError(f"injected test fault in reward scoring at step {step} (time {time.time():.2f})")
             score_time = time.perf_counter() - train_start
 
             # 3. old logprobs and values, reference logprobs, per-token rewards, GAE advantages (N details #6-#9)
@@ -971,7 +1193,7 @@ if __name__ == "__main__":
             # 4. update: T epochs over N shuffled mini-batches, each accumulated from micro-batches (N details,
             # the minibatch loop); policy and value model take the same optimizer steps.
             update_start = time.perf_counter()
-            stats = {k: [] for k in ("pg_loss", "vf_loss", "approxkl", "clipfrac", "vf_clipfrac", "value_error", "policy_entropy", "ratio")}
+            stats = {k: [] for k in ("loss", "pg_loss", "vf_loss", "approxkl", "clipfrac", "vf_clipfrac", "value_error", "policy_entropy", "ratio")}
             model.train()
             for epoch in range(args.num_ppo_epochs):
                 order = torch.as_tensor(shuffle_rng.permutation(B), device=device)
@@ -985,12 +1207,15 @@ if __name__ == "__main__":
                             pg_loss, ratio, clipped = ppo_policy_loss(logprobs, old_logprobs[idx], advantages[idx], mask, args.cliprange, weights)
                             vf_loss, vf_clipped = ppo_value_loss(values, old_values[idx], returns[idx], mask, args.cliprange_value)
                             loss = pg_loss + args.vf_coef * vf_loss
+                            if injected_fault("nan_loss", step):
+                                loss = loss * float("nan")
                             accelerator.backward(loss)
                             optimizer.step()
                             optimizer.zero_grad()
                         if accelerator.sync_gradients:
                             scheduler.step()
                         with torch.no_grad():
+                            stats["loss"].append(loss.detach())
                             stats["pg_loss"].append(pg_loss.detach())
                             stats["vf_loss"].append(vf_loss.detach())
                             stats["approxkl"].append(0.5 * masked_mean((logprobs.detach() - old_logprobs[idx]) ** 2, mask))
@@ -1023,6 +1248,11 @@ if __name__ == "__main__":
             local_stats["response_tokens"] = r_mask.sum().float()
             keys = list(local_stats)
             reduced = dict(zip(keys, accelerator.reduce(torch.stack([local_stats[k] for k in keys]), "mean").tolist()))
+            if not math.isfinite(reduced["loss"]):
+                raise RuntimeError(
+                    f"loss is {reduced['loss']} at step {step}: stopping before it reaches a checkpoint"
+                    + (f"; the last good one is {last_checkpoint} (--resume)" if last_checkpoint else "")
+                )
             ratio_max, neg_ratio_min = accelerator.gather(torch.stack([ratios.max(), -ratios.min()])[None]).max(0).values.tolist()
             step_kl_coef = kl_coef
             if args.adaptive_kl:  # every rank sees the same reduced KL, so kl_coef stays equal across ranks
@@ -1066,6 +1296,10 @@ if __name__ == "__main__":
                     "time/update": update_time,
                     "time/training": training_time,
                     "time/step": step_time,
+                    "timeline/step_start": step_start - run_start,  # seconds since the engine was up
+                    "timeline/training_start": train_start - run_start,
+                    "timeline/generation_start": rollout.generation_start - run_start,
+                    "timeline/weight_sync_start": rollout.weight_sync_start - run_start,
                     "throughput/episodes_per_second": sizes.episodes_per_step / step_time,
                     "throughput/tokens_per_second": reduced["response_tokens"] * sizes.world_size / step_time,
                 }
@@ -1075,31 +1309,34 @@ if __name__ == "__main__":
                 while True:
                     try:
                         log_eval(eval_queue.get_nowait())
-                        evals_done += 1
                     except queue.Empty:
                         break
+                owed = published_versions(pending_events(schedule, step + 1, evals_logged))
+                for version in [v for v in snapshots if v not in owed]:
+                    del snapshots[version]
             if args.save_freq and (step + 1) % args.save_freq == 0 and step + 1 < sizes.num_steps:
-                save_policy(accelerator, model, tokenizer, os.path.join(output_dir, "checkpoints", f"step_{step + 1:06d}"))
+                last_checkpoint = save_checkpoint(step + 1)
 
-        if accelerator.is_main_process:
-            while evals_done < len(eval_steps):
-                log_eval(get_or_raise(eval_queue, stop, error, engine_processes))
-                evals_done += 1
-        save_policy(accelerator, model, tokenizer, os.path.join(output_dir, "policy"))
+        if not exit_code:
+            if accelerator.is_main_process:
+                while len(evals_logged) < len(eval_steps):
+                    log_eval(get_or_raise(eval_queue, stop, error, engine_processes))
+            save_policy(accelerator, model, tokenizer, os.path.join(output_dir, "policy"))
     except KeyboardInterrupt:
         print("interrupted: stopping the generation thread and the engine")
         exit_code = 130
     finally:
         stop.set()
         if thread is not None:
-            thread.join(timeout=5)
+            thread.join(timeout=1)  # it finishes the batch it is generating, or the engine's shutdown ends it
         if llm is not None:
-            llm.llm_engine.engine_core.shutdown()
+            llm.llm_engine.engine_core.shutdown(timeout=1)  # the engine holds nothing to save: don't wait on its exit
         if thread is not None:
             thread.join(timeout=5)  # a daemon: a thread stuck on a dead engine does not keep the process alive
         if weights_dir is not None:
             shutil.rmtree(weights_dir, ignore_errors=True)
         if logger is not None:
             logger.close()
+        gc.freeze()  # the interpreter's exit would garbage-collect the whole heap (seconds on a CPU); the OS frees it
     if exit_code:
         raise SystemExit(exit_code)

@@ -108,6 +108,9 @@ def start_and_stop(argv: list[str], output_dir: Path, after_steps: int, sig: int
         proc.kill()
 
 
+REFERENCE_RUNS: dict[tuple, Path] = {}
+
+
 def assert_resumed_run_matches(script: str, flags: list[str], tmp_path: Path, stop_after: int, sig: int) -> Path:
     """A run stopped by `sig` after `stop_after` steps and resumed with --resume ends with the same
     metrics.jsonl (wall-clock figures aside) and the same final policy as an uninterrupted run."""
@@ -116,8 +119,11 @@ def assert_resumed_run_matches(script: str, flags: list[str], tmp_path: Path, st
     import torch
     from safetensors.torch import load_file
 
-    reference, interrupted = tmp_path / "reference", tmp_path / "interrupted"
-    run_script([sys.executable, script, *flags, "--output_dir", str(reference)])
+    interrupted = tmp_path / "interrupted"
+    reference = REFERENCE_RUNS.get((script, *flags))
+    if reference is None:  # one uninterrupted run per script and flags serves every test of this session
+        reference = REFERENCE_RUNS[(script, *flags)] = tmp_path / "reference"
+        run_script([sys.executable, script, *flags, "--output_dir", str(reference)])
     argv = [sys.executable, script, *flags, "--output_dir", str(interrupted)]
     code, output = start_and_stop(argv, interrupted, stop_after, sig)
     assert code == (-signal.SIGKILL if sig == signal.SIGKILL else 128 + sig), output[-4000:]
@@ -130,18 +136,15 @@ def assert_resumed_run_matches(script: str, flags: list[str], tmp_path: Path, st
     return interrupted
 
 
-def run_with_fault(script: str, fault: str, flags: list[str], output_dir: Path) -> tuple[int, str, float, list]:
-    """Run with a fault injected (ASYNC_RLHF_TEST_FAULT, the scripts' test-only hook); returns exit code,
-    output, seconds from the fault to the exit, and every process the run started."""
-    import re
+def run_tracking_children(argv: list[str], env: dict | None = None, timeout: float = 300) -> tuple[int, str, list, float]:
+    """Run a command until it exits, remembering every process it started; returns its exit code,
+    output, those processes and the time it exited."""
     import time
 
     import psutil
 
-    env = {**os.environ, "ASYNC_RLHF_TEST_FAULT": fault}
-    proc = subprocess.Popen([sys.executable, script, *flags, "--output_dir", str(output_dir)], cwd=ROOT, env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    parent, children, deadline = psutil.Process(proc.pid), {}, time.time() + 300
+    proc = subprocess.Popen(argv, cwd=ROOT, env={**os.environ, **(env or {})}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    parent, children, deadline = psutil.Process(proc.pid), {}, time.time() + timeout
     while proc.poll() is None and time.time() < deadline:
         try:
             children.update({c.pid: c for c in parent.children(recursive=True)})
@@ -150,5 +153,15 @@ def run_with_fault(script: str, fault: str, flags: list[str], output_dir: Path) 
         time.sleep(0.1)
     exited = time.time()
     output, _ = proc.communicate(timeout=60)
+    return proc.returncode, output, list(children.values()), exited
+
+
+def run_with_fault(script: str, fault: str, flags: list[str], output_dir: Path) -> tuple[int, str, float, list]:
+    """Run with a fault injected (ASYNC_RLHF_TEST_FAULT, the scripts' test-only hook); returns exit code,
+    output, seconds from the fault to the exit, and every process the run started."""
+    import re
+
+    argv = [sys.executable, script, *flags, "--output_dir", str(output_dir)]
+    code, output, children, exited = run_tracking_children(argv, env={"ASYNC_RLHF_TEST_FAULT": fault})
     fault_time = re.search(r"injected test fault .*\(time ([\d.]+)\)", output)
-    return proc.returncode, output, exited - float(fault_time.group(1)) if fault_time else float("nan"), list(children.values())
+    return code, output, exited - float(fault_time.group(1)) if fault_time else float("nan"), children

@@ -2,14 +2,13 @@
 
 import importlib
 import json
-import shutil
 import subprocess
 import sys
 
 import pytest
 from conftest import ROOT, TINY, save_random_policy, small_config
 
-SCRIPTS = ["online_dpo_async.py"]
+SCRIPTS = ["online_dpo_async.py", "rloo_async.py", "ppo_async.py"]
 
 
 @pytest.fixture(params=SCRIPTS)
@@ -30,6 +29,13 @@ def test_dpo_needs_two_samples_per_prompt():
 
     with pytest.raises(dpo.UsageError, match="--num_samples must be >= 2"):
         dpo.compute_sizes(dpo.Args(num_samples=1), world_size=1)
+
+
+def test_rloo_needs_two_samples_per_prompt():
+    import rloo_async as rloo
+
+    with pytest.raises(rloo.UsageError, match="--rloo_k must be >= 2"):
+        rloo.compute_sizes(rloo.Args(rloo_k=1), world_size=1)
 
 
 def test_an_unknown_choice_is_refused_by_the_parser(script, capsys):

@@ -9,7 +9,7 @@ import time
 
 import psutil
 import pytest
-from conftest import ROOT, TINY, read_metrics, run_script, save_random_policy
+from conftest import ROOT, TINY, read_metrics, run_script, run_tracking_children, save_random_policy
 
 PYTHON = sys.executable
 
@@ -97,21 +97,6 @@ def test_ctrl_c_checkpoints_and_stops_trainer_thread_and_engine(long_run, tmp_pa
     assert (checkpoint / "policy" / "model.safetensors").exists() and (checkpoint / "optimizer.safetensors").exists()
 
 
-def run_tracking_children(argv: list[str], timeout: float = 300) -> tuple[int, str, list]:
-    """Run a command, remembering every process it started, until it exits."""
-    proc = subprocess.Popen(argv, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    parent, children = psutil.Process(proc.pid), {}
-    deadline = time.time() + timeout
-    while proc.poll() is None and time.time() < deadline:
-        try:
-            children.update({c.pid: c for c in parent.children(recursive=True)})
-        except psutil.NoSuchProcess:
-            pass
-        time.sleep(0.2)
-    output, _ = proc.communicate(timeout=60)
-    return proc.returncode, output, list(children.values())
-
-
 def test_a_training_exception_stops_the_generation_side(tmp_path, tokenizer):
     """Fault: a reward model whose embedding is too small for the policy's tokens fails in scoring."""
     import torch
@@ -122,7 +107,7 @@ def test_a_training_exception_stops_the_generation_side(tmp_path, tokenizer):
     torch.manual_seed(0)
     LlamaForSequenceClassification(small_config(tokenizer, vocab_size=5, num_labels=1)).save_pretrained(tmp_path / "rm")
     tokenizer.save_pretrained(tmp_path / "rm")
-    code, output, children = run_tracking_children(
+    code, output, children, _ = run_tracking_children(
         [PYTHON, "online_dpo_async.py", "--reward_model_path", str(tmp_path / "rm"), "--output_dir", str(tmp_path / "run")])
     assert code != 0 and "IndexError" in output, output[-3000:]
     assert children, "the engine should have been started"
