@@ -18,6 +18,7 @@ import tempfile
 import threading
 import time
 import traceback
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Literal, NamedTuple
@@ -585,6 +586,19 @@ def generation_thread(
         error.append(exc)
 
 
+@contextmanager
+def on_cores(cores: list[int] | None):
+    """Run the block on these cores (None: where it runs now). On Linux affinity belongs to a thread and
+    is inherited by the threads and processes it starts; the calling thread gets its own back after."""
+    before = os.sched_getaffinity(0)
+    if cores is not None:
+        os.sched_setaffinity(0, cores)
+    try:
+        yield
+    finally:
+        os.sched_setaffinity(0, before)
+
+
 def make_engine(args: Args, num_training_processes: int) -> LLM:
     """The engine runs in its own process (vLLM's default), so generation does not share the trainer's
     interpreter lock, and architectures vLLM serves through its Transformers backend (GPTNeoX/Pythia)
@@ -772,7 +786,12 @@ def keep_metrics_until(path: str, step: int, evals_logged: set[int]) -> None:
         is_eval = any(key.startswith("eval/") for key in metrics)
         if (metrics["step"] in evals_logged) if is_eval else (metrics["step"] < step):
             kept.append(line + "\n")
-    Path(f"{path}.tmp").write_text("".join(kept))
+    write_atomically(path, "".join(kept))
+
+
+def write_atomically(path: str, text: str) -> None:
+    """Temporary file, then rename: a reader (or a crash) never sees half a file."""
+    Path(f"{path}.tmp").write_text(text)
     os.replace(f"{path}.tmp", path)
 
 
@@ -810,10 +829,12 @@ if __name__ == "__main__":
         deepspeed.deepspeed_config["train_micro_batch_size_per_gpu"] = args.local_micro_batch_size
         deepspeed.deepspeed_config["gradient_accumulation_steps"] = args.gradient_accumulation_steps
     device = accelerator.device
-    cores = sorted(os.sched_getaffinity(0))
+    cores, engine_cores = sorted(os.sched_getaffinity(0)), None
     if device.type == "cpu" and len(cores) > accelerator.num_processes:
-        # Split the cores as the paper splits GPUs: the engine's worker gets the first (make_engine binds it),
-        # training the others, so that neither side slows the other down. Threads started later inherit this.
+        # Split the cores as the paper splits GPUs, so that neither side slows the other down: the first
+        # core is the engine's (its worker, its scheduler process and our generation thread, which take
+        # turns), the others train. Threads started later inherit the training cores.
+        engine_cores = cores[:1]
         os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", str(cores[0]))
         os.sched_setaffinity(0, cores[1:])
         torch.set_num_threads(len(cores) - 1)
@@ -864,21 +885,22 @@ if __name__ == "__main__":
         os.makedirs(output_dir, exist_ok=True)
         if args.resume:
             keep_metrics_until(os.path.join(output_dir, "metrics.jsonl"), start_step, evals_logged)
-        with open(os.path.join(output_dir, "args.json"), "w") as f:
-            json.dump({**asdict(args), **sizes._asdict(), "output_dir": output_dir, "git_revision": git_revision()}, f, indent=2)
+        run_args = {**asdict(args), **sizes._asdict(), "output_dir": output_dir, "git_revision": git_revision()}
+        write_atomically(os.path.join(output_dir, "args.json"), json.dumps(run_args, indent=2))
         logger = MetricsLogger(output_dir, run_name, args)
-        children_before = {p.pid for p in psutil.Process().children(recursive=True)}
-        llm = make_engine(args, accelerator.num_processes)
-        engine_processes = [p for p in psutil.Process().children(recursive=True) if p.pid not in children_before]
-        weights_dir = tempfile.mkdtemp(prefix="policy-weights-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
-        thread = threading.Thread(
-            target=generation_thread,
-            args=(llm, schedule, train.token_ids, evaluation.token_ids, args, sizes.batch_size, tokenizer.eos_token_id,
-                  weights_queue, rollout_queue, eval_queue, stop, error, weights_dir),
-            daemon=True,
-        )
-        run_start = time.perf_counter()
-        thread.start()
+        with on_cores(engine_cores):  # the engine's processes and the generation thread start there
+            children_before = {p.pid for p in psutil.Process().children(recursive=True)}
+            llm = make_engine(args, accelerator.num_processes)
+            engine_processes = [p for p in psutil.Process().children(recursive=True) if p.pid not in children_before]
+            weights_dir = tempfile.mkdtemp(prefix="policy-weights-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
+            thread = threading.Thread(
+                target=generation_thread,
+                args=(llm, schedule, train.token_ids, evaluation.token_ids, args, sizes.batch_size, tokenizer.eos_token_id,
+                      weights_queue, rollout_queue, eval_queue, stop, error, weights_dir),
+                daemon=True,
+            )
+            run_start = time.perf_counter()
+            thread.start()
 
     def to_batch(prompt_token_ids: list[list[int]], responses: list[list[int]], repeat: int):
         query_ids, query_mask = left_pad(prompt_token_ids, args.max_prompt_length, tokenizer.pad_token_id)

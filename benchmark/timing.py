@@ -61,7 +61,7 @@ def summarize(path: str) -> dict:
 
 def compare(sync: dict, async_: dict) -> dict:
     """Speed-up figures. G and T come from the synchronous run: there the engine and the trainer take
-    turns, so each is timed alone on its own share of the machine; overlapped, they contend and grow."""
+    turns, so each is timed while the other is idle; overlapped, they contend and grow."""
     g, t = sync["G"], sync["T"]
     return {
         "ideal speed-up": (g + t) / max(g, t),
@@ -94,7 +94,7 @@ def report(paths: list[str]) -> str:
         c, (g, t) = compare(*runs), (runs[0]["G"], runs[0]["T"])
         lines += [
             "",
-            f"G = {g:.4f} s, T = {t:.4f} s, measured in the synchronous run, where the two sides take turns and each runs alone;",
+            f"G = {g:.4f} s, T = {t:.4f} s, measured in the synchronous run, where the two sides take turns (each timed while the other is idle);",
             f"in the asynchronous run they overlap and contend (G {runs[1]['G']:.4f} s, T {runs[1]['T']:.4f} s there).",
             "",
             "| figure | value |",

@@ -1,9 +1,13 @@
 """benchmark/speed.py end to end (its table against a by-hand computation from the two runs),
 the timeline's bar geometry on a hand-written metrics.jsonl, and the real-shape model builder."""
 
+import importlib
 import json
+import os
 import re
+import subprocess
 import sys
+import threading
 
 import pytest
 from conftest import ROOT, read_metrics, run_script
@@ -68,6 +72,25 @@ def test_speed_refuses_a_used_out_dir(tmp_path):
     for bad in (["--script", "no_such_script.py"], ["--", "--async_level", "2"], ["--prompt_length", "64"]):
         with pytest.raises(SystemExit):
             speed.parse(bad)
+
+
+@pytest.mark.parametrize("script", speed.SCRIPTS)
+def test_on_cores_places_threads_and_processes_started_in_it(script):
+    """The CPU split: what starts inside `on_cores` (the engine's processes, the generation thread) runs
+    on the engine's core; the caller, the trainer, gets its own cores back."""
+    on_cores = importlib.import_module(script.removesuffix(".py")).on_cores
+    mine = os.sched_getaffinity(0)
+    engine = {max(mine)}
+    seen = {}
+    with on_cores(sorted(engine)):
+        thread = threading.Thread(target=lambda: seen.update(thread=os.sched_getaffinity(0)))
+        thread.start()
+        child = subprocess.run([sys.executable, "-c", "import os; print(sorted(os.sched_getaffinity(0)))"], capture_output=True, text=True)
+    thread.join()
+    assert seen["thread"] == engine and json.loads(child.stdout) == sorted(engine)
+    assert os.sched_getaffinity(0) == mine
+    with on_cores(None):
+        assert os.sched_getaffinity(0) == mine
 
 
 LINES = [
