@@ -14,6 +14,7 @@ import re
 import shutil
 import signal
 import subprocess
+import sys
 import tempfile
 import threading
 import time
@@ -838,6 +839,10 @@ if __name__ == "__main__":
         os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", str(cores[0]))
         os.sched_setaffinity(0, cores[1:])
         torch.set_num_threads(len(cores) - 1)
+    # The generation thread drives the engine from this process and needs the interpreter lock at every
+    # decoding step; training hands it over only every switch interval (5 ms by default) while it runs
+    # Python code. 0.5 ms: pipeline efficiency 90.7% -> 96.1% (medians, alternating benchmark pairs, README).
+    sys.setswitchinterval(0.0005)
     set_seed(args.seed + accelerator.process_index)
 
     # resuming: the checkpoint's step, the evaluations already logged, and the generator's work still owed
