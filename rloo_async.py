@@ -38,6 +38,10 @@ from vllm import LLM, SamplingParams
 from vllm.inputs import TokensPrompt
 
 TINY_TASK = Path(__file__).resolve().parent / "benchmark" / "tiny_task"
+# The dataset columns each --task reads (README "Tasks").
+TASK_COLUMNS = {"tiny": ["query", "reference_response"], "tldr": ["query", "reference_response"], "no_robots": ["messages"], "gsm8k": ["question", "answer"]}
+# GSM8k's prompt: the format the paper's policy (Rho-1B SFT on GSM8k, after Kazemnejad et al. 2024) was fine-tuned on.
+GSM8K_PROMPT = "[MATH_TASK] Problem:\n{question}\n\nSolution:"
 
 
 @dataclass
@@ -57,8 +61,12 @@ class Args:
     """wandb entity (team)"""
 
     # data and models (local paths or hub ids)
+    task: Literal["tiny", "tldr", "no_robots", "gsm8k"] = "tiny"
+    """prompt format, reward and evaluation: tiny/tldr read `query` + `reference_response`, no_robots chat `messages`, gsm8k `question` + `answer` (verifier reward)"""
     dataset_name: str = str(TINY_TASK / "data")
-    """prompts: a hub dataset id, a local dataset folder, or a .jsonl/.json/.parquet file; needs `query` and `reference_response` columns"""
+    """prompts: a hub dataset id, a local dataset folder, or a .jsonl/.json/.parquet file, with the columns of --task"""
+    dataset_config: str | None = None
+    """config name of the dataset (`main` for openai/gsm8k); a local folder declares its configs in its README, as a hub repository does"""
     dataset_train_split: str = "train"
     """split whose prompts are trained on"""
     dataset_eval_split: str = "test"
@@ -70,7 +78,7 @@ class Args:
     reward_model_path: str = str(TINY_TASK / "reward")
     """proxy reward model trained on (`AutoModelForSequenceClassification`, one label)"""
     gold_judge: str = "tiny"
-    """evaluation-only judge: `tiny` (the tiny task's exact scorer) or a reward model path / hub id"""
+    """evaluation-only judge: `tiny` (the tiny task's exact scorer; no gold judge on other tasks) or a reward model path / hub id (not with gsm8k)"""
     trust_remote_code: bool = False
     """allow model repositories to run their own code"""
     max_prompt_length: int = 12
@@ -94,7 +102,9 @@ class Args:
 
     # optimisation
     learning_rate: float = 1e-4
-    """initial learning rate, decayed linearly to 0"""
+    """initial learning rate (see --lr_schedule)"""
+    lr_schedule: Literal["linear", "constant"] = "linear"
+    """linear: decayed to 0 over all updates; constant: GSM8k's (the paper's table 10)"""
     adam_epsilon: float = 1e-5
     """AdamW epsilon"""
 
@@ -104,7 +114,7 @@ class Args:
     rloo_k: int = 2
     """k completions per prompt; each one's baseline is the mean reward of the other k - 1 (the paper's GSM8k runs use 4)"""
     temperature: float = 0.7
-    """sampling temperature of training and evaluation completions; logits are divided by it for logprobs"""
+    """sampling temperature of training and evaluation completions (gsm8k evaluates greedily); logits are divided by it for logprobs"""
     vllm_dtype: str = "float32"
     """dtype of the engine's weights: float32 keeps engine and trainer numerics equal; bfloat16 is faster on GPUs"""
     vllm_gpu_memory_utilization: float = 0.9
@@ -122,7 +132,7 @@ class Args:
     tis_cap: float = 2.0
     """`--old_logprobs engine`: cap of the per-sequence importance weight exp(trainer_old - engine)"""
     missing_eos_penalty: float = -3.0
-    """score given to completions that do not end with EOS within response_length"""
+    """score given to completions that do not end with EOS within response_length (not with gsm8k: table 10 has no penalty)"""
 
     # evaluation and checkpoints
     eval_freq: int = 25
@@ -193,20 +203,31 @@ def compute_sizes(args: Args, world_size: int) -> Sizes:
     )
 
 
+def lr_factor(schedule: str, update: int, num_updates: int) -> float:
+    """Learning rate of optimizer update `update` (0-indexed) over --learning_rate: linear decay to 0, or constant."""
+    return 1.0 if schedule == "constant" else 1.0 - update / num_updates
+
+
 # ---------------------------------------------------------------------------------------------
 # Data
 # ---------------------------------------------------------------------------------------------
-def load_split(name: str, split: str):
-    """A split from a hub id, a local dataset folder or a single local file: the same `datasets` path."""
+def load_split(name: str, split: str, config: str | None = None):
+    """A split from a hub id, a local dataset folder or a single local file: the same `datasets` path. `config`
+    is the dataset's config name; a local folder declares its configs in its README as a hub repository does
+    (one without them has only `default`), and a single file has none."""
     if os.path.isfile(name):
         builders = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".csv": "csv"}
         if Path(name).suffix not in builders:
             raise UsageError(f"--dataset_name {name}: a single file must be one of {', '.join(builders)}")
+        if config is not None:
+            raise UsageError(f"--dataset_config {config}: the single file --dataset_name {name} has no configs")
         return load_dataset(builders[Path(name).suffix], data_files={split: name}, split=split)
     try:
-        return load_dataset(name, split=split)
-    except (FileNotFoundError, ValueError) as exc:  # no such dataset / split: say which flag, not a traceback
-        raise UsageError(f"--dataset_name {name} split {split}: {str(exc).splitlines()[0]}") from exc
+        return load_dataset(name, config, split=split)
+    except (FileNotFoundError, ValueError) as exc:  # no such dataset / config / split: say which flag, not a traceback
+        lines = str(exc).strip().splitlines()
+        detail = " ".join(lines[:2]) if lines[0].startswith("Config name is missing") else lines[0]  # the 2nd line lists the configs
+        raise UsageError(f"--dataset_name {name}{f' --dataset_config {config}' if config else ''} split {split}: {detail}") from exc
 
 
 class Prompts(NamedTuple):
@@ -215,15 +236,38 @@ class Prompts(NamedTuple):
     references: list[str]
 
 
-def load_prompts(name: str, split: str, tokenizer, max_prompt_length: int, limit: int | None = None) -> Prompts:
-    dataset = load_split(name, split)
-    missing = {"query", "reference_response"} - set(dataset.column_names)
+def task_prompts(dataset, task: str, tokenizer, where: str) -> tuple[list[str], list[str]]:
+    """The prompt text the policy sees and the reference answer of every row, in the format of --task (README "Tasks")."""
+    if task == "gsm8k":
+        answers = list(dataset["answer"])
+        if unlabelled := [i for i, answer in enumerate(answers) if "####" not in answer]:
+            raise UsageError(f"{where}: {len(unlabelled)} `answer`(s) without a final '#### <number>' line (row {unlabelled[0]}): not GSM8k's format")
+        return [GSM8K_PROMPT.format(question=question) for question in dataset["question"]], answers
+    if task == "no_robots":
+        if tokenizer.chat_template is None:
+            raise UsageError(f"--task no_robots writes prompts with the policy's chat template, and the tokenizer of --sft_model_path {tokenizer.name_or_path} has none")
+        prompts, references = [], []
+        for i, messages in enumerate(dataset["messages"]):
+            if len(messages) < 2 or messages[-1]["role"] != "assistant":
+                raise UsageError(f"{where}: row {i}'s `messages` do not end with an assistant turn after the prompt (the reference answer)")
+            # the conversation before the final assistant turn, ending with the header of the assistant's turn
+            prompts.append(tokenizer.apply_chat_template(messages[:-1], tokenize=False, add_generation_prompt=True))
+            references.append(messages[-1]["content"])
+        return prompts, references
+    return list(dataset["query"]), list(dataset["reference_response"])
+
+
+def load_prompts(name: str, split: str, tokenizer, max_prompt_length: int, limit: int | None = None, task: str = "tiny", config: str | None = None) -> Prompts:
+    """The first `limit` prompts of a split in the format of --task; those longer than max_prompt_length tokens are dropped."""
+    dataset = load_split(name, split, config)
+    missing = [column for column in TASK_COLUMNS[task] if column not in dataset.column_names]
     if missing:
-        raise UsageError(f"--dataset_name {name} split {split} lacks column(s) {sorted(missing)}; it has {dataset.column_names}")
+        raise UsageError(f"--dataset_name {name} split {split} lacks column(s) {missing} of --task {task}; it has {dataset.column_names}")
     if limit is not None:
         dataset = dataset.select(range(min(limit, len(dataset))))
-    queries, references = list(dataset["query"]), list(dataset["reference_response"])
-    token_ids = tokenizer(queries).input_ids
+    queries, references = task_prompts(dataset, task, tokenizer, f"--dataset_name {name} split {split}")
+    # A chat template writes the BOS token itself (Llama 3.1's does): encoding the text must not add a second one.
+    token_ids = tokenizer(queries, add_special_tokens=task != "no_robots").input_ids
     keep = [i for i, ids in enumerate(token_ids) if len(ids) <= max_prompt_length]
     if len(keep) < len(token_ids):
         print(f"{split}: dropped {len(token_ids) - len(keep)} of {len(token_ids)} prompts longer than --max_prompt_length {max_prompt_length}")
@@ -331,12 +375,18 @@ def get_reward(model, input_ids: torch.Tensor, mask: torch.Tensor) -> torch.Tens
     return reward_head(model)(hidden[torch.arange(len(hidden), device=hidden.device), last]).squeeze(-1).float()
 
 
+def encode_text(tokenizer, text: str) -> list[int]:
+    """Token ids of a text; one that starts with the BOS token (a chat-templated prompt) does not get a second one."""
+    has_bos = tokenizer.bos_token is not None and text.startswith(tokenizer.bos_token)
+    return tokenizer(text, add_special_tokens=not has_bos).input_ids
+
+
 @torch.no_grad()
 def score_texts(model, tokenizer, texts: list[str], batch_size: int, device) -> torch.Tensor:
     """Score full texts with a reward model's own tokenizer (used when it differs from the policy's)."""
     scores = []
     for start in range(0, len(texts), batch_size):
-        encoded = tokenizer(texts[start : start + batch_size]).input_ids
+        encoded = [encode_text(tokenizer, text) for text in texts[start : start + batch_size]]
         length = max(len(ids) for ids in encoded)
         ids, mask = left_pad(encoded, length, tokenizer.pad_token_id)
         scores.append(get_reward(model, ids.to(device), mask.to(device)))
@@ -368,6 +418,36 @@ def score_completions(
 
 def apply_missing_eos_penalty(scores: torch.Tensor, contain_eos: torch.Tensor, penalty: float) -> torch.Tensor:
     return torch.where(contain_eos, scores, torch.full_like(scores, penalty))
+
+
+def gsm8k_answer(text: str) -> str | None:
+    """The final answer of a GSM8k solution: the rest of the line after its last "####", without commas and
+    surrounding whitespace ("#### 1,000" -> "1000"); None if there is no "####"."""
+    if "####" not in text:
+        return None
+    return text.rsplit("####", 1)[1].split("\n", 1)[0].replace(",", "").strip()
+
+
+def gsm8k_reward(completion: str, answer: str) -> float:
+    """GSM8k's verifier (paper section 5.2): 1.0 when the completion's final answer is exactly the label's, else
+    0.0. Nothing else is normalised: "3.0" is not "3", and "−5" (Unicode minus) is not "-5"."""
+    predicted = gsm8k_answer(completion)
+    return float(bool(predicted) and predicted == gsm8k_answer(answer))
+
+
+def verify_completions(tokenizer, response_ids: torch.Tensor, response_mask: torch.Tensor, answers: list[str]) -> torch.Tensor:
+    """GSM8k rewards of a batch: each completion decoded without special tokens (its EOS dropped), checked against its label."""
+    texts = [tokenizer.decode(r[m.bool()].tolist(), skip_special_tokens=True) for r, m in zip(response_ids, response_mask)]
+    return torch.tensor([gsm8k_reward(text, answer) for text, answer in zip(texts, answers)], device=response_ids.device)
+
+
+@torch.no_grad()
+def reference_perplexities(model, query_ids, query_mask, response_ids, response_mask) -> torch.Tensor:
+    """Perplexity of each completion under `model` (the frozen reference policy, at temperature 1) over its own
+    tokens, EOS included and the prompt excluded: exp(-mean_t log pi_ref(y_t | x, y_<t)). The paper's KL proxy
+    (section 3.1) is the mean of these over the eval completions, as its evaluation code averages them."""
+    logprobs = response_logprobs(model, query_ids, query_mask, response_ids, response_mask, temperature=1.0)
+    return torch.exp(-logprobs.sum(1) / response_mask.sum(1).clamp(min=1))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -578,7 +658,8 @@ def generation_thread(
                 rollout_queue.put(rollout)
             else:
                 seeds = [args.seed + i for i in range(len(eval_prompts))]
-                responses, _ = generate(llm, eval_prompts, 1, args.temperature, args.response_length, eos_token_id, seeds)
+                temperature = 0.0 if args.task == "gsm8k" else args.temperature  # GSM8k's pass@1 is greedy (paper section 5.2)
+                responses, _ = generate(llm, eval_prompts, 1, temperature, args.response_length, eos_token_id, seeds)
                 eval_queue.put(EvalRollout(version, responses, time.perf_counter() - gen_start, gen_start))
     except SystemExit:
         pass
@@ -796,6 +877,18 @@ def write_atomically(path: str, text: str) -> None:
     os.replace(f"{path}.tmp", path)
 
 
+def write_eval_completions(output_dir: str, step: int, episode: int, prompts: list[str], completions: list[str], references: list[str]) -> str:
+    """<output_dir>/eval_completions/step_NNNNNN.jsonl, one row per eval prompt, for judges that run after
+    training (benchmark/llm_judge.py for No Robots). One file per evaluation: a resumed run that evaluates a
+    step again replaces that step's file."""
+    folder = os.path.join(output_dir, "eval_completions")
+    os.makedirs(folder, exist_ok=True)
+    rows = [{"step": step, "episode": episode, "prompt": p, "completion": c, "reference": r} for p, c, r in zip(prompts, completions, references)]
+    path = os.path.join(folder, f"step_{step:06d}.jsonl")
+    write_atomically(path, "".join(json.dumps(row) + "\n" for row in rows))
+    return path
+
+
 def injected_fault(where: str, step: int) -> bool:
     """Fault injection, used only by the tests: ASYNC_RLHF_TEST_FAULT=<where>:<step>."""
     return os.environ.get("ASYNC_RLHF_TEST_FAULT") == f"{where}:{step}"
@@ -816,12 +909,16 @@ if __name__ == "__main__":
         if args.resume and args.output_dir is None:
             raise UsageError("--resume needs --output_dir, the folder of the run to continue")
         checkpoint = checkpoint_to_resume(output_dir, args, sizes.world_size)
+        if args.task == "gsm8k" and args.gold_judge != "tiny":
+            raise UsageError(f"--gold_judge {args.gold_judge}: --task gsm8k is evaluated by its verifier (eval/pass@1), not by a gold reward model")
         check_model(args.sft_model_path, "--sft_model_path", args)
-        check_model(args.reward_model_path, "--reward_model_path", args)
+        if args.task != "gsm8k":  # GSM8k's verifier needs no reward model
+            check_model(args.reward_model_path, "--reward_model_path", args)
         tokenizer = load_tokenizer(args.sft_model_path, "--sft_model_path", args.trust_remote_code)
-        reward_tokenizer = load_tokenizer(args.reward_model_path, "--reward_model_path", args.trust_remote_code)
-        train = load_prompts(args.dataset_name, args.dataset_train_split, tokenizer, args.max_prompt_length)
-        evaluation = load_prompts(args.dataset_name, args.dataset_eval_split, tokenizer, args.max_prompt_length, args.num_eval_prompts)
+        reward_tokenizer = None if args.task == "gsm8k" else load_tokenizer(args.reward_model_path, "--reward_model_path", args.trust_remote_code)
+        task_flags = dict(task=args.task, config=args.dataset_config)
+        train = load_prompts(args.dataset_name, args.dataset_train_split, tokenizer, args.max_prompt_length, **task_flags)
+        evaluation = load_prompts(args.dataset_name, args.dataset_eval_split, tokenizer, args.max_prompt_length, args.num_eval_prompts, **task_flags)
         if len(train.token_ids) < sizes.batch_size:
             raise UsageError(f"{len(train.token_ids)} training prompts cannot fill one batch of {sizes.batch_size} prompts; lower the batch sizes")
     except UsageError as exc:
@@ -860,19 +957,20 @@ if __name__ == "__main__":
     model_kwargs = dict(trust_remote_code=args.trust_remote_code, use_safetensors=True)
     policy = AutoModelForCausalLM.from_pretrained(os.path.join(checkpoint, "policy") if checkpoint else args.sft_model_path, **model_kwargs)
     ref_policy = AutoModelForCausalLM.from_pretrained(args.sft_model_path, **model_kwargs)
-    reward_model = AutoModelForSequenceClassification.from_pretrained(args.reward_model_path, num_labels=1, **model_kwargs)
+    reward_model = None if args.task == "gsm8k" else AutoModelForSequenceClassification.from_pretrained(args.reward_model_path, num_labels=1, **model_kwargs)
     gold_model = gold_tokenizer = None
     if args.gold_judge != "tiny" and accelerator.is_main_process:
         gold_model = AutoModelForSequenceClassification.from_pretrained(args.gold_judge, num_labels=1, **model_kwargs).to(device).eval()
         gold_tokenizer = AutoTokenizer.from_pretrained(args.gold_judge, trust_remote_code=args.trust_remote_code)
-    for m in (policy, ref_policy, reward_model):
+    frozen = [m for m in (ref_policy, reward_model) if m is not None]  # GSM8k has no reward model
+    for m in (policy, *frozen):
         disable_dropout(m)
-    for m in (ref_policy, reward_model):
+    for m in frozen:
         m.to(device).eval().requires_grad_(False)
     optimizer = torch.optim.AdamW(policy.parameters(), lr=args.learning_rate, eps=args.adam_epsilon)
     model, optimizer = accelerator.prepare(policy, optimizer)
     # Stepped by hand once per optimizer update (accelerate's prepared scheduler would step per process).
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda update: 1.0 - update / sizes.num_updates)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda update: lr_factor(args.lr_schedule, update, sizes.num_updates))
     shuffle_rng = np.random.default_rng([args.seed, accelerator.process_index])
     if checkpoint:  # the trainer exactly as it was when the checkpoint was written
         optimizer.load_state_dict(optimizer_state_from_tensors(load_file(os.path.join(checkpoint, "optimizer.safetensors")), state["optimizer"]))
@@ -918,48 +1016,66 @@ if __name__ == "__main__":
             contain_eos.to(device),
         )
 
-    def decode_responses(response_ids, response_mask) -> list[str]:
-        return [tokenizer.decode(r[m.bool()].tolist(), skip_special_tokens=False) for r, m in zip(response_ids, response_mask)]
+    def decode_responses(response_ids, response_mask, skip_special_tokens: bool = False) -> list[str]:
+        return [tokenizer.decode(r[m.bool()].tolist(), skip_special_tokens=skip_special_tokens) for r, m in zip(response_ids, response_mask)]
+
+    def score(q_ids, q_mask, r_ids, r_mask, contain_eos, references: list[str]) -> torch.Tensor:
+        """Rewards of a batch. GSM8k: its verifier, with no missing-EOS penalty (the paper's table 10 has none, unlike
+        tables 4 and 7). Otherwise: the reward model on query + response, and a fixed score for a completion without EOS."""
+        if args.task == "gsm8k":
+            return verify_completions(tokenizer, r_ids, r_mask, references)
+        scores = score_completions(reward_model, reward_tokenizer, tokenizer, q_ids, q_mask, r_ids, r_mask, contain_eos, args.local_rollout_forward_batch_size)
+        return apply_missing_eos_penalty(scores, contain_eos, args.missing_eos_penalty)
 
     @torch.no_grad()
     def evaluate(rollout: EvalRollout) -> dict:
-        """Gold score and win rate against the references, proxy RM score, and the reference policy's
-        perplexity on the completions (prompt excluded): the paper's KL proxy."""
+        """One evaluation (README "Tasks"): the reference policy's perplexity on the completions (the paper's KL proxy),
+        their EOS rate and length; GSM8k's pass@1, or the proxy RM's score and, with a gold judge, the win rate against
+        the references. The completions also go to eval_completions/ for judges that run after training."""
         q_ids, q_mask, r_ids, r_mask, contain_eos = to_batch(evaluation.token_ids, rollout.responses, 1)
-        texts = decode_responses(r_ids, r_mask)
-        if gold_model is None:
-            policy_gold = [tiny_gold_score(q, t) for q, t in zip(evaluation.queries, texts)]
-            reference_gold = [tiny_gold_score(q, t) for q, t in zip(evaluation.queries, evaluation.references)]
-        else:
-            bs = args.local_rollout_forward_batch_size
-            policy_gold = score_texts(gold_model, gold_tokenizer, [q + t for q, t in zip(evaluation.queries, texts)], bs, device).tolist()
-            reference_gold = score_texts(gold_model, gold_tokenizer, [q + t for q, t in zip(evaluation.queries, evaluation.references)], bs, device).tolist()
-        nll, tokens, rm_scores = 0.0, 0, []
+        texts = decode_responses(r_ids, r_mask)  # with the EOS, as the gold judge reads a completion that stopped
         bs = args.local_rollout_forward_batch_size
-        for i in range(0, len(q_ids), bs):
-            part = slice(i, i + bs)
-            logprobs = response_logprobs(ref_policy, q_ids[part], q_mask[part], r_ids[part], r_mask[part], temperature=1.0)
-            nll -= logprobs.sum().item()
-            tokens += r_mask[part].sum().item()
-            scores = score_completions(reward_model, reward_tokenizer, tokenizer, q_ids[part], q_mask[part], r_ids[part], r_mask[part], contain_eos[part], bs)
-            rm_scores.append(apply_missing_eos_penalty(scores, contain_eos[part], args.missing_eos_penalty))
+        parts = [slice(i, i + bs) for i in range(0, len(q_ids), bs)]
+        metrics, extras = {}, {}  # extras: columns of the sample table
+        if (args.task == "tiny" and args.gold_judge == "tiny") or gold_model is not None:
+            references = evaluation.references
+            if gold_model is None:
+                policy_gold = [tiny_gold_score(q, t) for q, t in zip(evaluation.queries, texts)]
+                reference_gold = [tiny_gold_score(q, r) for q, r in zip(evaluation.queries, references)]
+            else:
+                if args.task == "no_robots":  # a human answer ends as a completion that stopped does (TLDR's references carry their EOS)
+                    references = [r + tokenizer.eos_token for r in references]
+                policy_gold = score_texts(gold_model, gold_tokenizer, [q + t for q, t in zip(evaluation.queries, texts)], bs, device).tolist()
+                reference_gold = score_texts(gold_model, gold_tokenizer, [q + r for q, r in zip(evaluation.queries, references)], bs, device).tolist()
+            metrics["eval/gold_score"] = float(np.mean(policy_gold))
+            metrics["eval/win_rate"] = float(np.mean(win_rates(policy_gold, reference_gold)))
+            extras = {"gold": [round(g, 3) for g in policy_gold], "reference_gold": [round(g, 3) for g in reference_gold]}
+        if args.task == "gsm8k":
+            correct = verify_completions(tokenizer, r_ids, r_mask, evaluation.references)
+            metrics["eval/pass@1"] = correct.mean().item()
+            extras = {"correct": correct.tolist()}
+        perplexities = torch.cat([reference_perplexities(ref_policy, q_ids[p], q_mask[p], r_ids[p], r_mask[p]) for p in parts])
+        metrics["eval/ref_perplexity"] = perplexities.mean().item()
+        if reward_model is not None:
+            rm_scores = [score_completions(reward_model, reward_tokenizer, tokenizer, q_ids[p], q_mask[p], r_ids[p], r_mask[p], contain_eos[p], bs) for p in parts]
+            metrics["eval/scores"] = apply_missing_eos_penalty(torch.cat(rm_scores), contain_eos, args.missing_eos_penalty).mean().item()
+        metrics["eval/num_eos_tokens"] = contain_eos.float().mean().item()
+        metrics["eval/response_length"] = r_mask.sum(1).float().mean().item()
+        metrics["time/eval_generation"] = rollout.generation_time
+        metrics["timeline/eval_generation_start"] = rollout.generation_start - run_start
+        episode = rollout.version * sizes.episodes_per_step
+        completions = decode_responses(r_ids, r_mask, skip_special_tokens=True)
+        write_eval_completions(output_dir, rollout.version, episode, evaluation.queries, completions, evaluation.references)
         rows = [
-            {"query": q, "response": t, "gold": round(g, 3), "reference": r, "reference_gold": round(rg, 3)}
-            for q, t, g, r, rg in list(zip(evaluation.queries, texts, policy_gold, evaluation.references, reference_gold))[: args.num_sample_completions]
+            {"query": q, "response": t, "reference": r, **{k: v[i] for k, v in extras.items()}}
+            for i, (q, t, r) in enumerate(zip(evaluation.queries[: args.num_sample_completions], texts, evaluation.references))
         ]
-        logger.log_samples(rollout.version, rollout.version * sizes.episodes_per_step, rows)
+        logger.log_samples(rollout.version, episode, rows)
         for row in rows:
-            print(f"  [step {rollout.version}] {row['query']!r} -> {row['response']!r} (gold {row['gold']}, reference {row['reference']!r} gold {row['reference_gold']})")
-        return {
-            "eval/gold_score": float(np.mean(policy_gold)),
-            "eval/win_rate": float(np.mean(win_rates(policy_gold, reference_gold))),
-            "eval/ref_ppl": math.exp(nll / max(tokens, 1)),
-            "eval/scores": torch.cat(rm_scores).mean().item(),
-            "eval/num_eos_tokens": contain_eos.float().mean().item(),
-            "eval/response_length": r_mask.sum(1).float().mean().item(),
-            "time/eval_generation": rollout.generation_time,
-            "timeline/eval_generation_start": rollout.generation_start - run_start,
-        }
+            query = row["query"] if len(row["query"]) <= 80 else "..." + row["query"][-77:]  # the end of a long prompt: what the completion follows
+            details = ", ".join(f"{k} {v!r}" for k, v in row.items() if k not in ("query", "response"))
+            print(f"  [step {rollout.version}] {query!r} -> {row['response']!r} ({details})")
+        return metrics
 
     def log_eval(rollout: EvalRollout) -> None:
         metrics = {"step": rollout.version, "episode": rollout.version * sizes.episodes_per_step, **evaluate(rollout)}
@@ -1054,9 +1170,9 @@ if __name__ == "__main__":
             q_ids, q_mask, r_ids, r_mask, contain_eos = to_batch([train.token_ids[i] for i in local_indices], local_responses, args.rloo_k)
             engine_logprobs = pad_logprobs(rollout.logprobs[local.start * args.rloo_k : local.stop * args.rloo_k], args.response_length, r_mask).to(device)
 
-            # 2. score: reward model on query + response, fixed score without EOS
-            scores = score_completions(reward_model, reward_tokenizer, tokenizer, q_ids, q_mask, r_ids, r_mask, contain_eos, args.local_rollout_forward_batch_size)
-            scores = apply_missing_eos_penalty(scores, contain_eos, args.missing_eos_penalty)
+            # 2. score: the reward model on query + response with a fixed score without EOS, or GSM8k's verifier
+            references = [train.references[i] for i in local_indices for _ in range(len(local_responses) // len(local_indices))]
+            scores = score(q_ids, q_mask, r_ids, r_mask, contain_eos, references)
             if injected_fault("scoring", step):
                 raise RuntimeError(f"injected test fault in reward scoring at step {step} (time {time.time():.2f})")
             score_time = time.perf_counter() - train_start

@@ -57,6 +57,67 @@ def read_metrics(output_dir: Path) -> tuple[list[dict], list[dict]]:
     return [m for m in lines if "async/lag" in m], sorted((m for m in lines if "eval/win_rate" in m), key=lambda m: m["step"])
 
 
+# A whole run small enough for the tests: 256 episodes in micro-batches of 8 prompts, evaluated every 4 steps.
+SMALL_RUN = ["--total_episodes", "256", "--local_micro_batch_size", "8", "--eval_freq", "4", "--num_eval_prompts", "32"]
+COMMON_STEP_KEYS = (
+    "episode", "lr", "objective/scores", "objective/kl", "objective/entropy", "objective/non_score_reward", "objective/rlhf_reward",
+    "val/num_eos_tokens", "loss/policy", "async/lag", "async/version", "time/generation", "time/weight_sync", "time/generator_wait",
+    "time/wait_for_rollouts", "time/scoring", "time/reference", "time/update", "time/training", "time/step",
+    "throughput/episodes_per_second", "throughput/tokens_per_second", "timeline/step_start", "timeline/training_start",
+    "timeline/generation_start", "timeline/weight_sync_start",
+)
+POLICY_GRADIENT_KEYS = (
+    "policy/approxkl", "policy/clipfrac", "policy/ratio_mean", "policy/ratio_max", "policy/ratio_min", "policy/engine_logprob_diff",
+    "policy/engine_kl", "time/old_logprobs",
+)
+STEP_KEYS = {  # what every training line of each script holds
+    "online_dpo_async.py": (*COMMON_STEP_KEYS, "logps/chosen", "logps/rejected", "rewards/accuracies", "rewards/margins", "val/tied_pairs"),
+    "rloo_async.py": (*COMMON_STEP_KEYS, *POLICY_GRADIENT_KEYS),
+    "ppo_async.py": (*COMMON_STEP_KEYS, *POLICY_GRADIENT_KEYS, "objective/kl_coef", "loss/value", "policy/entropy", "val/clipfrac",
+                     "val/value_error", "val/explained_variance"),
+}
+
+
+def check_run(output_dir: Path, script: str) -> tuple[dict, list[dict], list[dict]]:
+    """After a finished run: every step logged once with all its keys finite; the lag invariant (the batch
+    of step n comes from policy version max(0, n - k)); evaluations where --eval_freq puts them; the final
+    episode count and policy. Returns args.json, the training lines and the evaluation lines."""
+    import math
+
+    args = json.loads((Path(output_dir) / "args.json").read_text())
+    train, evals = read_metrics(output_dir)
+    k, num_steps = args["async_level"], args["num_steps"]
+    assert [m["step"] for m in train] == list(range(num_steps))
+    assert [m["async/lag"] for m in train] == [min(m["step"], k) for m in train]
+    assert all(m["async/version"] == max(0, m["step"] - k) for m in train)
+    assert [e["step"] for e in evals] == sorted({0, num_steps, *range(0, num_steps, args["eval_freq"] or num_steps)})
+    for m in train:
+        for key in STEP_KEYS[script]:
+            assert key in m and math.isfinite(m[key]), (m["step"], key)
+    for e in evals:
+        assert all(math.isfinite(v) for v in e.values() if isinstance(v, float)), e
+    assert train[-1]["episode"] == args["total_episodes"]
+    assert (Path(output_dir) / "policy" / "model.safetensors").exists()
+    return args, train, evals
+
+
+SHARED_RUNS: dict[tuple, Path] = {}
+
+
+def shared_run(argv: list[str], env: dict | None = None) -> Path:
+    """Run a command (without --output_dir) once per test session and return its output folder: tests
+    that check different things of the same run (a README example and a run test, a reference run of
+    several resume tests) share it."""
+    import tempfile
+
+    key = (*argv, *sorted((env or {}).items()))
+    if key not in SHARED_RUNS:
+        output_dir = Path(tempfile.mkdtemp(prefix="shared-run-"))
+        run_script([*argv, "--output_dir", str(output_dir)], env=env)
+        SHARED_RUNS[key] = output_dir
+    return SHARED_RUNS[key]
+
+
 def assert_default_run_learns(script: str, output_dir: Path) -> None:
     """`python <script>` with no flags but the output folder: the tiny task visibly learns."""
     import time
@@ -65,7 +126,7 @@ def assert_default_run_learns(script: str, output_dir: Path) -> None:
     run_script([sys.executable, script, "--output_dir", str(output_dir)], timeout=900)
     print(f"{script} default run took {time.perf_counter() - start:.0f} s")
     train, evals = read_metrics(output_dir)
-    print("win rate", [round(e["eval/win_rate"], 3) for e in evals], "ref ppl", [round(e["eval/ref_ppl"], 3) for e in evals])
+    print("win rate", [round(e["eval/win_rate"], 3) for e in evals], "ref perplexity", [round(e["eval/ref_perplexity"], 3) for e in evals])
     assert evals[-1]["eval/win_rate"] >= evals[0]["eval/win_rate"] + 0.10
     assert evals[-1]["eval/gold_score"] > evals[0]["eval/gold_score"]
     assert any((output_dir / "tensorboard").iterdir())
@@ -108,22 +169,17 @@ def start_and_stop(argv: list[str], output_dir: Path, after_steps: int, sig: int
         proc.kill()
 
 
-REFERENCE_RUNS: dict[tuple, Path] = {}
-
-
-def assert_resumed_run_matches(script: str, flags: list[str], tmp_path: Path, stop_after: int, sig: int) -> Path:
+def assert_resumed_run_matches(script: str, flags: list[str], tmp_path: Path, stop_after: int, sig: int) -> tuple[Path, Path]:
     """A run stopped by `sig` after `stop_after` steps and resumed with --resume ends with the same
-    metrics.jsonl (wall-clock figures aside) and the same final policy as an uninterrupted run."""
+    metrics.jsonl (wall-clock figures aside) and the same final policy as an uninterrupted run.
+    Returns the resumed run's folder and the uninterrupted one's."""
     import signal
 
     import torch
     from safetensors.torch import load_file
 
     interrupted = tmp_path / "interrupted"
-    reference = REFERENCE_RUNS.get((script, *flags))
-    if reference is None:  # one uninterrupted run per script and flags serves every test of this session
-        reference = REFERENCE_RUNS[(script, *flags)] = tmp_path / "reference"
-        run_script([sys.executable, script, *flags, "--output_dir", str(reference)])
+    reference = shared_run([sys.executable, script, *flags])
     argv = [sys.executable, script, *flags, "--output_dir", str(interrupted)]
     code, output = start_and_stop(argv, interrupted, stop_after, sig)
     assert code == (-signal.SIGKILL if sig == signal.SIGKILL else 128 + sig), output[-4000:]
@@ -133,7 +189,7 @@ def assert_resumed_run_matches(script: str, flags: list[str], tmp_path: Path, st
     assert training_lines_without_timings(interrupted) == training_lines_without_timings(reference)
     final, expected = load_file(interrupted / "policy" / "model.safetensors"), load_file(reference / "policy" / "model.safetensors")
     assert all(torch.equal(final[k], expected[k]) for k in expected)
-    return interrupted
+    return interrupted, reference
 
 
 def run_tracking_children(argv: list[str], env: dict | None = None, timeout: float = 300) -> tuple[int, str, list, float]:

@@ -3,19 +3,17 @@ flag list in the README and `--help` name every field of Args."""
 
 import dataclasses
 import importlib
-import json
 import re
 import shlex
 import sys
 import time
 
 import pytest
-from conftest import ROOT, read_metrics, run_script
+from conftest import ROOT, SMALL_RUN, check_run, run_script, shared_run
 
 import online_dpo_async as dpo
 
 README = (ROOT / "README.md").read_text()
-TINY_OVERRIDES = ["--total_episodes", "256", "--local_micro_batch_size", "8", "--eval_freq", "4", "--num_eval_prompts", "32"]
 
 
 def block(marker: str) -> list[str]:
@@ -39,16 +37,6 @@ def to_argv(command: str) -> tuple[dict, list[str]]:
     return env, words
 
 
-def check_run(output_dir, async_level: int, eval_freq: int):
-    args = json.loads((output_dir / "args.json").read_text())
-    train, evals = read_metrics(output_dir)
-    assert [m["step"] for m in train] == list(range(args["num_steps"]))
-    assert [m["async/lag"] for m in train] == [min(m["step"], async_level) for m in train]
-    assert [e["step"] for e in evals] == sorted({0, args["num_steps"], *range(0, args["num_steps"], eval_freq)})
-    assert all(m["loss/policy"] == m["loss/policy"] for m in train)  # no NaN
-    return args, train, evals
-
-
 def test_quickstart_run_command_learns(tmp_path):
     """The README's first command, unchanged but for the output folder: the default tiny run."""
     command = block("run-command")[0].split("&&")[-1].strip()
@@ -57,8 +45,8 @@ def test_quickstart_run_command_learns(tmp_path):
     start = time.perf_counter()
     run_script(argv + ["--output_dir", str(tmp_path)], timeout=900, env=env)
     print(f"default run took {time.perf_counter() - start:.0f} s")
-    args, train, evals = check_run(tmp_path, async_level=1, eval_freq=dpo.Args.eval_freq)
-    print("win rate", [round(e["eval/win_rate"], 3) for e in evals], "ref ppl", [round(e["eval/ref_ppl"], 3) for e in evals])
+    args, train, evals = check_run(tmp_path, "online_dpo_async.py")
+    print("win rate", [round(e["eval/win_rate"], 3) for e in evals], "ref perplexity", [round(e["eval/ref_perplexity"], 3) for e in evals])
     assert evals[-1]["eval/win_rate"] >= evals[0]["eval/win_rate"] + 0.10
     assert evals[-1]["eval/gold_score"] > evals[0]["eval/gold_score"]
     for key in ("episode", "lr", "objective/scores", "objective/kl", "objective/entropy", "objective/rlhf_reward", "val/num_eos_tokens",
@@ -71,11 +59,11 @@ def test_quickstart_run_command_learns(tmp_path):
 
 
 @pytest.mark.parametrize("command", block("cpu-examples"))
-def test_cpu_example_commands_run(command, tmp_path):
+def test_cpu_example_commands_run(command):
+    """Each CPU example with SMALL_RUN's sizes (the run tests of rloo_async.py and ppo_async.py share the runs of their plain examples)."""
     env, argv = to_argv(command)
-    run_script(argv + TINY_OVERRIDES + ["--output_dir", str(tmp_path)], env=env)
-    args = json.loads((tmp_path / "args.json").read_text())
-    check_run(tmp_path, async_level=args["async_level"], eval_freq=4)
+    script = next(word for word in argv if word.endswith("_async.py"))
+    args, _, _ = check_run(shared_run(argv + SMALL_RUN, env), script)
     if "cpu_2proc" in command:
         assert args["world_size"] == 2 and args["batch_size"] == 16
 

@@ -6,7 +6,7 @@ import signal
 
 import psutil
 import pytest
-from conftest import assert_resumed_run_matches, read_metrics, run_with_fault
+from conftest import SMALL_RUN, assert_resumed_run_matches, read_metrics, run_with_fault
 
 SCRIPTS = ["online_dpo_async.py", "rloo_async.py", "ppo_async.py"]
 SMALL = ["--total_episodes", "512", "--local_micro_batch_size", "8", "--eval_freq", "4", "--num_eval_prompts", "32"]
@@ -36,19 +36,21 @@ def test_a_nan_loss_stops_the_run_and_keeps_the_last_good_checkpoint(script, tmp
 
 
 RESUMABLE = [*SMALL, "--save_freq", "5", "--async_level", "2"]
+# PPO's with its own resume state in play (value model, adaptive KL, engine logprobs): test_ppo_resume.py shares the reference run
+PPO_RESUMABLE = [*SMALL_RUN, "--save_freq", "5", "--async_level", "2", "--adaptive_kl", "--kl_target", "0.1", "--old_logprobs", "engine"]
 
 
 @pytest.mark.parametrize("script", SCRIPTS)
 def test_a_run_killed_mid_way_resumes_exactly(script, tmp_path):
     """SIGKILL to the trainer and its engine after step 12; the run resumes from its step-10 checkpoint.
     async_level 2: the checkpoint must carry the two older policy versions the generator still owes batches from."""
-    run = assert_resumed_run_matches(script, RESUMABLE, tmp_path, stop_after=12, sig=signal.SIGKILL)
+    run, _ = assert_resumed_run_matches(script, PPO_RESUMABLE if script == "ppo_async.py" else RESUMABLE, tmp_path, stop_after=12, sig=signal.SIGKILL)
     num_steps = json.loads((run / "args.json").read_text())["num_steps"]
     assert sorted(p.name for p in (run / "checkpoints").glob("step_*")) == [f"step_{s:06d}" for s in range(5, num_steps, 5)]
 
 
 def test_sigterm_writes_a_checkpoint_at_the_step_boundary_and_resumes_exactly(tmp_path):
     """Pre-emption: SIGTERM to the trainer only; it finishes its step, checkpoints, exits with 143."""
-    run = assert_resumed_run_matches("online_dpo_async.py", RESUMABLE, tmp_path, stop_after=7, sig=signal.SIGTERM)
+    run, _ = assert_resumed_run_matches("online_dpo_async.py", RESUMABLE, tmp_path, stop_after=7, sig=signal.SIGTERM)
     steps = sorted(json.loads(p.read_text())["step"] for p in (run / "checkpoints").glob("step_*/trainer_state.json"))
     assert steps[0] == 5 and 7 <= steps[1] < 10  # the --save_freq one, then the one written on SIGTERM

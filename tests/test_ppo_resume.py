@@ -4,18 +4,14 @@ value parameters. A run stopped with SIGTERM and resumed matches an uninterrupte
 import json
 import signal
 
-import conftest
 import torch
 from conftest import assert_resumed_run_matches
 from safetensors.torch import load_file
-
-SMALL = ["--total_episodes", "256", "--local_micro_batch_size", "8", "--eval_freq", "4", "--num_eval_prompts", "32"]
+from test_faults_and_resume import PPO_RESUMABLE
 
 
 def test_sigterm_and_resume_restore_the_value_model_and_the_kl_coefficient(tmp_path):
-    flags = [*SMALL, "--save_freq", "5", "--async_level", "2", "--adaptive_kl", "--kl_target", "0.1", "--old_logprobs", "engine"]
-    run = assert_resumed_run_matches("ppo_async.py", flags, tmp_path, stop_after=7, sig=signal.SIGTERM)
-    reference = conftest.REFERENCE_RUNS[("ppo_async.py", *flags)]
+    run, reference = assert_resumed_run_matches("ppo_async.py", PPO_RESUMABLE, tmp_path, stop_after=7, sig=signal.SIGTERM)
     last = sorted(p.name for p in (reference / "checkpoints").glob("step_*"))[-1]
     assert last == "step_000030" and (run / "checkpoints" / last).is_dir()
     steps = sorted(json.loads(p.read_text())["step"] for p in (run / "checkpoints").glob("step_*/trainer_state.json"))

@@ -1,46 +1,19 @@
 """ppo_async.py end to end, as a user runs it (subprocesses, real engine, tiny task)."""
 
-import json
-import math
 import sys
 
-from conftest import assert_default_run_learns, read_metrics, run_script
+from conftest import SMALL_RUN, assert_default_run_learns, check_run, run_script, shared_run
 
 import ppo_async as ppo
 
 PYTHON = sys.executable
-TINY_OVERRIDES = ["--total_episodes", "256", "--local_micro_batch_size", "8", "--eval_freq", "4", "--num_eval_prompts", "32"]
-STEP_KEYS = (
-    "episode", "lr", "objective/scores", "objective/kl", "objective/entropy", "objective/non_score_reward", "objective/rlhf_reward",
-    "objective/kl_coef", "val/num_eos_tokens", "loss/policy", "loss/value", "policy/approxkl", "policy/clipfrac", "policy/entropy",
-    "policy/ratio_mean", "policy/ratio_max", "policy/ratio_min", "val/clipfrac", "val/value_error", "val/explained_variance",
-    "policy/engine_logprob_diff", "policy/engine_kl", "async/lag", "async/version", "time/generation", "time/weight_sync",
-    "time/generator_wait", "time/wait_for_rollouts", "time/scoring", "time/old_logprobs", "time/reference", "time/update",
-    "time/training", "time/step", "throughput/episodes_per_second", "throughput/tokens_per_second",
-)
 
 
-def check_run(output_dir, async_level: int, eval_freq: int):
-    args = json.loads((output_dir / "args.json").read_text())
-    train, evals = read_metrics(output_dir)
-    assert [m["step"] for m in train] == list(range(args["num_steps"]))
-    assert [m["async/lag"] for m in train] == [min(m["step"], async_level) for m in train]
-    assert all(m["async/version"] == max(0, m["step"] - async_level) for m in train)
-    assert [e["step"] for e in evals] == sorted({0, args["num_steps"], *range(0, args["num_steps"], eval_freq)})
-    for m in train:
-        for key in STEP_KEYS:
-            assert key in m and math.isfinite(m[key]), (m["step"], key)
-    for e in evals:
-        assert all(math.isfinite(v) for v in e.values() if isinstance(v, float))
-    assert train[-1]["episode"] == args["total_episodes"]
-    assert (output_dir / "policy" / "model.safetensors").exists()
-    return args, train, evals
-
-
-def test_async_1_keeps_the_lag_invariant_and_the_on_policy_ratio(tmp_path):
-    run_script([PYTHON, "ppo_async.py", "--async_level", "1", *TINY_OVERRIDES, "--output_dir", str(tmp_path)])
-    args, train, _ = check_run(tmp_path, async_level=1, eval_freq=4)
-    assert args["episodes_per_step"] == 8 and args["num_steps"] == 32
+def test_async_1_keeps_the_lag_invariant_and_the_on_policy_ratio():
+    """The README's `ppo_async.py` example (its test in test_docs.py shares this run)."""
+    output_dir = shared_run([PYTHON, "ppo_async.py", *SMALL_RUN])
+    args, train, _ = check_run(output_dir, "ppo_async.py")
+    assert args["async_level"] == 1 and args["episodes_per_step"] == 8 and args["num_steps"] == 32
     # one mini-batch, one epoch: the only update meets the data with old logprobs and values from the same weights
     for m in train:
         assert m["policy/clipfrac"] == 0.0 and m["val/clipfrac"] == 0.0
@@ -50,13 +23,13 @@ def test_async_1_keeps_the_lag_invariant_and_the_on_policy_ratio(tmp_path):
     # the saved policy is the causal LM alone, under the names transformers and vLLM expect
     from transformers import AutoModelForCausalLM
 
-    AutoModelForCausalLM.from_pretrained(tmp_path / "policy")
+    AutoModelForCausalLM.from_pretrained(output_dir / "policy")
 
 
 def test_engine_logprobs_with_truncated_importance_weights_at_async_2(tmp_path):
     run_script([PYTHON, "ppo_async.py", "--old_logprobs", "engine", "--async_level", "2", "--num_mini_batches", "2",
-                "--adaptive_kl", "--kl_target", "0.1", *TINY_OVERRIDES, "--output_dir", str(tmp_path)])
-    args, train, _ = check_run(tmp_path, async_level=2, eval_freq=4)
+                "--adaptive_kl", "--kl_target", "0.1", *SMALL_RUN, "--output_dir", str(tmp_path)])
+    args, train, _ = check_run(tmp_path, "ppo_async.py")
     assert args["old_logprobs"] == "engine" and args["num_steps"] == 16
     diffs = [m["policy/engine_logprob_diff"] for m in train]
     print("engine vs trainer |logprob diff| per token:", [f"{d:.1e}" for d in diffs])
@@ -77,5 +50,5 @@ def test_engine_logprobs_with_truncated_importance_weights_at_async_2(tmp_path):
 
 def test_default_run_learns(tmp_path):
     assert_default_run_learns("ppo_async.py", tmp_path)
-    args, train, evals = check_run(tmp_path, async_level=1, eval_freq=ppo.Args.eval_freq)
+    args, train, evals = check_run(tmp_path, "ppo_async.py")
     assert train[-1]["episode"] == ppo.Args.total_episodes

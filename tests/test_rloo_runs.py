@@ -1,44 +1,19 @@
 """rloo_async.py end to end, as a user runs it (subprocesses, real engine, tiny task)."""
 
-import json
-import math
 import sys
 
 import torch
-from conftest import assert_default_run_learns, read_metrics, run_script
+from conftest import SMALL_RUN, assert_default_run_learns, check_run, run_script, shared_run
 
 import rloo_async as rloo
 
 PYTHON = sys.executable
-TINY_OVERRIDES = ["--total_episodes", "512", "--local_micro_batch_size", "8", "--eval_freq", "4", "--num_eval_prompts", "32"]
-STEP_KEYS = (
-    "episode", "lr", "objective/scores", "objective/kl", "objective/entropy", "objective/non_score_reward", "objective/rlhf_reward",
-    "val/num_eos_tokens", "loss/policy", "policy/approxkl", "policy/clipfrac", "policy/ratio_mean", "policy/ratio_max",
-    "policy/ratio_min", "policy/engine_logprob_diff", "policy/engine_kl", "async/lag", "async/version", "time/generation",
-    "time/weight_sync", "time/generator_wait", "time/wait_for_rollouts", "time/scoring", "time/old_logprobs", "time/reference",
-    "time/update", "time/training", "time/step", "throughput/episodes_per_second", "throughput/tokens_per_second",
-)
 
 
-def check_run(output_dir, async_level: int, eval_freq: int):
-    args = json.loads((output_dir / "args.json").read_text())
-    train, evals = read_metrics(output_dir)
-    assert [m["step"] for m in train] == list(range(args["num_steps"]))
-    assert [m["async/lag"] for m in train] == [min(m["step"], async_level) for m in train]
-    assert all(m["async/version"] == max(0, m["step"] - async_level) for m in train)
-    assert [e["step"] for e in evals] == sorted({0, args["num_steps"], *range(0, args["num_steps"], eval_freq)})
-    for m in train:
-        for key in STEP_KEYS:
-            assert key in m and math.isfinite(m[key]), (m["step"], key)
-    assert train[-1]["episode"] == args["total_episodes"]
-    assert (output_dir / "policy" / "model.safetensors").exists()
-    return args, train, evals
-
-
-def test_async_1_keeps_the_lag_invariant_and_the_on_policy_ratio(tmp_path):
-    run_script([PYTHON, "rloo_async.py", "--async_level", "1", *TINY_OVERRIDES, "--output_dir", str(tmp_path)])
-    args, train, _ = check_run(tmp_path, async_level=1, eval_freq=4)
-    assert args["episodes_per_step"] == 8 * 2 and args["num_steps"] == 32
+def test_async_1_keeps_the_lag_invariant_and_the_on_policy_ratio():
+    """The README's `rloo_async.py` example (its test in test_docs.py shares this run)."""
+    args, train, _ = check_run(shared_run([PYTHON, "rloo_async.py", *SMALL_RUN]), "rloo_async.py")
+    assert args["async_level"] == 1 and args["episodes_per_step"] == 8 * 2 and args["num_steps"] == 16
     # one mini-batch, one epoch: the only update meets the data with old logprobs from the same weights
     for m in train:
         assert m["policy/clipfrac"] == 0.0
@@ -48,9 +23,9 @@ def test_async_1_keeps_the_lag_invariant_and_the_on_policy_ratio(tmp_path):
 
 def test_engine_logprobs_with_truncated_importance_weights_at_async_2(tmp_path):
     run_script([PYTHON, "rloo_async.py", "--old_logprobs", "engine", "--async_level", "2", "--num_mini_batches", "2",
-                *TINY_OVERRIDES, "--output_dir", str(tmp_path)])
-    args, train, _ = check_run(tmp_path, async_level=2, eval_freq=4)
-    assert args["old_logprobs"] == "engine" and args["num_steps"] == 16
+                *SMALL_RUN, "--output_dir", str(tmp_path)])
+    args, train, _ = check_run(tmp_path, "rloo_async.py")
+    assert args["old_logprobs"] == "engine" and args["num_steps"] == 8
     diffs = [m["policy/engine_logprob_diff"] for m in train]
     print("engine vs trainer |logprob diff| per token:", [f"{d:.1e}" for d in diffs])
     # Step 0 (lag 0): engine and trainer hold the same float32 weights, so only numerics differ.
@@ -93,5 +68,5 @@ def test_engine_logprobs_are_the_trainers_after_temperature(tokenizer):
 
 def test_default_run_learns(tmp_path):
     assert_default_run_learns("rloo_async.py", tmp_path)
-    args, train, evals = check_run(tmp_path, async_level=1, eval_freq=rloo.Args.eval_freq)
+    args, train, evals = check_run(tmp_path, "rloo_async.py")
     assert train[-1]["episode"] == rloo.Args.total_episodes

@@ -3,6 +3,8 @@
 The task mirrors the paper's controlled TLDR setup in miniature: an SFT policy trained on noisy
 demonstrations, a proxy reward model trained on pairs labelled by a gold judge, and the gold judge
 itself (`tiny_gold_score`), used only for evaluation (win rate against noisy, human-like references).
+The two models are trained by the `train` functions of benchmark/train_sft.py and
+benchmark/train_reward.py, the scripts that also train No Robots' SFT policy and reward model.
 
     python benchmark/tiny_task/build.py            # ~6 min on 2 CPU cores, writes next to this file
     python benchmark/tiny_task/build.py --quick --out_dir /tmp/tiny   # < 1 min smoke test
@@ -10,16 +12,20 @@ itself (`tiny_gold_score`), used only for evaluation (win rate against noisy, hu
 
 import argparse
 import json
-import math
 import os
 import random
-import shutil
+import sys
 import time
+from pathlib import Path
 
 import torch
-import torch.nn.functional as F
+from accelerate import Accelerator
 from tokenizers import Tokenizer, models, pre_tokenizers, processors
 from transformers import LlamaConfig, LlamaForCausalLM, LlamaForSequenceClassification, PreTrainedTokenizerFast
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import train_reward  # noqa: E402  (benchmark/: the training scripts the tiny task's models come from)
+import train_sft  # noqa: E402
 
 # three-letter animals; many share a first letter, which the "first_letter" sorters get wrong
 WORDS = "ant ape asp bat bee boa cat cod cow doe dog eel elk emu fox yak".split()
@@ -118,54 +124,13 @@ def make_tokenizer() -> PreTrainedTokenizerFast:
     )
 
 
-def encode(tokenizer, queries: list[str], responses: list[str]):
+def encode(tokenizer, queries: list[str], responses: list[str]) -> train_sft.Encoded:
     """Layout used by the RLHF scripts: query left-padded to MAX_PROMPT_LENGTH, then the response
-    right-padded to RESPONSE_LENGTH. Returns input_ids, attention_mask, and a mask of response tokens."""
-    pad = tokenizer.pad_token_id
-    q = tokenizer(queries, padding="max_length", max_length=MAX_PROMPT_LENGTH, return_tensors="pt")
-    r = torch.full((len(responses), RESPONSE_LENGTH), pad)
-    for i, text in enumerate(responses):
-        ids = tokenizer(text, add_special_tokens=False)["input_ids"][:RESPONSE_LENGTH]
-        r[i, : len(ids)] = torch.tensor(ids, dtype=torch.long)
-    input_ids = torch.cat([q["input_ids"], r], 1)
-    response_mask = torch.cat([torch.zeros_like(q["input_ids"]), (r != pad).long()], 1)
-    attention_mask = torch.cat([q["attention_mask"], (r != pad).long()], 1)
-    return input_ids, attention_mask, response_mask
-
-
-def position_ids(attention_mask: torch.Tensor) -> torch.Tensor:
-    return attention_mask.cumsum(1) - attention_mask  # cumsum - 1 on real tokens, 0 on left pads
-
-
-def lr_at(step: int, total: int, lr: float, warmup: int = 50) -> float:
-    return lr * min(1.0, (step + 1) / warmup) * 0.5 * (1 + math.cos(math.pi * step / total))
-
-
-def optimizer_step(opt, model, loss, lr: float) -> None:
-    for group in opt.param_groups:
-        group["lr"] = lr
-    opt.zero_grad()
-    loss.backward()
-    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-    opt.step()
-
-
-# ---------------------------------------------------------------- SFT policy
-def train_sft(model, tokenizer, queries, responses, steps: int, batch_size: int, lr: float, seed: int):
-    g = torch.Generator().manual_seed(seed)
-    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
-    input_ids, attention_mask, response_mask = encode(tokenizer, queries, responses)
-    model.train()
-    for step in range(steps):
-        idx = torch.randint(len(queries), (batch_size,), generator=g)
-        ids, mask, resp = input_ids[idx], attention_mask[idx], response_mask[idx]
-        logits = model(input_ids=ids, attention_mask=mask, position_ids=position_ids(mask)).logits
-        nll = F.cross_entropy(logits[:, :-1].flatten(0, 1), ids[:, 1:].flatten(), reduction="none")
-        loss = (nll * resp[:, 1:].flatten()).sum() / resp[:, 1:].sum()
-        optimizer_step(opt, model, loss, lr_at(step, steps, lr))
-        if step % 200 == 0 or step == steps - 1:
-            print(f"  sft step {step:5d}  loss {loss.item():.4f}", flush=True)
-    model.eval()
+    right-padded to RESPONSE_LENGTH. No EOS is appended: a response string already ends with "</s>"
+    exactly when it stopped."""
+    prompt_ids = train_sft.encode_prompts(tokenizer, queries)
+    response_ids = train_sft.encode_completions(tokenizer, responses, append_eos=False)
+    return train_sft.pad_rows(prompt_ids, response_ids, MAX_PROMPT_LENGTH, RESPONSE_LENGTH, tokenizer.pad_token_id)
 
 
 @torch.no_grad()
@@ -192,20 +157,13 @@ def generate(model, tokenizer, queries: list[str], temperature: float, seed: int
 
 
 # ---------------------------------------------------------------- proxy reward model
-def rm_score(rm, input_ids, attention_mask) -> torch.Tensor:
-    """Score = head output at the last real (non-pad) token of query+response."""
-    hidden = rm.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids(attention_mask)).last_hidden_state
-    last = (attention_mask * torch.arange(attention_mask.shape[1])).argmax(1)
-    return rm.score(hidden[torch.arange(len(last)), last]).squeeze(-1)
-
-
 @torch.no_grad()
 def rm_scores(rm, tokenizer, queries, responses, batch_size: int = 1024) -> list[float]:
-    out = []
+    data = encode(tokenizer, queries, responses)
+    scores = []
     for i in range(0, len(queries), batch_size):
-        ids, mask, _ = encode(tokenizer, queries[i : i + batch_size], responses[i : i + batch_size])
-        out += rm_score(rm, ids, mask).tolist()
-    return out
+        scores += train_reward.get_reward(rm, data.input_ids[i : i + batch_size], data.attention_mask[i : i + batch_size]).tolist()
+    return scores
 
 
 def gold_pairs(queries, responses_a, responses_b):
@@ -218,37 +176,16 @@ def gold_pairs(queries, responses_a, responses_b):
     return pairs
 
 
-def train_rm(rm, tokenizer, pairs, epochs: int, batch_size: int, lr: float, seed: int):
-    g = torch.Generator().manual_seed(seed)
-    queries, chosen, rejected = zip(*pairs)
-    ids_c, mask_c, _ = encode(tokenizer, list(queries), list(chosen))
-    ids_r, mask_r, _ = encode(tokenizer, list(queries), list(rejected))
-    opt = torch.optim.AdamW(rm.parameters(), lr=lr, weight_decay=0.0)
-    steps_per_epoch = len(pairs) // batch_size
-    steps = epochs * steps_per_epoch
-    rm.train()
-    for step in range(steps):
-        if step % steps_per_epoch == 0:
-            perm = torch.randperm(len(pairs), generator=g)
-        idx = perm[(step % steps_per_epoch) * batch_size :][:batch_size]
-        # chosen and rejected in one forward pass
-        ids = torch.cat([ids_c[idx], ids_r[idx]])
-        mask = torch.cat([mask_c[idx], mask_r[idx]])
-        r_chosen, r_rejected = rm_score(rm, ids, mask).chunk(2)
-        loss = -F.logsigmoid(r_chosen - r_rejected).mean()
-        optimizer_step(opt, rm, loss, lr_at(step, steps, lr))
-        if step % 200 == 0 or step == steps - 1:
-            acc = (r_chosen > r_rejected).float().mean().item()
-            print(f"  rm step {step:5d}  loss {loss.item():.4f}  acc {acc:.3f}", flush=True)
-    rm.eval()
+def encode_pairs(tokenizer, pairs) -> train_reward.Pairs:
+    queries, chosen, rejected = map(list, zip(*pairs))
+    return train_reward.Pairs(encode(tokenizer, queries, chosen), encode(tokenizer, queries, rejected))
 
 
 def pair_accuracy(rm, tokenizer, pairs) -> float:
     if not pairs:
         return float("nan")
-    queries, chosen, rejected = map(list, zip(*pairs))
-    rc, rr = rm_scores(rm, tokenizer, queries, chosen), rm_scores(rm, tokenizer, queries, rejected)
-    return sum(c > r for c, r in zip(rc, rr)) / len(pairs)
+    scores = train_reward.pair_rewards(lambda ids, mask: train_reward.get_reward(rm, ids, mask), encode_pairs(tokenizer, pairs), 1024)
+    return train_reward.pair_accuracy(*scores)
 
 
 # ---------------------------------------------------------------- evaluation of the targets
@@ -354,7 +291,15 @@ def main(out_dir: str, quick: bool) -> dict:
     )
     policy = LlamaForCausalLM(LlamaConfig(hidden_size=128, intermediate_size=256, num_hidden_layers=4, **common))
     print(f"[{time.time() - start:5.0f}s] training SFT policy", flush=True)
-    train_sft(policy, tokenizer, demo_queries, demo_responses, steps=sft_steps, batch_size=128, lr=2e-3, seed=1)
+    accelerator = Accelerator(cpu=True)  # the committed files are reproduced byte for byte on 2 CPU threads only
+    sft_args = train_sft.Args(
+        model_name_or_path="(random init above)", dataset_name="(demonstrations above)", output_dir=os.path.join(out_dir, "sft"),
+        max_prompt_length=MAX_PROMPT_LENGTH, max_completion_length=RESPONSE_LENGTH, local_micro_batch_size=128,
+        learning_rate=2e-3, lr_scheduler_type="cosine", warmup_steps=50, max_grad_norm=1.0, batch_sampling="uniform",
+        total_steps=sft_steps, seed=1,
+    )
+    prepared_policy, _ = train_sft.train(policy, encode(tokenizer, demo_queries, demo_responses), sft_args, accelerator)
+    policy = accelerator.unwrap_model(prepared_policy)
 
     # 3. proxy RM on gold-labelled pairs: half pairs of SFT samples, half pairs of synthetic corruptions
     # (the synthetic half covers the near-correct answers an improving policy produces)
@@ -368,14 +313,17 @@ def main(out_dir: str, quick: bool) -> dict:
     pairs = gold_pairs(rm_queries, sampled_a + [s[0] for s in synthetic], sampled_b + [s[1] for s in synthetic])
     rm = LlamaForSequenceClassification(LlamaConfig(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_labels=1, **common))
     print(f"[{time.time() - start:5.0f}s] training RM on {len(pairs)} pairs", flush=True)
-    train_rm(rm, tokenizer, pairs, epochs=rm_epochs, batch_size=64, lr=1e-3, seed=4)
+    rm_args = train_reward.Args(
+        model_name_or_path="(random init above)", dataset_name="(pairs above)", output_dir=os.path.join(out_dir, "reward"),
+        max_prompt_length=MAX_PROMPT_LENGTH, max_completion_length=RESPONSE_LENGTH, local_micro_batch_size=64,
+        learning_rate=1e-3, lr_scheduler_type="cosine", warmup_steps=50, max_grad_norm=1.0, num_train_epochs=rm_epochs, seed=4,
+    )
+    prepared_rm, _ = train_reward.train(rm, encode_pairs(tokenizer, pairs), rm_args, accelerator)
+    rm = accelerator.unwrap_model(prepared_rm).model
 
     # 4. save (only the final artifacts live in out_dir)
-    for name, model in [("sft", policy), ("reward", rm)]:
-        path = os.path.join(out_dir, name)
-        shutil.rmtree(path, ignore_errors=True)
-        model.save_pretrained(path, safe_serialization=True)
-        tokenizer.save_pretrained(path)
+    train_sft.save_model(accelerator, prepared_policy, tokenizer, sft_args.output_dir)
+    train_sft.save_model(accelerator, prepared_rm, tokenizer, rm_args.output_dir, submodule="model")
 
     # 5. measure the targets listed in README.md
     print(f"[{time.time() - start:5.0f}s] evaluating", flush=True)

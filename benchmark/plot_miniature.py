@@ -1,0 +1,237 @@
+"""Plots and results table of the miniature reproduction (`benchmark/miniature.py`), from its runs'
+metrics.jsonl files, in the style of the paper's figures.
+
+    python benchmark/plot_miniature.py runs/miniature --out runs/miniature/plots
+
+Reads every `<runs_dir>/<run>/` that holds `miniature.json` (written by the driver when a run ended
+well) and `metrics.jsonl`, and writes into `--out`:
+  - win_rate_vs_kl.png: final win rate vs KL per method across N (figures 3-5), seeds averaged,
+    bars spanning the seeds' range;
+  - win_rate_vs_time.png: win rate vs training wall time, sync vs async per algorithm file
+    (figures 1, 8), with K = 4 on the online DPO panel;
+  - learning_curves.png: win rate vs episode of every run group (figure 3 left);
+  - results.md: per group (method, N, K, async) the final win rate (mean and range over seeds), the
+    KL proxy and the training wall time.
+The KL axis is the reference policy's perplexity on the final evaluation's completions (the
+paper's proxy) when the eval lines carry it; otherwise the mean of `objective/kl` over the last
+quarter of the training steps, and the axis and table say so.
+"""
+
+import argparse
+import json
+import os
+import sys
+from collections import defaultdict
+from pathlib import Path
+
+import numpy as np
+
+METHOD_LABELS = {"dpo": "online DPO", "bo2": "Best-of-2", "rloo": "RLOO", "ppo": "PPO"}
+ASYNC_FILES = {"dpo": "online_dpo_async.py", "rloo": "rloo_async.py", "ppo": "ppo_async.py"}
+DEFAULT_K = {"dpo": 2, "bo2": 2, "rloo": 2, "ppo": 1}
+PERPLEXITY_KEYS = ("eval/ref_perplexity", "eval/ref_ppl")  # the newer name first
+KL_FALLBACK_LABEL = "KL proxy: mean objective/kl over the last quarter of training steps (reference perplexity not logged, under one name, by every run)"
+
+
+def read_run(folder: Path) -> dict:
+    """One finished run: the driver's record, its training lines and its evaluations (by step)."""
+    meta = json.loads((folder / "miniature.json").read_text())
+    lines = [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    train = sorted((m for m in lines if "async/lag" in m), key=lambda m: m["step"])
+    evals = sorted((m for m in lines if "eval/win_rate" in m), key=lambda m: m["step"])
+    if not train or not evals:
+        raise SystemExit(f"error: {folder / 'metrics.jsonl'} has no training or no evaluation lines")
+    return {"meta": meta, "train": train, "evals": evals}
+
+
+def read_runs(runs_dir: Path) -> list[dict]:
+    if not runs_dir.is_dir():
+        raise SystemExit(f"error: runs_dir {runs_dir} is not a folder")
+    runs = [read_run(f) for f in sorted(runs_dir.iterdir()) if (f / "miniature.json").exists() and (f / "metrics.jsonl").exists()]
+    if not runs:
+        raise SystemExit(f"error: runs_dir {runs_dir} holds no finished run (no <run>/miniature.json)")
+    return runs
+
+
+def perplexity_key(runs: list[dict]) -> str | None:
+    """The reference-perplexity key every run's final evaluation has (the two names are not the same
+    average, so runs that mix them get the fallback); None if there is none."""
+    return next((k for k in PERPLEXITY_KEYS if all(k in r["evals"][-1] for r in runs)), None)
+
+
+def kl_proxy(run: dict, key: str | None) -> float:
+    """Reference perplexity at the final evaluation, or mean objective/kl over the last quarter of steps."""
+    if key is not None:
+        return run["evals"][-1][key]
+    last = run["train"][-max(1, len(run["train"]) // 4) :]
+    return float(np.mean([m["objective/kl"] for m in last]))
+
+
+def train_time(run: dict, step: int) -> float:
+    """Seconds of training (since the engine was up) when policy version `step` existed: the end of step - 1."""
+    if step == 0:
+        return 0.0
+    line = next(m for m in run["train"] if m["step"] == step - 1)
+    return line["timeline/step_start"] + line["time/step"]
+
+
+def group_key(meta: dict) -> tuple:
+    return meta["method"], meta["num_mini_batches"], meta["num_samples"], meta["async_level"]
+
+
+def summarise(runs: list[dict]) -> tuple[list[dict], bool]:
+    """Seed-averaged groups, in table order; whether the KL proxy is the reference perplexity."""
+    ppl_key = perplexity_key(runs)
+    groups = defaultdict(list)
+    for run in runs:
+        groups[group_key(run["meta"])].append(run)
+    order = {m: i for i, m in enumerate(METHOD_LABELS)}
+    rows = []
+    for key in sorted(groups, key=lambda k: (order.get(k[0], len(order)), k[3], k[2], k[1])):
+        members = sorted(groups[key], key=lambda r: r["meta"]["seed"])
+        win = [r["evals"][-1]["eval/win_rate"] for r in members]
+        kl = [kl_proxy(r, ppl_key) for r in members]
+        wall = [train_time(r, r["train"][-1]["step"] + 1) for r in members]
+        # learning curve: evaluation steps every seed has, averaged
+        steps = sorted(set.intersection(*({e["step"] for e in r["evals"]} for r in members)))
+        curve = {s: [next(e for e in r["evals"] if e["step"] == s) for r in members] for s in steps}
+        rows.append({
+            "method": key[0], "n": key[1], "k": key[2], "async_level": key[3], "seeds": [r["meta"]["seed"] for r in members],
+            "win_rate": float(np.mean(win)), "win_rate_min": min(win), "win_rate_max": max(win),
+            "kl": float(np.mean(kl)), "kl_min": min(kl), "kl_max": max(kl), "train_s": float(np.mean(wall)),
+            "episodes": [float(np.mean([e["episode"] for e in curve[s]])) for s in steps],
+            "curve": [float(np.mean([e["eval/win_rate"] for e in curve[s]])) for s in steps],
+            "times": [float(np.mean([train_time(r, s) for r in members])) for s in steps],
+        })
+    return rows, ppl_key is not None
+
+
+def label(row: dict) -> str:
+    parts = [f"N={row['n']}", "async" if row["async_level"] else "sync"]
+    if row["k"] != DEFAULT_K.get(row["method"], row["k"]):
+        parts.append(f"K={row['k']}")
+    return " ".join(parts)
+
+
+def table(rows: list[dict], use_perplexity: bool) -> str:
+    kl_head = "ref. perplexity (final eval)" if use_perplexity else "mean objective/kl, last quarter of steps"
+    lines = [
+        f"| method | N | K | async level | seeds | final win rate (mean) | range over seeds | {kl_head} | training wall time (s, engine start excluded) |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        lines.append(
+            f"| {METHOD_LABELS.get(r['method'], r['method'])} | {r['n']} | {r['k']} | {r['async_level']} | {len(r['seeds'])} | "
+            f"{r['win_rate']:.3f} | {r['win_rate_min']:.3f} - {r['win_rate_max']:.3f} | {r['kl']:.3f} | {r['train_s']:.1f} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+# ---------------------------------------------------------------------------------------------
+def save(fig, path: Path) -> None:
+    """Temporary file, then rename: a reader never sees half a PNG."""
+    tmp = path.with_name(path.name + ".tmp")
+    fig.savefig(tmp, format="png", dpi=110, bbox_inches="tight")
+    os.replace(tmp, path)
+
+
+def plot_kl(rows: list[dict], use_perplexity: bool, path: Path) -> None:
+    """Figures 3-5: one point per N (synchronous, K default), win rate against KL; one panel per method and all together."""
+    import matplotlib.pyplot as plt
+
+    sweeps = {m: [r for r in rows if r["method"] == m and r["async_level"] == 0 and r["k"] == DEFAULT_K[m]] for m in METHOD_LABELS}
+    sweeps = {m: sorted(s, key=lambda r: r["n"]) for m, s in sweeps.items() if s}
+    fig, axes = plt.subplots(1, len(sweeps) + 1, figsize=(4 * (len(sweeps) + 1), 3.8), sharey=True, squeeze=False, layout="constrained")
+    colors = dict(zip(METHOD_LABELS, plt.cm.tab10.colors))
+    for ax, (method, sweep) in zip(axes[0], sweeps.items()):
+        for target in (ax, axes[0][-1]):
+            x, y = [r["kl"] for r in sweep], [r["win_rate"] for r in sweep]
+            xerr = [[r["kl"] - r["kl_min"] for r in sweep], [r["kl_max"] - r["kl"] for r in sweep]]
+            yerr = [[r["win_rate"] - r["win_rate_min"] for r in sweep], [r["win_rate_max"] - r["win_rate"] for r in sweep]]
+            target.errorbar(x, y, xerr=xerr, yerr=yerr, fmt="-o", color=colors[method], capsize=2, label=METHOD_LABELS[method])
+            for r in sweep:
+                target.annotate(f"N={r['n']}", (r["kl"], r["win_rate"]), textcoords="offset points", xytext=(4, 3), fontsize=7)
+        ax.set_title(f"{METHOD_LABELS[method]}: N = {', '.join(str(r['n']) for r in sweep)}")
+    axes[0][-1].set_title("all methods")
+    axes[0][-1].legend(fontsize=8)
+    for ax in axes[0]:
+        ax.set_xlabel("reference perplexity (final eval)" if use_perplexity else "mean objective/kl, last quarter of steps\n(reference perplexity not logged by every run)")
+        ax.grid(alpha=0.3)
+    axes[0][0].set_ylabel("final gold win rate")
+    fig.suptitle("Off-policy sweep (sync, N mini-batches per generated batch): win rate vs KL, seeds averaged, bars: seed range")
+    save(fig, path)
+    plt.close(fig)
+
+
+def plot_time(rows: list[dict], path: Path) -> None:
+    """Figures 1 and 8: win rate against training wall time, sync vs async at N = 1, per algorithm file."""
+    import matplotlib.pyplot as plt
+
+    panels = {m: [r for r in rows if r["method"] == m and r["n"] == 1] for m in ASYNC_FILES}
+    panels = {m: sorted(p, key=lambda r: (r["async_level"], r["k"])) for m, p in panels.items() if p}
+    fig, axes = plt.subplots(1, max(len(panels), 1), figsize=(4.5 * max(len(panels), 1), 3.8), sharey=True, squeeze=False, layout="constrained")
+    for ax, (method, group) in zip(axes[0], panels.items()):
+        for r in group:
+            style = "-" if r["async_level"] == 0 else ("--" if r["k"] == DEFAULT_K[method] else ":")
+            ax.plot(r["times"], r["curve"], style, marker="o", label=f"{label(r)} ({r['train_s']:.0f} s)")
+        ax.set_title(f"{METHOD_LABELS[method]} ({ASYNC_FILES[method]})")
+        ax.set_xlabel("training wall time (s, engine start excluded)")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    axes[0][0].set_ylabel("gold win rate")
+    fig.suptitle("Synchronous vs asynchronous (N = 1): win rate vs wall time, seeds averaged")
+    save(fig, path)
+    plt.close(fig)
+
+
+def plot_curves(rows: list[dict], path: Path) -> None:
+    """Learning curves: win rate against episode for every group of a method."""
+    import matplotlib.pyplot as plt
+
+    methods = [m for m in METHOD_LABELS if any(r["method"] == m for r in rows)]
+    fig, axes = plt.subplots(1, max(len(methods), 1), figsize=(4 * max(len(methods), 1), 3.8), sharey=True, squeeze=False, layout="constrained")
+    for ax, method in zip(axes[0], methods):
+        group = [r for r in rows if r["method"] == method]
+        sync = sorted((r for r in group if r["async_level"] == 0), key=lambda r: r["n"])
+        shades = plt.cm.viridis(np.linspace(0, 0.9, max(len(sync), 1)))
+        for r, color in zip(sync, shades):
+            ax.plot(r["episodes"], r["curve"], "-o", color=color, markersize=3, label=label(r))
+        for r in (r for r in group if r["async_level"] > 0):
+            ax.plot(r["episodes"], r["curve"], "--" if r["k"] == DEFAULT_K[method] else ":", marker="s", color="black", markersize=3, label=label(r))
+        ax.set_title(METHOD_LABELS[method])
+        ax.set_xlabel("episode")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    axes[0][0].set_ylabel("gold win rate")
+    fig.suptitle("Learning curves, seeds averaged")
+    save(fig, path)
+    plt.close(fig)
+
+
+def main(argv: list[str]) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("runs_dir", help="the driver's --out_dir: one folder per run")
+    parser.add_argument("--out", default=None, help="folder for the PNGs and results.md (default <runs_dir>/plots)")
+    args = parser.parse_args(argv)
+    import matplotlib
+
+    matplotlib.use("Agg")
+    runs_dir = Path(args.runs_dir)
+    out = Path(args.out) if args.out else runs_dir / "plots"
+    rows, use_perplexity = summarise(read_runs(runs_dir))
+    out.mkdir(parents=True, exist_ok=True)
+    plot_kl(rows, use_perplexity, out / "win_rate_vs_kl.png")
+    plot_time(rows, out / "win_rate_vs_time.png")
+    plot_curves(rows, out / "learning_curves.png")
+    text = table(rows, use_perplexity)
+    if not use_perplexity:
+        text += f"\n{KL_FALLBACK_LABEL}.\n"
+    tmp = out / "results.md.tmp"
+    tmp.write_text(text)
+    os.replace(tmp, out / "results.md")
+    print(text)
+    print(f"wrote {', '.join(str(out / n) for n in ('win_rate_vs_kl.png', 'win_rate_vs_time.png', 'learning_curves.png', 'results.md'))}")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -1,0 +1,331 @@
+"""benchmark/miniature.py and benchmark/plot_miniature.py: the plan against the paper's design, written
+out by hand; the results table against hand computation on hand-written metrics.jsonl files; the
+PNGs; skipping finished runs and starting unfinished ones over; and a few runs of the smoke mode end
+to end."""
+
+import dataclasses
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from conftest import ROOT, run_script
+
+sys.path.insert(0, str(ROOT / "benchmark"))
+import miniature  # noqa: E402
+import plot_miniature  # noqa: E402
+
+PLAN_ARGS = dict(seeds=[1, 2], episodes=6144, learning_rate=1e-4, micro_batch=32, num_evals=3, eval_prompts=512)
+
+
+def flag_dict(flags: list[str]) -> dict[str, str | bool]:
+    """`--a 1 --b --no_c` -> {"a": "1", "b": True, "no_c": True}."""
+    out, i = {}, 0
+    while i < len(flags):
+        assert flags[i].startswith("--"), flags[i]
+        if i + 1 < len(flags) and not flags[i + 1].startswith("--"):
+            out[flags[i][2:]] = flags[i + 1]
+            i += 2
+        else:
+            out[flags[i][2:]] = True
+            i += 1
+    return out
+
+
+def by_name(plan) -> dict:
+    return {run.name: run for run in plan}
+
+
+# ---------------------------------------------------------------------------------------------
+# The plan
+# ---------------------------------------------------------------------------------------------
+def test_plan_runs_are_the_papers_comparisons():
+    """Per seed: the N = 1..16 sweep (sync) for the four methods (figure 4), async N = 1 for the three
+    algorithm files (figure 1), K = 4 async online DPO (figure 8); 24 runs, seed 1's before seed 2's."""
+    plan = miniature.make_plan(**PLAN_ARGS)
+    expected = []
+    for seed in (1, 2):
+        for method in ("dpo", "bo2", "rloo", "ppo"):
+            expected += [f"{method}_n{n}_sync_s{seed}" for n in (1, 2, 4, 8, 16)]
+            if method != "bo2":
+                expected.append(f"{method}_n1_async_s{seed}")
+        expected.append(f"dpo_n1_async_k4_s{seed}")
+    assert [run.name for run in plan] == expected
+    assert len(plan) == 48
+
+
+def test_plan_flags_by_hand():
+    """Every run's N, K, async level, lr, seed, episodes, loss and evaluation spacing, written out by hand."""
+    runs = by_name(miniature.make_plan(**PLAN_ARGS))
+    # (file, N, samples flag and K, async, lr, steps, eval_freq, algorithm flag)
+    expected = {
+        "dpo_n1_sync_s1": ("online_dpo_async.py", 1, ("num_samples", "2"), 0, "0.0001", 96, 32, ("loss_type", "sigmoid")),
+        "dpo_n2_sync_s1": ("online_dpo_async.py", 2, ("num_samples", "2"), 0, "0.0001", 48, 16, ("loss_type", "sigmoid")),
+        "dpo_n4_sync_s1": ("online_dpo_async.py", 4, ("num_samples", "2"), 0, "0.0001", 24, 8, ("loss_type", "sigmoid")),
+        "dpo_n8_sync_s1": ("online_dpo_async.py", 8, ("num_samples", "2"), 0, "0.0001", 12, 4, ("loss_type", "sigmoid")),
+        "dpo_n16_sync_s2": ("online_dpo_async.py", 16, ("num_samples", "2"), 0, "0.0001", 6, 2, ("loss_type", "sigmoid")),
+        "dpo_n1_async_s2": ("online_dpo_async.py", 1, ("num_samples", "2"), 1, "0.0001", 96, 32, ("loss_type", "sigmoid")),
+        "dpo_n1_async_k4_s1": ("online_dpo_async.py", 1, ("num_samples", "4"), 1, "5e-05", 48, 16, ("loss_type", "sigmoid")),
+        "bo2_n4_sync_s1": ("online_dpo_async.py", 4, ("num_samples", "2"), 0, "0.0001", 24, 8, ("loss_type", "best_of_k_sft")),
+        "bo2_n16_sync_s2": ("online_dpo_async.py", 16, ("num_samples", "2"), 0, "0.0001", 6, 2, ("loss_type", "best_of_k_sft")),
+        "rloo_n1_sync_s1": ("rloo_async.py", 1, ("rloo_k", "2"), 0, "0.0001", 96, 32, ("kl_coef", "0.05")),
+        "rloo_n8_sync_s2": ("rloo_async.py", 8, ("rloo_k", "2"), 0, "0.0001", 12, 4, ("kl_coef", "0.05")),
+        "rloo_n1_async_s1": ("rloo_async.py", 1, ("rloo_k", "2"), 1, "0.0001", 96, 32, ("kl_coef", "0.05")),
+        "ppo_n1_sync_s1": ("ppo_async.py", 1, None, 0, "0.0001", 192, 64, ("kl_coef", "0.05")),
+        "ppo_n16_sync_s1": ("ppo_async.py", 16, None, 0, "0.0001", 12, 4, ("kl_coef", "0.05")),
+        "ppo_n1_async_s2": ("ppo_async.py", 1, None, 1, "0.0001", 192, 64, ("kl_coef", "0.05")),
+    }
+    for name, (script, n, samples, async_level, lr, steps, eval_freq, (algo_flag, algo_value)) in expected.items():
+        run, flags = runs[name], flag_dict(runs[name].flags)
+        assert run.script == script, name
+        assert flags["num_mini_batches"] == str(n) and flags["async_level"] == str(async_level), name
+        assert flags["learning_rate"] == lr and flags["total_episodes"] == "6144", name
+        assert flags["seed"] == name[-1] and flags["exp_name"] == name, name
+        assert flags["local_micro_batch_size"] == "32" and flags["gradient_accumulation_steps"] == "1", name
+        assert flags["num_ppo_epochs"] == "1", name  # T = 1 everywhere: figure 7's T sweep is not in the miniature
+        assert flags["eval_freq"] == str(eval_freq) and flags["num_eval_prompts"] == "512", name
+        assert flags[algo_flag] == algo_value, name
+        if samples is None:
+            assert "num_samples" not in flags and "rloo_k" not in flags, name
+        else:
+            assert flags[samples[0]] == samples[1], name
+        assert run.num_steps == steps, name
+        assert "output_dir" not in flags and run.argv(Path("/out"))[-2:] == ["--output_dir", f"/out/{name}"]
+
+
+def test_plan_keeps_optimizer_updates_fixed_across_n_and_halves_them_for_k4():
+    """Section 3.2: N mini-batches per generated batch at equal episodes means 1/N the generations and the
+    same number of optimizer updates (so the same linear lr decay); figure 8: K = 4 with half the lr
+    trains half the steps on the same episodes."""
+    runs = by_name(miniature.make_plan(**PLAN_ARGS))
+    for method, updates in (("dpo", 96), ("bo2", 96), ("rloo", 96), ("ppo", 192)):
+        for n in (1, 2, 4, 8, 16):
+            run = runs[f"{method}_n{n}_sync_s1"]
+            assert run.num_steps * n == updates, run.name
+    k2, k4 = runs["dpo_n1_async_s1"], runs["dpo_n1_async_k4_s1"]
+    assert k4.num_steps * 2 == k2.num_steps and k4.learning_rate * 2 == k2.learning_rate
+    assert k4.total_episodes == k2.total_episodes and k4.async_level == k2.async_level == 1
+    # the two seeds differ only in seed and name
+    for run in miniature.make_plan(**PLAN_ARGS)[:24]:
+        twin = runs[run.name[:-1] + "2"]
+        diff = {k for k, v in flag_dict(run.flags).items() if flag_dict(twin.flags)[k] != v}
+        assert diff == {"seed", "exp_name"}, run.name
+
+
+@pytest.mark.parametrize("script", ["online_dpo_async.py", "rloo_async.py", "ppo_async.py"])
+def test_plan_spells_out_every_flag_that_defines_a_run(script):
+    """No run relies on a default: every field of the file's Args is given, except where output goes
+    (--output_dir, added per run), tracking, --resume and how many samples are printed. The file's parser
+    accepts them, and they are the tiny task's defaults but for what the plan sets on purpose."""
+    import importlib
+
+    import tyro
+
+    module = importlib.import_module(script[:-3])
+    not_defining = {"output_dir", "track", "wandb_project", "wandb_entity", "resume", "num_sample_completions"}
+    run = next(r for r in miniature.make_plan(**PLAN_ARGS) if r.script == script)
+    given = {k.removeprefix("no_") for k in flag_dict(run.flags)}
+    assert given == {f.name for f in dataclasses.fields(module.Args)} - not_defining
+    parsed, default = vars(tyro.cli(module.Args, args=run.flags)), vars(module.Args())
+    for path in ("dataset_name", "sft_model_path", "reward_model_path"):  # relative to the repository root, where runs start
+        parsed[path] = str(ROOT / parsed[path])
+    on_purpose = {"exp_name", "total_episodes", "async_level", "eval_freq", "num_eval_prompts"}  # seed 1, N = 1, lr 1e-4: the defaults
+    assert {k for k in default if parsed[k] != default[k]} == on_purpose
+
+
+def test_plan_bad_sizes_name_the_flag():
+    with pytest.raises(SystemExit, match="--episodes 6000 must be a multiple of 1024, so that every run has whole steps"):
+        miniature.make_plan(**{**PLAN_ARGS, "episodes": 6000})
+    with pytest.raises(SystemExit, match="--num_evals 4 does not divide the 6 steps"):
+        miniature.make_plan(**{**PLAN_ARGS, "num_evals": 4})
+
+
+def test_time_estimate_by_hand():
+    """start + episodes x (A + B / batches per step, K = 4 counting as 2) + evaluations (step 0 and 3 more)."""
+    runs = by_name(miniature.make_plan(**PLAN_ARGS))
+    assert miniature.estimate_s(runs["dpo_n1_sync_s1"], 3) == pytest.approx(22 + 6144 * (0.0035 + 0.0042) + 4 * 1.2)
+    assert miniature.estimate_s(runs["dpo_n1_async_k4_s1"], 3) == pytest.approx(22 + 6144 * (0.0035 + 0.0042 / 2) + 4 * 1.2)
+    assert miniature.estimate_s(runs["ppo_n4_sync_s2"], 3) == pytest.approx(22 + 6144 * (0.0057 + 0.0050 / 4) + 4 * 1.2)
+
+
+def test_dry_run_prints_the_plan_and_its_estimate(tmp_path):
+    proc = run_script([sys.executable, "benchmark/miniature.py", "--out_dir", str(tmp_path / "m"), "--dry_run"], timeout=60)
+    total = sum(miniature.estimate_s(run, 3) for run in miniature.make_plan(**PLAN_ARGS))
+    assert f"48 runs, 0 done; estimated time of the 48 left: {total / 60:.0f} min on 2 quiet CPU cores" in proc.stdout
+    assert total < 90 * 60 / 1.5  # the plan fits 90 minutes with room for a busier machine
+    assert proc.stdout.count("--output_dir") == 48 and not (tmp_path / "m").exists()
+
+
+# ---------------------------------------------------------------------------------------------
+# Skipping finished runs, starting unfinished ones over
+# ---------------------------------------------------------------------------------------------
+FAKE_SCRIPT = """import json, sys
+argv = sys.argv[1:]
+out = argv[argv.index("--output_dir") + 1]
+open(out + "/args.json", "w").write(json.dumps({"git_revision": "abc123"}))
+sys.exit(int(argv[argv.index("--seed") + 1]) - 1)  # seed 1 succeeds, seed 2 fails
+"""
+
+
+def fake_run(tmp_path: Path, seed: int = 1):
+    script = tmp_path / "fake_script.py"
+    script.write_text(FAKE_SCRIPT)
+    run = miniature.make_run("dpo", 1, 0, seed, episodes=64, learning_rate=1e-4, micro_batch=32, num_evals=1, eval_prompts=16)
+    return dataclasses.replace(run, script=str(script))
+
+
+def test_execute_starts_an_unfinished_run_over_and_marks_it_finished(tmp_path):
+    run, out = fake_run(tmp_path), tmp_path / "out"
+    (out / run.name).mkdir(parents=True)
+    (out / run.name / "metrics.jsonl").write_text('{"step": 0}\n')  # left by an interrupted run
+    assert not miniature.is_finished(run, out)
+    wall_s = miniature.execute(run, out, env=None)
+    assert not (out / run.name / "metrics.jsonl").exists()
+    marker = json.loads((out / run.name / "miniature.json").read_text())
+    assert marker["flags"] == run.flags and marker["git_revision"] == "abc123" and marker["wall_s"] == wall_s
+    assert marker["argv"][-2:] == ["--output_dir", str(out / run.name)]
+    assert miniature.is_finished(run, out)
+    # the same name with other flags is not silently reused
+    changed = dataclasses.replace(run, flags=[*run.flags[:-1], "999"])
+    with pytest.raises(SystemExit, match=f"holds run {run.name} made with other flags"):
+        miniature.is_finished(changed, out)
+
+
+def test_execute_failure_leaves_no_marker(tmp_path):
+    run, out = fake_run(tmp_path, seed=2), tmp_path / "out"
+    with pytest.raises(RuntimeError, match="exited with 1"):
+        miniature.execute(run, out, env=None)
+    assert not (out / run.name / "miniature.json").exists()
+
+
+def test_main_skips_finished_runs(tmp_path, monkeypatch):
+    out = tmp_path / "out"
+    plan = by_name(miniature.make_plan(**PLAN_ARGS))
+    done = plan["dpo_n1_sync_s1"]
+    (out / done.name).mkdir(parents=True)
+    miniature.write_json_atomically(out / done.name / "miniature.json", {"flags": done.flags})
+    executed, plotted = [], []
+    monkeypatch.setattr(miniature, "execute", lambda run, out_dir, env: executed.append(run.name) or 1.0)
+    monkeypatch.setattr(plot_miniature, "main", lambda argv: plotted.append(argv))
+    code = miniature.main(["--out_dir", str(out), "--only", "dpo_n1_sync_s1,dpo_n2_sync_s1,ppo_n16_*"])
+    assert code == 0
+    assert executed == ["dpo_n2_sync_s1", "ppo_n16_sync_s1", "ppo_n16_sync_s2"]
+    assert plotted == [[str(out.resolve()), "--out", str(out.resolve() / "plots")]]
+
+
+# ---------------------------------------------------------------------------------------------
+# The plots and the table on hand-written runs
+# ---------------------------------------------------------------------------------------------
+def write_run(runs_dir: Path, method: str, n: int, k: int, async_level: int, seed: int, evals: list[tuple], train: list[tuple],
+              perplexity_key: str | None = "eval/ref_ppl") -> None:
+    """evals: (step, episode, win rate, perplexity); train: (step, objective/kl, step start, step time)."""
+    folder = runs_dir / f"{method}_n{n}_{'async' if async_level else 'sync'}_k{k}_s{seed}"
+    folder.mkdir(parents=True)
+    meta = {"name": folder.name, "method": method, "num_mini_batches": n, "num_samples": k, "async_level": async_level, "seed": seed}
+    (folder / "miniature.json").write_text(json.dumps(meta))
+    lines = [{"step": s, "episode": 64 * (s + 1), "async/lag": 0, "objective/kl": kl, "timeline/step_start": t0, "time/step": dt}
+             for s, kl, t0, dt in train]
+    for step, episode, win, ppl in evals:
+        line = {"step": step, "episode": episode, "eval/win_rate": win}
+        if perplexity_key:
+            line[perplexity_key] = ppl
+        lines.insert(min(step + 1, len(lines)), line)  # evaluations arrive between training lines
+    (folder / "metrics.jsonl").write_text("".join(json.dumps(m) + "\n" for m in lines))
+
+
+def hand_written_runs(runs_dir: Path, perplexity_key: str | None = "eval/ref_ppl") -> None:
+    train = [(0, 0.0, 0.5, 1.0), (1, 0.2, 1.5, 1.0), (2, 0.4, 2.5, 1.5), (3, 0.6, 4.0, 1.0)]
+    write_run(runs_dir, "dpo", 1, 2, 0, 1, [(0, 0, 0.40, 1.20), (2, 128, 0.50, 1.25), (4, 256, 0.60, 1.30)], train, perplexity_key)
+    train2 = [(0, 0.0, 0.5, 2.0), (1, 0.4, 2.5, 2.0), (2, 0.8, 4.5, 2.0), (3, 1.0, 6.5, 2.0)]
+    write_run(runs_dir, "dpo", 1, 2, 0, 2, [(0, 0, 0.42, 1.22), (2, 128, 0.56, 1.27), (4, 256, 0.70, 1.40)], train2, perplexity_key)
+    write_run(runs_dir, "dpo", 1, 2, 1, 1, [(0, 0, 0.40, 1.20), (4, 256, 0.58, 1.33)], train, perplexity_key)
+    write_run(runs_dir, "ppo", 2, 1, 0, 1, [(0, 0, 0.41, 1.21), (2, 128, 0.52, 1.24)], train[:2], perplexity_key)
+    (runs_dir / "unfinished").mkdir()  # no miniature.json: ignored
+    (runs_dir / "unfinished" / "metrics.jsonl").write_text("not json\n")
+
+
+def table_rows(text: str) -> list[list[str]]:
+    return [[c.strip() for c in line.strip("|").split("|")] for line in text.splitlines() if line.startswith("| ") and "---" not in line][1:]
+
+
+def test_table_against_hand_computation(tmp_path):
+    runs_dir, out = tmp_path / "runs", tmp_path / "plots"
+    hand_written_runs(runs_dir)
+    plot_miniature.main([str(runs_dir), "--out", str(out)])
+    text = (out / "results.md").read_text()
+    assert "ref. perplexity (final eval)" in text
+    # dpo sync N=1: final win rates 0.60, 0.70 -> mean 0.650, range 0.600-0.700; perplexities 1.30, 1.40 -> 1.350;
+    # training time: end of step 3 = 4.0 + 1.0 = 5.0 and 6.5 + 2.0 = 8.5 -> 6.75
+    # dpo async N=1: 0.58, 1.33, 5.0;  ppo N=2 (two steps): 0.52, 1.24, end of step 1 = 1.5 + 1.0 = 2.5
+    assert table_rows(text) == [
+        ["online DPO", "1", "2", "0", "2", "0.650", "0.600 - 0.700", "1.350", "6.8"],
+        ["online DPO", "1", "2", "1", "1", "0.580", "0.580 - 0.580", "1.330", "5.0"],
+        ["PPO", "2", "1", "0", "1", "0.520", "0.520 - 0.520", "1.240", "2.5"],
+    ]
+    rows, use_perplexity = plot_miniature.summarise(plot_miniature.read_runs(runs_dir))
+    assert use_perplexity
+    # the seed-averaged learning curve and its wall-time axis: version v exists at the end of step v - 1
+    assert rows[0]["episodes"] == [0, 128, 256]
+    assert rows[0]["curve"] == pytest.approx([0.41, 0.53, 0.65])
+    assert rows[0]["times"] == pytest.approx([0.0, (2.5 + 4.5) / 2, (5.0 + 8.5) / 2])
+    assert rows[0]["kl_min"] == 1.30 and rows[0]["kl_max"] == 1.40
+
+
+def test_table_falls_back_to_objective_kl_and_says_so(tmp_path):
+    runs_dir, out = tmp_path / "runs", tmp_path / "plots"
+    hand_written_runs(runs_dir, perplexity_key=None)
+    plot_miniature.main([str(runs_dir), "--out", str(out)])
+    text = (out / "results.md").read_text()
+    assert "mean objective/kl, last quarter of steps" in text and "reference perplexity not logged, under one name, by every run" in text
+    # last quarter of 4 steps = the last step: seed 1 0.6, seed 2 1.0 -> 0.800; ppo: 2 steps -> last one, 0.2
+    rows = table_rows(text)
+    assert [r[7] for r in rows] == ["0.800", "0.600", "0.200"]
+
+
+def test_perplexity_key_newer_name_first_and_never_mixed(tmp_path):
+    line = lambda **keys: {"evals": [{"step": 1, "eval/win_rate": 0.5, **keys}]}  # noqa: E731
+    both, old, new = line(**{"eval/ref_ppl": 9.9, "eval/ref_perplexity": 1.3}), line(**{"eval/ref_ppl": 1.2}), line(**{"eval/ref_perplexity": 1.3})
+    assert plot_miniature.perplexity_key([both]) == "eval/ref_perplexity" and plot_miniature.kl_proxy(both, "eval/ref_perplexity") == 1.3
+    assert plot_miniature.perplexity_key([both, old]) == "eval/ref_ppl"
+    assert plot_miniature.perplexity_key([old, new]) is None  # two different averages: fall back to objective/kl
+
+
+def test_pngs_are_written_atomically(tmp_path):
+    runs_dir, out = tmp_path / "runs", tmp_path / "plots"
+    hand_written_runs(runs_dir)
+    plot_miniature.main([str(runs_dir), "--out", str(out)])
+    names = sorted(p.name for p in out.iterdir())
+    assert names == ["learning_curves.png", "results.md", "win_rate_vs_kl.png", "win_rate_vs_time.png"]  # no .tmp left
+    for name in names:
+        if name.endswith(".png"):
+            data = (out / name).read_bytes()
+            assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 10_000, name
+
+
+def test_plot_bad_input_is_one_line(tmp_path):
+    proc = subprocess.run([sys.executable, "benchmark/plot_miniature.py", str(tmp_path)], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert proc.returncode != 0 and proc.stderr.strip() == f"error: runs_dir {tmp_path} holds no finished run (no <run>/miniature.json)"
+
+
+# ---------------------------------------------------------------------------------------------
+# End to end: a few runs of the smoke mode, through the real algorithm files, then the plots
+# ---------------------------------------------------------------------------------------------
+def test_smoke_mode_end_to_end(tmp_path):
+    """Two runs of the smoke plan through the real algorithm files (about a minute on 2 quiet cores), then a re-run that skips them."""
+    out = tmp_path / "mini"
+    only = "dpo_n1_async_k4_s1,ppo_n16_sync_s1"  # two files, sync and async, N = 16 and K = 4 with its halved lr
+    run_script([sys.executable, "benchmark/miniature.py", "--out_dir", str(out), "--smoke", "--only", only], timeout=600)
+    smoke = by_name(miniature.make_plan(seeds=[1], episodes=32, learning_rate=1e-4, micro_batch=1, num_evals=1, eval_prompts=16))
+    for name in only.split(","):
+        args = json.loads((out / name / "args.json").read_text())
+        marker = json.loads((out / name / "miniature.json").read_text())
+        assert marker["flags"] == smoke[name].flags and marker["git_revision"] == args["git_revision"] != "unknown"
+        assert args["num_steps"] == smoke[name].num_steps and args["num_mini_batches"] == smoke[name].num_mini_batches
+    assert json.loads((out / "dpo_n1_async_k4_s1" / "args.json").read_text())["learning_rate"] == 5e-5
+    rows = table_rows((out / "plots" / "results.md").read_text())
+    assert [r[:4] for r in rows] == [["online DPO", "1", "4", "1"], ["PPO", "16", "1", "0"]]
+    assert all((out / "plots" / f).stat().st_size > 0 for f in ("win_rate_vs_kl.png", "win_rate_vs_time.png", "learning_curves.png"))
+    # a second invocation skips both
+    proc = run_script([sys.executable, "benchmark/miniature.py", "--out_dir", str(out), "--smoke", "--only", only], timeout=120)
+    assert "2 runs, 2 done" in proc.stdout and "] /" not in proc.stdout
