@@ -38,12 +38,16 @@ def test_rloo_needs_two_samples_per_prompt():
         rloo.compute_sizes(rloo.Args(rloo_k=1), world_size=1)
 
 
-def test_an_unknown_choice_is_refused_by_the_parser(script, capsys):
+@pytest.mark.parametrize("flag", ["--task", "--loss_type or --old_logprobs", "--lr_schedule"])
+def test_an_unknown_choice_is_refused_by_the_parser(script, flag, capsys):
     import tyro
 
+    if flag == "--loss_type or --old_logprobs":
+        flag = "--loss_type" if hasattr(script.Args, "loss_type") else "--old_logprobs"
     with pytest.raises(SystemExit):
-        tyro.cli(script.Args, args=["--loss_type" if hasattr(script.Args, "loss_type") else "--old_logprobs", "nonsense"], use_underscores=True)
-    assert "nonsense" in capsys.readouterr().err
+        tyro.cli(script.Args, args=[flag, "nonsense"], use_underscores=True)
+    error = capsys.readouterr().err
+    assert "nonsense" in error and flag in error
 
 
 def test_a_response_beyond_the_models_context_is_refused(script, tokenizer, tmp_path):
