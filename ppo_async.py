@@ -1300,7 +1300,7 @@ if __name__ == "__main__":
             engine_logprobs = pad_logprobs(rollout.logprobs[local], args.response_length, r_mask).to(device)
 
             # 2. score: the reward model on query + response with a fixed score without EOS, or GSM8k's verifier
-            references = [train.references[i] for i in local_indices for _ in range(len(local_responses) // len(local_indices))]
+            references = [train.references[i] for i in local_indices]  # one completion per prompt
             scores = score(q_ids, q_mask, r_ids, r_mask, contain_eos, references)
             if injected_fault("scoring", step):
                 raise RuntimeError(f"injected test fault in reward scoring at step {step} (time {time.time():.2f})")
