@@ -11,13 +11,17 @@ well) and `metrics.jsonl`, and writes into `--out`:
     (figures 1, 8), with K = 4 on the online DPO panel;
   - learning_curves.png: win rate vs episode of every run group (figure 3 left);
   - results.md: per group (method, N, K, async) the final win rate (mean and range over seeds), the
-    KL proxy and the training wall time.
+    KL proxy and the training wall time;
+  - with --copy_runs, runs/<run>/: each run's metrics.jsonl and miniature.json (less its command
+    line, which names local paths), the data the table is computed from, so that
+    `plot_miniature.py <out>/runs --out <out>` recomputes it.
 The KL axis is the reference policy's perplexity on the final evaluation's completions (the
 paper's proxy) when the eval lines carry it; otherwise the mean of `objective/kl` over the last
 quarter of the training steps, and the axis and table say so.
 """
 
 import argparse
+import io
 import json
 import os
 import sys
@@ -44,13 +48,34 @@ def read_run(folder: Path) -> dict:
     return {"meta": meta, "train": train, "evals": evals}
 
 
-def read_runs(runs_dir: Path) -> list[dict]:
+def finished_folders(runs_dir: Path) -> list[Path]:
     if not runs_dir.is_dir():
         raise SystemExit(f"error: runs_dir {runs_dir} is not a folder")
-    runs = [read_run(f) for f in sorted(runs_dir.iterdir()) if (f / "miniature.json").exists() and (f / "metrics.jsonl").exists()]
-    if not runs:
+    folders = [f for f in sorted(runs_dir.iterdir()) if (f / "miniature.json").exists() and (f / "metrics.jsonl").exists()]
+    if not folders:
         raise SystemExit(f"error: runs_dir {runs_dir} holds no finished run (no <run>/miniature.json)")
-    return runs
+    return folders
+
+
+def read_runs(runs_dir: Path) -> list[dict]:
+    return [read_run(f) for f in finished_folders(runs_dir)]
+
+
+def write_atomically(path: Path, data: bytes) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_bytes(data)
+    os.replace(tmp, path)
+
+
+def copy_runs(runs_dir: Path, dest: Path) -> None:
+    """The data behind the table: each finished run's metrics.jsonl and record into dest/<run>/. The
+    record's argv is left out (it holds this machine's paths); its script and flags define the run."""
+    for folder in finished_folders(runs_dir):
+        meta = json.loads((folder / "miniature.json").read_text())
+        meta.pop("argv", None)
+        (dest / folder.name).mkdir(parents=True, exist_ok=True)
+        write_atomically(dest / folder.name / "miniature.json", (json.dumps(meta, indent=1) + "\n").encode())
+        write_atomically(dest / folder.name / "metrics.jsonl", (folder / "metrics.jsonl").read_bytes())
 
 
 def perplexity_key(runs: list[dict]) -> str | None:
@@ -124,15 +149,16 @@ def table(rows: list[dict], use_perplexity: bool) -> str:
             f"| {METHOD_LABELS.get(r['method'], r['method'])} | {r['n']} | {r['k']} | {r['async_level']} | {len(r['seeds'])} | "
             f"{r['win_rate']:.3f} | {r['win_rate_min']:.3f} - {r['win_rate_max']:.3f} | {r['kl']:.3f} | {r['train_s']:.1f} |"
         )
-    return "\n".join(lines) + "\n"
+    text = "\n".join(lines) + "\n"
+    return text if use_perplexity else text + f"\n{KL_FALLBACK_LABEL}.\n"
 
 
 # ---------------------------------------------------------------------------------------------
 def save(fig, path: Path) -> None:
     """Temporary file, then rename: a reader never sees half a PNG."""
-    tmp = path.with_name(path.name + ".tmp")
-    fig.savefig(tmp, format="png", dpi=110, bbox_inches="tight")
-    os.replace(tmp, path)
+    buffer = io.BytesIO()
+    fig.savefig(buffer, format="png", dpi=110, bbox_inches="tight")
+    write_atomically(path, buffer.getvalue())
 
 
 def plot_kl(rows: list[dict], use_perplexity: bool, path: Path) -> None:
@@ -212,6 +238,7 @@ def main(argv: list[str]) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("runs_dir", help="the driver's --out_dir: one folder per run")
     parser.add_argument("--out", default=None, help="folder for the PNGs and results.md (default <runs_dir>/plots)")
+    parser.add_argument("--copy_runs", action="store_true", help="also copy each run's metrics.jsonl and miniature.json into <out>/runs/")
     args = parser.parse_args(argv)
     import matplotlib
 
@@ -224,11 +251,9 @@ def main(argv: list[str]) -> None:
     plot_time(rows, out / "win_rate_vs_time.png")
     plot_curves(rows, out / "learning_curves.png")
     text = table(rows, use_perplexity)
-    if not use_perplexity:
-        text += f"\n{KL_FALLBACK_LABEL}.\n"
-    tmp = out / "results.md.tmp"
-    tmp.write_text(text)
-    os.replace(tmp, out / "results.md")
+    write_atomically(out / "results.md", text.encode())
+    if args.copy_runs:
+        copy_runs(runs_dir, out / "runs")
     print(text)
     print(f"wrote {', '.join(str(out / n) for n in ('win_rate_vs_kl.png', 'win_rate_vs_time.png', 'learning_curves.png', 'results.md'))}")
 

@@ -303,6 +303,35 @@ def test_pngs_are_written_atomically(tmp_path):
             assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 10_000, name
 
 
+def test_copy_runs_keeps_the_table_and_drops_local_paths(tmp_path):
+    """--copy_runs: the copies give the same table, and the record's argv (local paths) is left out."""
+    runs_dir, out = tmp_path / "runs", tmp_path / "plots"
+    hand_written_runs(runs_dir)
+    record = runs_dir / "dpo_n1_sync_k2_s1" / "miniature.json"
+    record.write_text(json.dumps({**json.loads(record.read_text()), "argv": ["/somewhere/python", "x.py"]}))
+    plot_miniature.main([str(runs_dir), "--out", str(out), "--copy_runs"])
+    assert sorted(p.name for p in (out / "runs").iterdir()) == sorted(p.name for p in runs_dir.iterdir() if p.name != "unfinished")
+    copied = json.loads((out / "runs" / "dpo_n1_sync_k2_s1" / "miniature.json").read_text())
+    assert "argv" not in copied and copied["seed"] == 1
+    plot_miniature.main([str(out / "runs"), "--out", str(tmp_path / "again")])
+    assert (tmp_path / "again" / "results.md").read_text() == (out / "results.md").read_text()
+
+
+def test_committed_results_are_the_table_of_the_committed_runs():
+    """benchmark/results/miniature: results.md is the table computed from the committed runs, the
+    README shows that table, and the runs are the driver's whole plan with the flags it gives them."""
+    results = ROOT / "benchmark" / "results" / "miniature"
+    rows, use_perplexity = plot_miniature.summarise(plot_miniature.read_runs(results / "runs"))
+    text = plot_miniature.table(rows, use_perplexity)
+    assert (results / "results.md").read_text() == text
+    assert (ROOT / "README.md").read_text().split("<!-- miniature-results -->\n", 1)[1].startswith(text)
+    plan = by_name(miniature.make_plan(**PLAN_ARGS))
+    records = {f.name: json.loads((f / "miniature.json").read_text()) for f in (results / "runs").iterdir()}
+    assert sorted(records) == sorted(plan)
+    for name, record in records.items():
+        assert record["flags"] == plan[name].flags and record["script"] == plan[name].script and "argv" not in record, name
+
+
 def test_plot_bad_input_is_one_line(tmp_path):
     proc = subprocess.run([sys.executable, "benchmark/plot_miniature.py", str(tmp_path)], cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert proc.returncode != 0 and proc.stderr.strip() == f"error: runs_dir {tmp_path} holds no finished run (no <run>/miniature.json)"
