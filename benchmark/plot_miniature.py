@@ -69,7 +69,7 @@ def write_atomically(path: Path, data: bytes) -> None:
 
 def copy_runs(runs_dir: Path, dest: Path) -> None:
     """The data behind the table: each finished run's metrics.jsonl and record into dest/<run>/. The
-    record's argv is left out (it holds this machine's paths); its script and flags define the run."""
+    record's argv is left out (it holds local paths); its script and flags define the run."""
     for folder in finished_folders(runs_dir):
         meta = json.loads((folder / "miniature.json").read_text())
         meta.pop("argv", None)
