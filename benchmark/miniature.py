@@ -37,6 +37,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import plot_miniature  # noqa: E402
+from plot_miniature import write_json_atomically  # noqa: E402
 
 # The tiny task's defaults in the algorithm files, spelled out so that no run relies on a default.
 TASK = [
@@ -147,12 +149,6 @@ def estimate_s(run: Run, num_evals: int) -> float:
 
 
 # ---------------------------------------------------------------------------------------------
-def write_json_atomically(path: Path, data: dict) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(data, indent=1) + "\n")
-    os.replace(tmp, path)
-
-
 def is_finished(run: Run, out_dir: Path) -> bool:
     """A run with the driver's marker is done; one made with other flags is an error, not a skip."""
     marker = out_dir / run.name / "miniature.json"
@@ -251,8 +247,6 @@ def main(argv: list[str]) -> int:
         except KeyboardInterrupt:
             print(f"interrupted during {run.name}: run the same command again to continue (finished runs are skipped, this one starts over)")
             return 130
-    import plot_miniature
-
     try:
         plot_miniature.main([str(out_dir), "--out", str(out_dir / "plots")])
     except SystemExit as exc:  # e.g. no run finished: the failures below say why

@@ -67,6 +67,10 @@ def write_atomically(path: Path, data: bytes) -> None:
     os.replace(tmp, path)
 
 
+def write_json_atomically(path: Path, data: dict) -> None:
+    write_atomically(path, (json.dumps(data, indent=1) + "\n").encode())
+
+
 def copy_runs(runs_dir: Path, dest: Path) -> None:
     """The data behind the table: each finished run's metrics.jsonl and record into dest/<run>/. The
     record's argv is left out (it holds local paths); its script and flags define the run."""
@@ -74,7 +78,7 @@ def copy_runs(runs_dir: Path, dest: Path) -> None:
         meta = json.loads((folder / "miniature.json").read_text())
         meta.pop("argv", None)
         (dest / folder.name).mkdir(parents=True, exist_ok=True)
-        write_atomically(dest / folder.name / "miniature.json", (json.dumps(meta, indent=1) + "\n").encode())
+        write_json_atomically(dest / folder.name / "miniature.json", meta)
         write_atomically(dest / folder.name / "metrics.jsonl", (folder / "metrics.jsonl").read_bytes())
 
 

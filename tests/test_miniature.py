@@ -5,6 +5,7 @@ to end."""
 
 import dataclasses
 import json
+import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -330,6 +331,21 @@ def test_committed_results_are_the_table_of_the_committed_runs():
     assert sorted(records) == sorted(plan)
     for name, record in records.items():
         assert record["flags"] == plan[name].flags and record["script"] == plan[name].script and "argv" not in record, name
+
+
+def test_readme_k4_commands_are_the_runs_the_readme_describes(tmp_path, capsys):
+    """The README's two extra K = 4 runs: the full learning rate (1e-4, 48 steps) and the full steps
+    (5e-5, 96 steps of 12288 episodes), seed 1, otherwise the plan's K = 4 run."""
+    lines = [line for line in (ROOT / "README.md").read_text().splitlines() if "--out_dir runs/k4_full" in line and line.startswith("python ")]
+    expected = [miniature.make_run("dpo", 1, 1, 1, 6144, 1e-4, 32, 3, 512, num_samples=4),
+                miniature.make_run("dpo", 1, 1, 1, 12288, 5e-5, 32, 3, 512, num_samples=4)]
+    assert len(lines) == len(expected)
+    for line, run in zip(lines, expected):
+        argv = shlex.split(line.split("#")[0])[2:]
+        argv[argv.index("--out_dir") + 1] = str(tmp_path)
+        assert miniature.main([*argv, "--dry_run"]) == 0
+        printed = shlex.split(capsys.readouterr().out.strip().splitlines()[-1])
+        assert printed[2 : printed.index("--output_dir")] == run.flags and run.num_steps == {6144: 48, 12288: 96}[run.total_episodes]
 
 
 def test_plot_bad_input_is_one_line(tmp_path):
