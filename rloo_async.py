@@ -28,7 +28,7 @@ import numpy as np
 import psutil
 import torch
 import tyro
-from accelerate import Accelerator
+from accelerate import Accelerator, PartialState
 from accelerate.utils import broadcast_object_list
 from datasets import load_dataset
 from safetensors.torch import load_file, save_file
@@ -115,10 +115,22 @@ class Args:
     """k completions per prompt; each one's baseline is the mean reward of the other k - 1 (the paper's GSM8k runs use 4)"""
     temperature: float = 0.7
     """sampling temperature of training and evaluation completions (gsm8k evaluates greedily); logits are divided by it for logprobs"""
-    vllm_dtype: str = "float32"
-    """dtype of the engine's weights: float32 keeps engine and trainer numerics equal; bfloat16 is faster on GPUs"""
-    vllm_gpu_memory_utilization: float = 0.9
-    """fraction of the generation GPU vLLM may use"""
+    vllm_dtype: Literal["auto", "float32", "bfloat16"] = "auto"
+    """dtype of the engine's weights (auto: --dtype's); float32 keeps engine and trainer numerics equal"""
+    vllm_placement: Literal["auto", "separate", "shared"] = "auto"
+    """GPU of the engine: separate = the GPU after the N training GPUs (the paper's split), shared = training
+    rank 0's GPU, within --vllm_gpu_memory_utilization; auto = separate when N + 1 GPUs are visible"""
+    vllm_gpu_memory_utilization: float | None = None
+    """fraction of its GPU's memory the engine may take (None: 0.9 on a GPU of its own, 0.3 on a shared one)"""
+    vllm_enforce_eager: bool = False
+    """run the engine without CUDA graphs (always so on CPUs)"""
+
+    # trainer numerics and memory
+    dtype: Literal["auto", "float32", "bfloat16"] = "auto"
+    """dtype of the policy, reference, reward and gold models (auto: bfloat16 on GPUs, float32 on CPUs). bfloat16:
+    fp32 weights with bf16 autocast for the trained and reference models, bf16 weights for the reward and gold models"""
+    gradient_checkpointing: bool = False
+    """recompute the policy's activations in the backward pass: less memory, about a third more compute"""
 
     # algorithm
     kl_coef: float = 0.05
@@ -356,8 +368,9 @@ def response_logprobs(model, query_ids, query_mask, response_ids, response_mask,
     (N details, #9); positions after the first EOS are 0."""
     input_ids = torch.cat([query_ids, response_ids], 1)
     mask = torch.cat([query_mask, response_mask], 1)
-    logits = model(input_ids=input_ids, attention_mask=mask, position_ids=position_ids_from(mask)).logits
-    logits = logits[:, query_ids.shape[1] - 1 : -1].float() / temperature
+    # logits of the positions that predict the response only: a 50k vocabulary makes the others the largest tensor
+    logits = model(input_ids=input_ids, attention_mask=mask, position_ids=position_ids_from(mask), logits_to_keep=response_ids.shape[1] + 1).logits
+    logits = logits[:, :-1].float() / temperature
     logprobs = logits.gather(2, response_ids.unsqueeze(-1)).squeeze(-1) - logits.logsumexp(-1)
     return logprobs * response_mask
 
@@ -525,7 +538,8 @@ def win_rates(policy_gold: list[float], reference_gold: list[float]) -> list[flo
 # ---------------------------------------------------------------------------------------------
 class Weights(NamedTuple):
     version: int
-    state_dict: dict[str, torch.Tensor]
+    flat: torch.Tensor  # every tensor of theta_version, one after the other (see snapshot_weights)
+    layout: list[tuple[str, list[int], int]]  # (checkpoint name, shape, offset in `flat`)
 
 
 class Rollout(NamedTuple):
@@ -592,12 +606,71 @@ def get_or_raise(q: queue.Queue, stop: threading.Event, error: list, engine_proc
             continue
 
 
-def push_weights(llm: LLM, state_dict: dict[str, torch.Tensor], directory: str) -> None:
-    """Load new weights into the running engine without restarting it: safetensors in a RAM-backed
-    folder, then an in-place reload in the engine process (passing tensors over the RPC fails in
-    multiprocess mode). The prefix cache holds KV computed with the old weights, so reset it."""
-    save_file(state_dict, os.path.join(directory, "model.safetensors"))
-    llm.collective_rpc("reload_weights", kwargs={"weights_path": directory})
+def checkpoint_names(model) -> dict[str, str]:
+    """In-memory name -> the name `save_pretrained` writes, for each tensor it writes. transformers renames some
+    tensors when it saves (GPTNeoX's `lm_head` is `embed_out` in Pythia's checkpoints) and leaves tied copies out;
+    the engine loads checkpoint names (vLLM's CUDA GPTNeoX has no `lm_head`)."""
+    from transformers.core_model_loading import revert_weight_conversion
+    from transformers.modeling_utils import remove_tied_weights_from_state_dict
+
+    state = remove_tied_weights_from_state_dict(model.state_dict(), model)
+    for key in model._keys_to_ignore_on_save or []:
+        state.pop(key, None)
+    tags = {name: torch.empty(0) for name in state}  # one distinct object per tensor: which one gets which name
+    owner = {id(tag): name for name, tag in tags.items()}
+    names = {owner.get(id(tag)): saved for saved, tag in revert_weight_conversion(model, dict(tags)).items()}
+    if None in names or len(names) != len(tags):
+        raise UsageError(f"{type(model).__name__}: transformers converts (not only renames) its weights when saving; the weight push cannot")
+    return names
+
+
+def views(flat: torch.Tensor, layout: list[tuple[str, list[int], int]]) -> list[tuple[str, torch.Tensor]]:
+    return [(name, flat[offset : offset + math.prod(shape)].view(shape)) for name, shape, offset in layout]
+
+
+def snapshot_weights(state_dict: dict[str, torch.Tensor], names: dict[str, str], dtype: torch.dtype, device) -> tuple[torch.Tensor, list]:
+    """theta_v for the engine: a copy in the engine's dtype under the checkpoint's names, in one buffer, taken
+    between optimizer steps so the optimizer never writes what the engine reads. On a GPU the buffer stays in GPU
+    memory and one CUDA IPC handle shares it with the engine; on a CPU it goes through a file."""
+    layout, offset = [], 0
+    for key, tensor in state_dict.items():
+        if key in names:
+            layout.append((names[key], list(tensor.shape), offset))
+            offset += tensor.numel()
+    flat = torch.empty(offset, dtype=dtype, device=device)
+    for (_, view), key in zip(views(flat, layout), [k for k in state_dict if k in names]):
+        view.copy_(state_dict[key].detach())
+    if flat.is_cuda:
+        torch.cuda.current_stream(flat.device).synchronize()  # the engine's process reads it without our stream
+    return flat, layout
+
+
+class WeightReceiver:
+    """Added to vLLM's GPU worker (`worker_extension_cls`): loads a snapshot the trainer shares by CUDA IPC,
+    with no file and no copy through the CPU, through the model's own loader (which fuses q/k/v and gate/up and
+    reorders GPTNeoX's q/k/v as it does for a checkpoint). The copy is in place, so CUDA graphs see it."""
+
+    def load_shared_weights(self, handle: tuple, layout: list, trainer_gpu: int) -> None:
+        from torch.multiprocessing.reductions import rebuild_cuda_tensor
+
+        handle = list(handle)
+        handle[6] = trainer_gpu  # the snapshot's GPU, as this process numbers its GPUs
+        flat = rebuild_cuda_tensor(*handle)
+        self.reload_weights(weights_iterator=iter(views(flat, layout)))
+        torch.cuda.synchronize()  # loaded before the trainer may free the snapshot
+
+
+def push_weights(llm: LLM, weights: Weights, directory: str, trainer_gpu: int) -> None:
+    """Load theta_v into the running engine without restarting it. GPU: a CUDA IPC handle of the snapshot, loaded
+    by the engine's worker (WeightReceiver). CPU: safetensors in a RAM-backed folder, reloaded in place (tensors
+    cannot travel over the RPC). The prefix cache holds KV computed with the old weights, so reset it."""
+    if weights.flat.is_cuda:
+        from torch.multiprocessing.reductions import reduce_tensor
+
+        llm.collective_rpc("load_shared_weights", args=(reduce_tensor(weights.flat)[1], weights.layout, trainer_gpu))
+    else:
+        save_file({name: view.clone() for name, view in views(weights.flat, weights.layout)}, os.path.join(directory, "model.safetensors"))
+        llm.collective_rpc("reload_weights", kwargs={"weights_path": directory})
     llm.reset_prefix_cache()
 
 
@@ -629,6 +702,7 @@ def generation_thread(
     stop: threading.Event,
     error: list,
     weights_dir: str,
+    trainer_gpu: int,
 ):
     try:
         version = 0
@@ -639,7 +713,7 @@ def generation_thread(
                 weights = get_or_raise(weights_queue, stop, [])
                 push_start = time.perf_counter()
                 sync_start = sync_start or push_start
-                push_weights(llm, weights.state_dict, weights_dir)
+                push_weights(llm, weights, weights_dir, trainer_gpu)
                 sync_time += time.perf_counter() - push_start
                 version = weights.version
             if version != needed:
@@ -681,36 +755,79 @@ def on_cores(cores: list[int] | None):
         os.sched_setaffinity(0, before)
 
 
-def make_engine(args: Args, num_training_processes: int) -> LLM:
+class Placement(NamedTuple):
+    devices: str | None  # CUDA_VISIBLE_DEVICES of the engine's processes; None: CPU
+    shared: bool  # the engine shares training rank 0's GPU
+    trainer_gpu: int  # rank 0's GPU, which holds the weight snapshots, as the engine's processes number their GPUs
+    memory_utilization: float
+
+
+def engine_placement(mode: str, visible: list[str], num_training_processes: int, memory_utilization: float | None) -> Placement:
+    """Where the engine runs. Training process i uses visible GPU i. With an (N+1)-th visible GPU the engine takes it
+    (the paper's split); with fewer, it shares rank 0's GPU within its memory budget. Its processes see rank 0's GPU
+    too, second, to open the snapshots that rank 0 shares by CUDA IPC (README "GPUs")."""
+    if memory_utilization is not None and not 0 < memory_utilization <= 1:
+        raise UsageError(f"--vllm_gpu_memory_utilization must be in (0, 1], got {memory_utilization}")
+    if not visible:
+        return Placement(None, False, 0, memory_utilization or 0.9)
+    separate = len(visible) > num_training_processes if mode == "auto" else mode == "separate"
+    if separate and len(visible) <= num_training_processes:
+        raise UsageError(
+            f"--vllm_placement separate: {num_training_processes} training process(es) and the engine need "
+            f"{num_training_processes + 1} GPUs, {len(visible)} are visible; use --vllm_placement shared or fewer processes"
+        )
+    if separate:
+        return Placement(f"{visible[num_training_processes]},{visible[0]}", False, 1, memory_utilization or 0.9)
+    return Placement(visible[0], True, 0, memory_utilization or 0.3)
+
+
+def visible_gpus() -> list[str]:
+    if not torch.cuda.is_available():
+        return []
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    return visible.split(",") if visible else [str(i) for i in range(torch.cuda.device_count())]
+
+
+def check_engine_fits(memory_utilization: float, free: int, total: int) -> None:
+    """A shared GPU: vLLM takes memory_utilization x the GPU's memory and refuses to start when less is free."""
+    if memory_utilization * total > free:
+        raise UsageError(
+            f"--vllm_gpu_memory_utilization {memory_utilization}: the engine would take {memory_utilization * total / 2**30:.1f} GiB "
+            f"of the GPU it shares with training, which has {free / 2**30:.1f} GiB free once the trainer's models are loaded; "
+            f"lower it to at most {max(int(100 * free / total) - 5, 0) / 100} (the optimizer state and activations need room too), or use a GPU of its own"
+        )
+
+
+def make_engine(args: Args, placement: Placement, dtype: str) -> LLM:
     """The engine runs in its own process (vLLM's default), so generation does not share the trainer's
-    interpreter lock, and architectures vLLM serves through its Transformers backend (GPTNeoX/Pythia)
+    interpreter lock, and architectures vLLM serves through its Transformers backend (GPTNeoX/Pythia on CPUs)
     do not patch the trainer's model classes. The child inherits the environment set here."""
     env = dict(os.environ)
     # torch.distributed variables of an `accelerate launch` would make the engine join our group
     for key in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
         os.environ.pop(key, None)
-    if torch.cuda.is_available():
-        # The paper's split: training processes use GPUs 0..N-1, the engine the next one.
-        visible = env.get("CUDA_VISIBLE_DEVICES")
-        devices = visible.split(",") if visible else [str(i) for i in range(torch.cuda.device_count())]
-        if len(devices) <= num_training_processes:
-            raise ValueError(f"{num_training_processes} training processes need {num_training_processes + 1} GPUs: one more generates")
-        os.environ["CUDA_VISIBLE_DEVICES"] = devices[num_training_processes]
+    gpu = {}
+    if placement.devices is not None:
+        os.environ["CUDA_VISIBLE_DEVICES"] = placement.devices
+        # the worker imports WeightReceiver from this file
+        os.environ["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).resolve().parent), *filter(None, [env.get("PYTHONPATH")])])
+        gpu = dict(worker_extension_cls=f"{Path(__file__).stem}.WeightReceiver")
     else:
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB; vLLM's default reserves far more
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")  # the engine warns on every push that rotary caches are not in the checkpoint
     try:
         return LLM(
             model=args.sft_model_path,
-            dtype=args.vllm_dtype,
+            dtype=dtype,
             seed=args.seed,
             max_model_len=args.max_prompt_length + args.response_length,
-            gpu_memory_utilization=args.vllm_gpu_memory_utilization,
-            enforce_eager=True,
+            gpu_memory_utilization=placement.memory_utilization,
+            enforce_eager=placement.devices is None or args.vllm_enforce_eager,  # CUDA graphs on GPUs
             use_tqdm_on_load=False,
             logprobs_mode="processed_logprobs",  # logprobs after temperature, like the trainer's
             load_format="safetensors",
             trust_remote_code=args.trust_remote_code,
+            **gpu,
         )
     finally:
         os.environ.clear()
@@ -896,7 +1013,12 @@ def injected_fault(where: str, step: int) -> bool:
 
 if __name__ == "__main__":
     args = tyro.cli(Args, use_underscores=True)
-    accelerator = Accelerator(gradient_accumulation_steps=args.gradient_accumulation_steps)
+    on_gpu = PartialState().device.type == "cuda"  # the process group and device, before the Accelerator that needs the dtype
+    dtype = torch.bfloat16 if args.dtype == "bfloat16" or (args.dtype == "auto" and on_gpu) else torch.float32
+    engine_dtype = {"auto": dtype, "float32": torch.float32, "bfloat16": torch.bfloat16}[args.vllm_dtype]
+    # bf16: autocast in the forward passes of the policy (accelerate's mixed precision) and of every frozen model
+    accelerator = Accelerator(gradient_accumulation_steps=args.gradient_accumulation_steps, mixed_precision="bf16" if dtype == torch.bfloat16 else "no")
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True  # fp32 matmuls on tensor cores (GPUs only)
     run_name = f"{args.exp_name}__{args.seed}__{int(time.time())}"
     output_dir = args.output_dir or os.path.join("runs", run_name)
     deepspeed = accelerator.state.deepspeed_plugin
@@ -909,6 +1031,7 @@ if __name__ == "__main__":
         if args.resume and args.output_dir is None:
             raise UsageError("--resume needs --output_dir, the folder of the run to continue")
         checkpoint = checkpoint_to_resume(output_dir, args, sizes.world_size)
+        placement = engine_placement(args.vllm_placement, visible_gpus() if on_gpu else [], accelerator.num_processes, args.vllm_gpu_memory_utilization)
         if args.task == "gsm8k" and args.gold_judge != "tiny":
             raise UsageError(f"--gold_judge {args.gold_judge}: --task gsm8k is evaluated by its verifier (eval/pass@1), not by a gold reward model")
         check_model(args.sft_model_path, "--sft_model_path", args)
@@ -953,15 +1076,20 @@ if __name__ == "__main__":
     schedule = pending_events(generation_schedule(sizes.num_steps, args.async_level, eval_steps), start_step, evals_logged)
     to_publish = published_versions(schedule)
 
-    # models (safetensors only: no pickled weights are ever loaded)
+    # models (safetensors only: no pickled weights are ever loaded). The policy and the reference keep fp32 weights
+    # (the optimizer's, and the same numbers as the policy's at step 0) and run under autocast; the reward and gold
+    # models, which only score, hold --dtype weights.
     model_kwargs = dict(trust_remote_code=args.trust_remote_code, use_safetensors=True)
-    policy = AutoModelForCausalLM.from_pretrained(os.path.join(checkpoint, "policy") if checkpoint else args.sft_model_path, **model_kwargs)
-    ref_policy = AutoModelForCausalLM.from_pretrained(args.sft_model_path, **model_kwargs)
-    reward_model = None if args.task == "gsm8k" else AutoModelForSequenceClassification.from_pretrained(args.reward_model_path, num_labels=1, **model_kwargs)
+    policy = AutoModelForCausalLM.from_pretrained(os.path.join(checkpoint, "policy") if checkpoint else args.sft_model_path, dtype=torch.float32, **model_kwargs)
+    ref_policy = AutoModelForCausalLM.from_pretrained(args.sft_model_path, dtype=torch.float32, **model_kwargs)
+    reward_model = None if args.task == "gsm8k" else AutoModelForSequenceClassification.from_pretrained(args.reward_model_path, num_labels=1, dtype=dtype, **model_kwargs)
     gold_model = gold_tokenizer = None
     if args.gold_judge != "tiny" and accelerator.is_main_process:
-        gold_model = AutoModelForSequenceClassification.from_pretrained(args.gold_judge, num_labels=1, **model_kwargs).to(device).eval()
+        gold_model = AutoModelForSequenceClassification.from_pretrained(args.gold_judge, num_labels=1, dtype=dtype, **model_kwargs).to(device).eval()
         gold_tokenizer = AutoTokenizer.from_pretrained(args.gold_judge, trust_remote_code=args.trust_remote_code)
+    engine_names = checkpoint_names(policy)  # computed before accelerate wraps the policy
+    if args.gradient_checkpointing:
+        policy.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     frozen = [m for m in (ref_policy, reward_model) if m is not None]  # GSM8k has no reward model
     for m in (policy, *frozen):
         disable_dropout(m)
@@ -993,13 +1121,20 @@ if __name__ == "__main__":
         logger = MetricsLogger(output_dir, run_name, args)
         with on_cores(engine_cores):  # the engine's processes and the generation thread start there
             children_before = {p.pid for p in psutil.Process().children(recursive=True)}
-            llm = make_engine(args, accelerator.num_processes)
+            if placement.shared:
+                try:
+                    check_engine_fits(placement.memory_utilization, *torch.cuda.mem_get_info(device))
+                except UsageError as exc:
+                    raise SystemExit(f"error: {exc}")
+            if placement.devices is not None:
+                os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"  # the push's CUDA IPC handle is pickled, between our own processes
+            llm = make_engine(args, placement, str(engine_dtype).removeprefix("torch."))
             engine_processes = [p for p in psutil.Process().children(recursive=True) if p.pid not in children_before]
             weights_dir = tempfile.mkdtemp(prefix="policy-weights-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
             thread = threading.Thread(
                 target=generation_thread,
                 args=(llm, schedule, train.token_ids, evaluation.token_ids, args, sizes.batch_size, tokenizer.eos_token_id,
-                      weights_queue, rollout_queue, eval_queue, stop, error, weights_dir),
+                      weights_queue, rollout_queue, eval_queue, stop, error, weights_dir, placement.trainer_gpu),
                 daemon=True,
             )
             run_start = time.perf_counter()
@@ -1024,7 +1159,8 @@ if __name__ == "__main__":
         tables 4 and 7). Otherwise: the reward model on query + response, and a fixed score for a completion without EOS."""
         if args.task == "gsm8k":
             return verify_completions(tokenizer, r_ids, r_mask, references)
-        scores = score_completions(reward_model, reward_tokenizer, tokenizer, q_ids, q_mask, r_ids, r_mask, contain_eos, args.local_rollout_forward_batch_size)
+        with accelerator.autocast():
+            scores = score_completions(reward_model, reward_tokenizer, tokenizer, q_ids, q_mask, r_ids, r_mask, contain_eos, args.local_rollout_forward_batch_size)
         return apply_missing_eos_penalty(scores, contain_eos, args.missing_eos_penalty)
 
     @torch.no_grad()
@@ -1078,20 +1214,23 @@ if __name__ == "__main__":
         return metrics
 
     def log_eval(rollout: EvalRollout) -> None:
-        metrics = {"step": rollout.version, "episode": rollout.version * sizes.episodes_per_step, **evaluate(rollout)}
+        with accelerator.autocast():
+            metrics = {"step": rollout.version, "episode": rollout.version * sizes.episodes_per_step, **evaluate(rollout)}
         logger.log(metrics)
         evals_logged.add(rollout.version)
         print(f"eval step {rollout.version}: " + ", ".join(f"{k} {v:.4g}" for k, v in metrics.items() if k.startswith("eval/")))
 
-    snapshots = {}  # policy versions the generator may still need: a checkpoint hands them on
+    # Policy versions the generator may still need, as snapshot_weights takes them (on rank 0's GPU on GPUs): a
+    # checkpoint hands them on. One is freed once no pending batch or evaluation needs it, after the engine loaded it.
+    snapshots = {}
+    snapshot_device = device if placement.devices is not None else torch.device("cpu")
 
     def publish(version: int) -> None:
-        """Snapshot theta_version for the engine. The copy is taken here, between optimizer steps,
-        so the generation thread never reads tensors the optimizer is changing."""
+        """Snapshot theta_version for the engine, here, between optimizer steps (snapshot_weights)."""
         state_dict = accelerator.get_state_dict(model, unwrap=True)
         if accelerator.is_main_process:
-            snapshots[version] = {k: v.detach().to("cpu", copy=True).contiguous() for k, v in state_dict.items()}
-            weights_queue.put(Weights(version, snapshots[version]))
+            snapshots[version] = Weights(version, *snapshot_weights(state_dict, engine_names, engine_dtype, snapshot_device))
+            weights_queue.put(snapshots[version])
 
     def save_checkpoint(step: int) -> str:
         """Everything a resumed run needs to go on exactly: policy, optimizer, scheduler and RNG states, the
@@ -1108,7 +1247,8 @@ if __name__ == "__main__":
         Path(tmp, f"rng_{accelerator.process_index}.json").write_text(json.dumps(rng))
         if accelerator.is_main_process:
             for version in sorted(v for v in published_versions(pending_events(schedule, step, evals_logged)) if v < step):
-                save_file(snapshots[version], os.path.join(tmp, f"version_{version:06d}.safetensors"))
+                tensors = {name: view.cpu().clone() for name, view in views(snapshots[version].flat, snapshots[version].layout)}
+                save_file(tensors, os.path.join(tmp, f"version_{version:06d}.safetensors"))
             state = {"step": step, "evals_logged": sorted(evals_logged), "scheduler": scheduler.state_dict()}
             if deepspeed is None:  # DeepSpeed shards its optimizer state: such a checkpoint is not resumable
                 tensors, state["optimizer"] = optimizer_state_to_tensors(optimizer.state_dict())
@@ -1126,8 +1266,9 @@ if __name__ == "__main__":
         if version == start_step:
             publish(version)
         elif accelerator.is_main_process:
-            snapshots[version] = load_file(os.path.join(checkpoint, f"version_{version:06d}.safetensors"))
-            weights_queue.put(Weights(version, snapshots[version]))
+            tensors = load_file(os.path.join(checkpoint, f"version_{version:06d}.safetensors"))
+            snapshots[version] = Weights(version, *snapshot_weights(tensors, {k: k for k in tensors}, engine_dtype, snapshot_device))
+            weights_queue.put(snapshots[version])
 
     # SIGTERM (pre-emption) or Ctrl-C: finish the step, write a checkpoint, exit; a second one exits at once.
     stop_signal = []
@@ -1190,7 +1331,7 @@ if __name__ == "__main__":
                 )
             old_time = time.perf_counter() - old_start
             ref_start = time.perf_counter()
-            with torch.no_grad():
+            with torch.no_grad(), accelerator.autocast():
                 ref_logprobs = torch.cat(
                     [response_logprobs(ref_policy, q_ids[i : i + bs], q_mask[i : i + bs], r_ids[i : i + bs], r_mask[i : i + bs], args.temperature) for i in range(0, B * K, bs)]
                 )

@@ -53,8 +53,8 @@ def test_engine_after_a_weight_push_matches_the_trainer_on_long_prompts(engine, 
     new_policy = AutoModelForCausalLM.from_pretrained(save_random_policy(tokenizer, tmp_path / "policy_b", seed=1)).eval()
     weights_dir = tmp_path / "push"
     weights_dir.mkdir()
-    state_dict = {k: v.detach().clone().contiguous() for k, v in new_policy.state_dict().items()}
-    dpo.push_weights(engine, state_dict, str(weights_dir))
+    snapshot = dpo.snapshot_weights(new_policy.state_dict(), dpo.checkpoint_names(new_policy), torch.float32, torch.device("cpu"))
+    dpo.push_weights(engine, dpo.Weights(1, *snapshot), str(weights_dir), trainer_gpu=0)
     for prompt, (tokens, logprobs) in zip(prompts, greedy_with_engine(engine, prompts, 8)):
         expected_tokens, expected_logprobs = greedy_with_transformers(new_policy, prompt, 8)
         assert tokens == expected_tokens
@@ -92,7 +92,7 @@ def test_a_failure_in_the_generation_thread_surfaces_in_the_trainer(engine, toke
     thread = threading.Thread(
         target=dpo.generation_thread,
         args=(engine, dpo.generation_schedule(2, 1, []), bad_prompts, [], args, 2, tokenizer.eos_token_id,
-              weights_queue, rollout_queue, eval_queue, stop, error, "unused"),
+              weights_queue, rollout_queue, eval_queue, stop, error, "unused", 0),
         daemon=True,
     )
     start = time.perf_counter()

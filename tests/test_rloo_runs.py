@@ -46,7 +46,7 @@ def test_engine_logprobs_are_the_trainers_after_temperature(tokenizer):
     from transformers import AutoModelForCausalLM
 
     args = rloo.Args()
-    llm = rloo.make_engine(args, num_training_processes=1)
+    llm = rloo.make_engine(args, rloo.engine_placement(args.vllm_placement, [], 1, None), "float32")
     try:
         prompts = [tokenizer(q).input_ids for q in ("sort: fox ant cat ->", "sort: yak bee cow dog elk emu ->", "sort: ape asp ->")]
         responses, logprobs = rloo.generate(llm, prompts, 4, args.temperature, args.response_length, tokenizer.eos_token_id, [0, 1, 2])

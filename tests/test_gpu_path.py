@@ -1,0 +1,171 @@
+"""The GPU path's logic, checked on a CPU: engine placement, the names and snapshot of the weight push, response-only
+logits, gradient checkpointing and the --dtype plumbing. The same functions are in all three files (each stands alone),
+so each test runs against every file. What needs a GPU is in test_gpu.py."""
+
+import importlib
+import math
+import sys
+
+import pytest
+import torch
+from conftest import read_metrics, run_script, small_config
+
+FILES = ["online_dpo_async", "rloo_async", "ppo_async"]
+
+
+@pytest.fixture(params=FILES)
+def algo(request):
+    return importlib.import_module(request.param)
+
+
+# ---------------------------------------------------------------------------------------------
+# Engine placement
+# ---------------------------------------------------------------------------------------------
+def test_placement_on_a_cpu_has_no_gpu(algo):
+    assert algo.engine_placement("auto", [], 2, None) == algo.Placement(None, False, 0, 0.9)
+
+
+def test_placement_one_gpu_is_shared_with_training(algo):
+    assert algo.engine_placement("auto", ["0"], 1, None) == algo.Placement("0", True, 0, 0.3)
+    assert algo.engine_placement("auto", ["3"], 1, 0.45) == algo.Placement("3", True, 0, 0.45)
+
+
+def test_placement_n_plus_one_gpus_gives_the_engine_its_own(algo):
+    # training uses visible GPUs 0..N-1; the engine the next one, and sees rank 0's GPU second (the snapshots are there)
+    assert algo.engine_placement("auto", ["0", "1"], 1, None) == algo.Placement("1,0", False, 1, 0.9)
+    assert algo.engine_placement("auto", ["4", "5", "6", "7"], 3, None) == algo.Placement("7,4", False, 1, 0.9)
+    # more GPUs than N + 1: the first spare one
+    assert algo.engine_placement("auto", ["0", "1", "2", "3"], 2, None) == algo.Placement("2,0", False, 1, 0.9)
+
+
+def test_placement_can_be_forced(algo):
+    assert algo.engine_placement("shared", ["0", "1"], 1, None) == algo.Placement("0", True, 0, 0.3)
+    assert algo.engine_placement("separate", ["0", "1"], 1, 0.5) == algo.Placement("1,0", False, 1, 0.5)
+    with pytest.raises(algo.UsageError, match=r"--vllm_placement separate: 2 training process\(es\) and the engine need 3 GPUs, 2 are visible"):
+        algo.engine_placement("separate", ["0", "1"], 2, None)
+    with pytest.raises(algo.UsageError, match=r"--vllm_gpu_memory_utilization must be in \(0, 1\], got 1.5"):
+        algo.engine_placement("auto", ["0"], 1, 1.5)
+
+
+def test_shared_gpu_that_cannot_hold_the_engine_names_the_flag_and_a_value_that_fits(algo):
+    gib = 2**30
+    algo.check_engine_fits(0.3, free=30 * gib, total=80 * gib)  # 24 GiB asked, 30 free
+    with pytest.raises(algo.UsageError) as raised:
+        algo.check_engine_fits(0.5, free=30 * gib, total=80 * gib)
+    message = str(raised.value)
+    assert "\n" not in message and message.startswith("--vllm_gpu_memory_utilization 0.5: the engine would take 40.0 GiB")
+    assert "30.0 GiB free" in message and "lower it to at most 0.32" in message  # 30/80 = 0.375, less 0.05 of room
+
+
+# ---------------------------------------------------------------------------------------------
+# The weight push: checkpoint names, the snapshot
+# ---------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("arch", ["llama", "gptneox"])
+@pytest.mark.parametrize("tied", [False, True])
+@pytest.mark.parametrize("loaded", [False, True])
+def test_pushed_names_are_those_save_pretrained_writes(algo, tokenizer, tmp_path, arch, tied, loaded):
+    """The engine loads checkpoint names: GPTNeoX's in-memory `lm_head` is `embed_out` on disk, and a tied output
+    embedding is not written. A model built from its config and one loaded from a checkpoint (which carries
+    transformers' load-time renames) must both give the saved file's keys."""
+    from safetensors import safe_open
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_config(small_config(tokenizer, arch, tie_word_embeddings=tied))
+    model.save_pretrained(tmp_path / "saved")
+    if loaded:
+        model = AutoModelForCausalLM.from_pretrained(tmp_path / "saved")
+        model.save_pretrained(tmp_path / "resaved")
+    with safe_open(str(tmp_path / ("resaved" if loaded else "saved") / "model.safetensors"), "pt") as f:
+        saved = set(f.keys())
+    names = algo.checkpoint_names(model)
+    assert set(names.values()) == saved
+    assert set(names) <= set(model.state_dict())
+    if arch == "gptneox" and not tied:
+        assert names["lm_head.weight"] == "embed_out.weight"
+
+
+def test_snapshot_is_a_copy_in_the_engine_dtype_under_checkpoint_names(algo, tokenizer):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_config(small_config(tokenizer, "gptneox"))
+    state = model.state_dict()
+    names = algo.checkpoint_names(model)
+    for dtype in (torch.float32, torch.bfloat16):
+        flat, layout = algo.snapshot_weights(state, names, dtype, torch.device("cpu"))
+        assert flat.dtype == dtype and flat.numel() == sum(state[k].numel() for k in names)
+        pushed = dict(algo.views(flat, layout))
+        assert set(pushed) == set(names.values())
+        for key, name in names.items():
+            assert torch.equal(pushed[name], state[key].to(dtype)), name
+    # a copy: the optimizer writing the parameters afterwards does not reach what the engine reads
+    before = pushed["embed_out.weight"].clone()
+    with torch.no_grad():
+        model.lm_head.weight.add_(1.0)  # in memory; embed_out.weight in the checkpoint
+    assert torch.equal(pushed["embed_out.weight"], before)
+    # the layout's offsets tile the buffer without gaps or overlaps
+    ends = [offset + torch.Size(shape).numel() for _, shape, offset in layout]
+    assert [offset for _, _, offset in layout] == [0, *ends[:-1]] and ends[-1] == flat.numel()
+
+
+# ---------------------------------------------------------------------------------------------
+# Trainer numerics and memory
+# ---------------------------------------------------------------------------------------------
+def slow_response_logprobs(model, q_ids, q_mask, r_ids, r_mask, temperature):
+    """Logits of every position, then the ones that predict the response: the obvious version."""
+    ids, mask = torch.cat([q_ids, r_ids], 1), torch.cat([q_mask, r_mask], 1)
+    logits = model(input_ids=ids, attention_mask=mask, position_ids=(mask.cumsum(1) - 1).clamp(min=0)).logits.float()
+    logp = (logits / temperature).log_softmax(-1)
+    out = torch.stack([logp[:, q_ids.shape[1] - 1 + t].gather(1, r_ids[:, t : t + 1]).squeeze(1) for t in range(r_ids.shape[1])], 1)
+    return out * r_mask
+
+
+@pytest.mark.parametrize("arch", ["llama", "gptneox"])
+def test_response_only_logits_give_the_logprobs_of_all_logits(algo, tokenizer, arch):
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(small_config(tokenizer, arch)).eval()
+    q_ids, q_mask = algo.left_pad([[1, 5, 6, 7, 8], [1, 9], [1, 4, 4, 4, 4, 4, 4]], 9, tokenizer.pad_token_id)
+    r_ids, r_mask, _ = algo.truncate_responses([[5, 6, tokenizer.eos_token_id], [7] * 6, [8, 9]], 6, tokenizer.eos_token_id, tokenizer.pad_token_id)
+    with torch.no_grad():
+        fast = algo.response_logprobs(model, q_ids, q_mask, r_ids, r_mask, 0.7)
+        slow = slow_response_logprobs(model, q_ids, q_mask, r_ids, r_mask, 0.7)
+    assert fast.shape == slow.shape == (3, 6)
+    torch.testing.assert_close(fast, slow, rtol=0, atol=1e-5)
+    if hasattr(algo, "response_logprobs_and_entropy"):  # PPO's: the same logprobs, from the same logits
+        with torch.no_grad():
+            ppo_logprobs, _ = algo.response_logprobs_and_entropy(model, q_ids, q_mask, r_ids, r_mask, 0.7)
+        assert torch.equal(ppo_logprobs, fast)
+
+
+def test_gradient_checkpointing_gives_the_same_gradients(algo, tokenizer):
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    config = small_config(tokenizer, "llama")
+    plain, checkpointed = AutoModelForCausalLM.from_config(config), AutoModelForCausalLM.from_config(config)
+    checkpointed.load_state_dict(plain.state_dict())
+    checkpointed.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    q_ids, q_mask = algo.left_pad([[1, 5, 6], [1, 9, 9, 9]], 5, tokenizer.pad_token_id)
+    r_ids, r_mask, _ = algo.truncate_responses([[5, 6], [7, 7, 7]], 4, tokenizer.eos_token_id, tokenizer.pad_token_id)
+    grads = []
+    for model in (plain, checkpointed):
+        model.train()
+        algo.response_logprobs(model, q_ids, q_mask, r_ids, r_mask, 1.0).sum().backward()
+        grads.append({k: p.grad for k, p in model.named_parameters()})
+    assert checkpointed.is_gradient_checkpointing and not plain.is_gradient_checkpointing
+    for key in grads[0]:
+        torch.testing.assert_close(grads[1][key], grads[0][key], rtol=1e-5, atol=1e-6)
+
+
+def test_bf16_run_on_a_cpu_trains_with_autocast_and_gradient_checkpointing(tmp_path):
+    """--dtype bfloat16, a GPU's default, on a CPU: autocast for the policy and the reference, a bf16 reward model,
+    the snapshot pushed in the engine's float32, and gradient checkpointing. It trains, and at step 0 (the reference
+    is the policy, both under the same autocast) the KL estimate is exactly 0."""
+    out = tmp_path / "bf16"
+    flags = ["--total_episodes", "128", "--local_micro_batch_size", "8", "--eval_freq", "0", "--num_eval_prompts", "32",
+             "--dtype", "bfloat16", "--vllm_dtype", "float32", "--gradient_checkpointing"]
+    run_script([sys.executable, "online_dpo_async.py", *flags, "--output_dir", str(out)])
+    train, _ = read_metrics(out)
+    assert [m["step"] for m in train] == list(range(8))  # 128 episodes of 8 prompts x 2 samples
+    assert train[0]["objective/kl"] == 0.0 and all(math.isfinite(m["loss/policy"]) for m in train)
