@@ -74,7 +74,13 @@ def test_gpu_commands_parse():
     from accelerate.commands.config.config_args import load_config_from_file
 
     match = re.search(r"## GPUs\n\n```bash\n(.*?)```", README, re.S)
-    commands = [line for line in match.group(1).splitlines() if line.startswith("accelerate launch")]
+    lines = match.group(1).splitlines()
+    one_gpu = shlex.split(lines[1].split("  #")[0].replace(" ...", ""))
+    assert one_gpu[:2] == ["python", "online_dpo_async.py"] and tyro.cli(dpo.Args, args=one_gpu[2:]).vllm_placement == "auto"
+    # auto: one GPU is shared with the one training process; 8 GPUs give 7 training processes and the engine its own
+    assert dpo.engine_placement("auto", ["0"], 1, None).shared
+    assert not dpo.engine_placement("auto", [str(i) for i in range(8)], 7, None).shared
+    commands = [line for line in lines if line.startswith("accelerate launch")]
     assert len(commands) == 2
     for command in commands:
         words = shlex.split(command.replace(" ...", ""))
