@@ -31,6 +31,8 @@ import tyro
 from accelerate import Accelerator, PartialState
 from accelerate.utils import broadcast_object_list
 from datasets import load_dataset
+from huggingface_hub import try_to_load_from_cache
+from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 from tqdm import tqdm
 from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer, set_seed
@@ -42,6 +44,8 @@ TINY_TASK = Path(__file__).resolve().parent / "benchmark" / "tiny_task"
 TASK_COLUMNS = {"tiny": ["query", "reference_response"], "tldr": ["query", "reference_response"], "no_robots": ["messages"], "gsm8k": ["question", "answer"]}
 # GSM8k's prompt: the format the paper's policy (Rho-1B SFT on GSM8k, after Kazemnejad et al. 2024) was fine-tuned on.
 GSM8K_PROMPT = "[MATH_TASK] Problem:\n{question}\n\nSolution:"
+# GSM8k's final answer, as OpenAI's grade-school-math checker (the paper's verifier) reads it: the first match counts.
+GSM8K_ANSWER = re.compile(r"#### (\-?[0-9\.\,]+)")
 
 
 @dataclass
@@ -185,6 +189,8 @@ def compute_sizes(args: Args, world_size: int) -> Sizes:
         raise UsageError(f"--cliprange and --tis_cap must be > 0, got {args.cliprange} and {args.tis_cap}")
     if args.temperature <= 0:
         raise UsageError(f"--temperature must be > 0 (logprobs divide logits by it), got {args.temperature}")
+    if not math.isfinite(args.missing_eos_penalty):
+        raise UsageError(f"--missing_eos_penalty must be a finite number, got {args.missing_eos_penalty}")
     for flag in ("local_micro_batch_size", "gradient_accumulation_steps", "num_mini_batches", "num_ppo_epochs", "max_prompt_length", "response_length"):
         if getattr(args, flag) < 1:
             raise UsageError(f"--{flag} must be >= 1, got {getattr(args, flag)}")
@@ -252,8 +258,8 @@ def task_prompts(dataset, task: str, tokenizer, where: str) -> tuple[list[str], 
     """The prompt text the policy sees and the reference answer of every row, in the format of --task (README "Tasks")."""
     if task == "gsm8k":
         answers = list(dataset["answer"])
-        if unlabelled := [i for i, answer in enumerate(answers) if "####" not in answer]:
-            raise UsageError(f"{where}: {len(unlabelled)} `answer`(s) without a final '#### <number>' line (row {unlabelled[0]}): not GSM8k's format")
+        if unlabelled := [i for i, answer in enumerate(answers) if gsm8k_answer(answer) is None]:
+            raise UsageError(f"{where}: {len(unlabelled)} `answer`(s) without a '#### <number>' final answer (row {unlabelled[0]}): not GSM8k's format")
         return [GSM8K_PROMPT.format(question=question) for question in dataset["question"]], answers
     if task == "no_robots":
         if tokenizer.chat_template is None:
@@ -434,18 +440,29 @@ def apply_missing_eos_penalty(scores: torch.Tensor, contain_eos: torch.Tensor, p
 
 
 def gsm8k_answer(text: str) -> str | None:
-    """The final answer of a GSM8k solution: the rest of the line after its last "####", without commas and
-    surrounding whitespace ("#### 1,000" -> "1000"); None if there is no "####"."""
-    if "####" not in text:
-        return None
-    return text.rsplit("####", 1)[1].split("\n", 1)[0].replace(",", "").strip()
+    """The final answer of a GSM8k solution as OpenAI's grade-school-math checker reads it: the FIRST match of
+    `#### (-?[0-9.,]+)` (one space after "####"), commas removed ("#### 1,020 dollars" -> "1020"); None without a
+    match. What follows the number (a unit, a made-up next problem with its own "####") is not read; "####18" has no
+    answer, and "#### 18." reads "18." (the period is one of the characters the pattern takes)."""
+    match = GSM8K_ANSWER.search(text)
+    return None if match is None else match.group(1).replace(",", "")
 
 
 def gsm8k_reward(completion: str, answer: str) -> float:
-    """GSM8k's verifier (paper section 5.2): 1.0 when the completion's final answer is exactly the label's, else
-    0.0. Nothing else is normalised: "3.0" is not "3", and "−5" (Unicode minus) is not "-5"."""
+    """GSM8k's verifier (paper section 5.2, OpenAI's grade-school-math checker): 1.0 when the completion's answer
+    (`gsm8k_answer`) is the label's, compared as strings, else 0.0 (no answer: 0.0). Nothing else is normalised:
+    "18." is not "18", "3.0" is not "3", and "#### −5" (Unicode minus) or "#### $5" has no answer."""
     predicted = gsm8k_answer(completion)
-    return float(bool(predicted) and predicted == gsm8k_answer(answer))
+    return float(predicted is not None and predicted == gsm8k_answer(answer))
+
+
+def check_scores(scores: torch.Tensor, source: str, step: int) -> None:
+    """Stop the run on a NaN or infinite reward, before it is paired or turned into advantages, which would use it
+    silently; like the NaN-loss stop, the error names the step, and `source` where the scores came from."""
+    bad = (~torch.isfinite(scores)).nonzero().flatten().tolist()
+    if bad:
+        values = ", ".join(str(scores[i].item()) for i in bad[:4])
+        raise RuntimeError(f"{source} gave nan/inf scores at step {step} ({len(bad)} of {len(scores)} completions: {values}{', ...' if len(bad) > 4 else ''})")
 
 
 def verify_completions(tokenizer, response_ids: torch.Tensor, response_mask: torch.Tensor, answers: list[str]) -> torch.Tensor:
@@ -925,6 +942,55 @@ def check_model(path: str, flag: str, args: Args) -> None:
         )
 
 
+def is_score_head(name: str) -> bool:
+    """A weight of the head `reward_head` reads: `score` (Llama, GPT-NeoX, ...) or `classifier` (BERT-like models)."""
+    return name == "score.weight" or name.startswith("classifier.")
+
+
+def stored_weight_names(path: str, cache_dir: str | None = None) -> set[str] | None:
+    """Names of the tensors a checkpoint stores, read from its safetensors index or headers (no weights load): a
+    local folder, or a hub id whose weights are in the local cache; None when that cannot be told before loading."""
+    if os.path.isdir(path):
+        index = Path(path, "model.safetensors.index.json")
+        index, files = (str(index) if index.exists() else None), [str(f) for f in Path(path).glob("*.safetensors")]
+    else:
+        try:
+            index, single = (try_to_load_from_cache(path, name, cache_dir=cache_dir) for name in ("model.safetensors.index.json", "model.safetensors"))
+        except ValueError:  # neither a folder nor a hub id
+            return None
+        index, files = (index if isinstance(index, str) else None), ([single] if isinstance(single, str) else [])
+    if index is not None:
+        return set(json.loads(Path(index).read_text())["weight_map"])
+    if not files:
+        return None
+    names = set()
+    for file in files:
+        with safe_open(file, "pt") as weights:
+            names.update(weights.keys())
+    return names
+
+
+def not_a_reward_model(path: str, flag: str) -> str:
+    return f"{flag} {path} is not a reward model: its weights have no score head (score.weight or classifier.*), which loading would initialise at random"
+
+
+def check_reward_model(path: str, flag: str, cache_dir: str | None = None) -> None:
+    """Before any weights load: a reward model's score head is among its stored weights. From a causal LM (an SFT
+    policy, say) AutoModelForSequenceClassification initialises the head at random, and a run would train against
+    noise. A hub id not in the local cache cannot be told here: `load_reward_model` checks it as it loads."""
+    names = stored_weight_names(path, cache_dir)
+    if names is not None and not any(map(is_score_head, names)):
+        raise UsageError(not_a_reward_model(path, flag))
+
+
+def load_reward_model(path: str, flag: str, **kwargs):
+    """AutoModelForSequenceClassification with one label, refused if its score head was not in the checkpoint."""
+    model, info = AutoModelForSequenceClassification.from_pretrained(path, num_labels=1, output_loading_info=True, **kwargs)
+    if any(map(is_score_head, info["missing_keys"])):
+        raise UsageError(not_a_reward_model(path, flag))
+    return model
+
+
 # Flags that may change when a run is resumed; any other must be what the run started with.
 RESUMABLE_CHANGES = {"resume", "output_dir", "track", "wandb_project", "wandb_entity", "save_freq", "num_sample_completions"}
 
@@ -1037,6 +1103,9 @@ if __name__ == "__main__":
         check_model(args.sft_model_path, "--sft_model_path", args)
         if args.task != "gsm8k":  # GSM8k's verifier needs no reward model
             check_model(args.reward_model_path, "--reward_model_path", args)
+            check_reward_model(args.reward_model_path, "--reward_model_path")
+        if args.gold_judge != "tiny":
+            check_reward_model(args.gold_judge, "--gold_judge")
         tokenizer = load_tokenizer(args.sft_model_path, "--sft_model_path", args.trust_remote_code)
         reward_tokenizer = None if args.task == "gsm8k" else load_tokenizer(args.reward_model_path, "--reward_model_path", args.trust_remote_code)
         task_flags = dict(task=args.task, config=args.dataset_config)
@@ -1082,11 +1151,14 @@ if __name__ == "__main__":
     model_kwargs = dict(trust_remote_code=args.trust_remote_code, use_safetensors=True)
     policy = AutoModelForCausalLM.from_pretrained(os.path.join(checkpoint, "policy") if checkpoint else args.sft_model_path, dtype=torch.float32, **model_kwargs)
     ref_policy = AutoModelForCausalLM.from_pretrained(args.sft_model_path, dtype=torch.float32, **model_kwargs)
-    reward_model = None if args.task == "gsm8k" else AutoModelForSequenceClassification.from_pretrained(args.reward_model_path, num_labels=1, dtype=dtype, **model_kwargs)
     gold_model = gold_tokenizer = None
-    if args.gold_judge != "tiny" and accelerator.is_main_process:
-        gold_model = AutoModelForSequenceClassification.from_pretrained(args.gold_judge, num_labels=1, dtype=dtype, **model_kwargs).to(device).eval()
-        gold_tokenizer = AutoTokenizer.from_pretrained(args.gold_judge, trust_remote_code=args.trust_remote_code)
+    try:  # the score-head check of a hub id that was not in the local cache before it loaded
+        reward_model = None if args.task == "gsm8k" else load_reward_model(args.reward_model_path, "--reward_model_path", dtype=dtype, **model_kwargs)
+        if args.gold_judge != "tiny" and accelerator.is_main_process:
+            gold_model = load_reward_model(args.gold_judge, "--gold_judge", dtype=dtype, **model_kwargs).to(device).eval()
+            gold_tokenizer = AutoTokenizer.from_pretrained(args.gold_judge, trust_remote_code=args.trust_remote_code)
+    except UsageError as exc:
+        raise SystemExit(f"error: {exc}")
     engine_names = checkpoint_names(policy)  # computed before accelerate wraps the policy
     if args.gradient_checkpointing:
         policy.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
@@ -1162,6 +1234,8 @@ if __name__ == "__main__":
         with accelerator.autocast():
             scores = score_completions(reward_model, reward_tokenizer, tokenizer, q_ids, q_mask, r_ids, r_mask, contain_eos, args.local_rollout_forward_batch_size)
         return apply_missing_eos_penalty(scores, contain_eos, args.missing_eos_penalty)
+
+    score_source = "GSM8k's verifier" if args.task == "gsm8k" else f"reward model --reward_model_path {args.reward_model_path}"
 
     @torch.no_grad()
     def evaluate(rollout: EvalRollout) -> dict:
@@ -1316,6 +1390,9 @@ if __name__ == "__main__":
             scores = score(q_ids, q_mask, r_ids, r_mask, contain_eos, references)
             if injected_fault("scoring", step):
                 raise RuntimeError(f"injected test fault in reward scoring at step {step} (time {time.time():.2f})")
+            if injected_fault("nan_score", step):
+                scores[0] = float("nan")
+            check_scores(accelerator.gather(scores), score_source, step)  # every process sees every score, so all stop together
             score_time = time.perf_counter() - train_start
 
             # 3. old and reference logprobs, sequence rewards, leave-one-out advantages (RLOO blog)

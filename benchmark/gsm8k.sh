@@ -10,7 +10,7 @@
 #   online_dpo  tables 2 and 11, figure 11 right: online DPO on the best and worst of 4 samples,
 #               sync (async_level 0) and async (async_level 1)
 #   rloo        table 11, figure 11 left: RLOO with k = 4, sync
-# The reward is the verifier (1 if the number after "####" equals the label's, else 0): no reward
+# The reward is the verifier (1 if the number after the first "#### " equals the label's, else 0): no reward
 # model is loaded, there is no gold judge (the evaluation is greedy pass@1 on the test split) and no
 # missing-EOS penalty (table 10 has none), so those flags are not given.
 set -euo pipefail

@@ -1,12 +1,15 @@
 """Runs that survive faults: every algorithm file stops cleanly on a fault injected in generation, in
-reward scoring or as a NaN loss, and a run killed mid-way resumes to the same result as one that was not."""
+reward scoring, as a NaN loss or a NaN score, and a run killed mid-way resumes to the same result as one
+that was not."""
 
+import importlib
 import json
 import signal
 
 import psutil
 import pytest
-from conftest import SMALL_RUN, assert_resumed_run_matches, read_metrics, run_with_fault
+import torch
+from conftest import SMALL_RUN, TINY, assert_resumed_run_matches, read_metrics, run_with_fault
 
 SCRIPTS = ["online_dpo_async.py", "rloo_async.py", "ppo_async.py"]
 SMALL = ["--total_episodes", "512", "--local_micro_batch_size", "8", "--eval_freq", "4", "--num_eval_prompts", "32"]
@@ -32,6 +35,32 @@ def test_a_nan_loss_stops_the_run_and_keeps_the_last_good_checkpoint(script, tmp
     assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step_000002", "step_000004"]
     train, _ = read_metrics(tmp_path)
     assert [m["step"] for m in train] == [0, 1, 2, 3, 4]  # the NaN step is not logged as if it were fine
+    assert not psutil.wait_procs(children, timeout=10)[1]
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_nan_or_inf_scores_are_refused_naming_the_step_and_the_source(script):
+    """The shared check, run right after scoring and before any pairing or advantage."""
+    check_scores = importlib.import_module(script.removesuffix(".py")).check_scores
+    check_scores(torch.tensor([0.5, -3.0, 0.0, 1e30]), "reward model --reward_model_path rm", 7)  # finite: goes on
+    for bad, shown in [(float("nan"), "nan"), (float("inf"), "inf"), (-float("inf"), "-inf")]:
+        with pytest.raises(RuntimeError) as error:
+            check_scores(torch.tensor([0.5, bad, 0.0, 1.0]), "reward model --reward_model_path rm", 7)
+        assert str(error.value) == f"reward model --reward_model_path rm gave nan/inf scores at step 7 (1 of 4 completions: {shown})"
+    with pytest.raises(RuntimeError) as error:
+        check_scores(torch.tensor([float("nan")] * 5 + [1.0]), "GSM8k's verifier", 0)
+    assert str(error.value) == "GSM8k's verifier gave nan/inf scores at step 0 (5 of 6 completions: nan, nan, nan, nan, ...)"
+
+
+def test_a_nan_score_stops_the_run_at_its_step_before_it_trains(tmp_path):
+    """One whole run (online DPO; the check is the same text in the three files): one score of step 3 made NaN."""
+    code, output, _, children = run_with_fault("online_dpo_async.py", "nan_score:3", SMALL, tmp_path)
+    num_completions = json.loads((tmp_path / "args.json").read_text())["episodes_per_step"]
+    message = f"reward model --reward_model_path {TINY / 'reward'} gave nan/inf scores at step 3 (1 of {num_completions} completions: nan)"
+    assert code not in (0, None) and f"RuntimeError: {message}" in output, output[-3000:]
+    train, _ = read_metrics(tmp_path)
+    assert [m["step"] for m in train] == [0, 1, 2]  # step 3 is neither trained nor logged
+    assert not (tmp_path / "policy").exists()
     assert not psutil.wait_procs(children, timeout=10)[1]
 
 

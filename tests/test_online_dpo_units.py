@@ -31,6 +31,32 @@ def test_best_and_worst_of_four_with_ties_are_deterministic():
     assert tied.tolist() == [False, True, False, False]
 
 
+def test_tied_pairs_add_nothing_to_the_loss_but_count_in_its_denominator():
+    """Kept on purpose (README, `val/tied_pairs`): sum over the untied pairs / all pairs of the micro-batch, so
+    the gradient is the untied-only mean's times untied / all."""
+    logps_c = torch.tensor([-1.0, -3.0, -2.0, -0.5, -4.0], requires_grad=True)
+    logps_r = torch.tensor([-2.0, -1.0, -2.0, -1.5, -1.0], requires_grad=True)
+    ref_c, ref_r = torch.tensor([-1.5, -2.0, -2.0, -1.0, -3.0]), torch.tensor([-1.5, -2.0, -2.0, -1.0, -2.0])
+    tied = torch.tensor([False, False, True, True, False])
+    loss = dpo.dpo_batch_loss(dpo.dpo_loss(logps_c, logps_r, ref_c, ref_r, beta=0.1, loss_type="sigmoid"), tied)
+    # by hand: h = [1, -2, 0, 1.5, -2] (the tied pairs' h are ignored); -log sigmoid(0.1 h) = log(1 + exp(-0.1 h))
+    untied_h = [1.0, -2.0, -2.0]
+    assert loss.item() == pytest.approx(sum(math.log(1 + math.exp(-0.1 * h)) for h in untied_h) / 5, abs=1e-6)
+    loss.backward()
+    grad_c, grad_r = logps_c.grad.clone(), logps_r.grad.clone()
+    # the untied pairs alone, averaged over themselves
+    untied = ~tied
+    c, r = logps_c.detach()[untied].requires_grad_(), logps_r.detach()[untied].requires_grad_()
+    dpo.dpo_loss(c, r, ref_c[untied], ref_r[untied], beta=0.1, loss_type="sigmoid").mean().backward()
+    torch.testing.assert_close(grad_c[untied], c.grad * 3 / 5)
+    torch.testing.assert_close(grad_r[untied], r.grad * 3 / 5)
+    assert grad_c[tied].tolist() == [0.0, 0.0] and grad_r[tied].tolist() == [0.0, 0.0]
+    # the by-hand gradient of one untied pair: d/dlogp_c log(1 + exp(-0.1 h)) / 5 = -0.1 sigmoid(-0.1 h) / 5
+    assert grad_c[0].item() == pytest.approx(-0.1 / (1 + math.exp(0.1)) / 5, abs=1e-7)
+    # every pair tied: loss 0 (no pair is informative), not 0 / 0
+    assert dpo.dpo_batch_loss(torch.tensor([0.7, 0.2]), torch.tensor([True, True])).item() == 0.0
+
+
 def test_win_rate_counts_ties_as_one_half():
     assert dpo.win_rates([0.9, 0.5, 0.1], [0.5, 0.5, 0.5]) == [1.0, 0.5, 0.0]
 

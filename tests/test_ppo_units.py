@@ -145,6 +145,25 @@ def test_per_token_kl_reward_puts_the_score_on_the_eos_or_the_last_token(tokeniz
     torch.testing.assert_close(rewards, torch.tensor(expected))
 
 
+def test_a_completion_of_zero_tokens_is_refused_rather_than_losing_its_score(tokenizer):
+    """Only an empty completion from the engine gives an all-zero mask row (an EOS sampled first is a one-token
+    completion, which keeps its score on that EOS: the test above). Its score would have no token to sit on: GAE
+    and the losses see real tokens only, so it would vanish; per_token_rewards refuses it instead."""
+    eos = tokenizer.eos_token_id
+    ids, mask, contain_eos = ppo.truncate_responses([[eos, 7], [], [4, 5]], 3, eos_token_id=eos, pad_token_id=0)
+    assert mask.tolist() == [[1, 0, 0], [0, 0, 0], [1, 1, 0]] and contain_eos.tolist() == [True, False, False]
+    scores, zeros = torch.tensor([2.0, 5.0, -1.0]), torch.zeros(3, 3)
+    with pytest.raises(RuntimeError, match=r"^completion\(s\) \[1\] of the batch have zero tokens: there is no token to give the score to"):
+        ppo.per_token_rewards(scores, zeros, zeros, mask, kl_coef=0.1)
+    # why: a score put on a masked slot is gone after GAE, whatever its value
+    rewards = torch.tensor([[0.0, 0.0, 0.0], [5.0, 0.0, 0.0], [0.0, -1.0, 0.0]])
+    advantages, returns = ppo.gae_advantages(rewards, zeros, mask, 1.0, 0.95)
+    assert advantages[1].tolist() == [0.0, 0.0, 0.0] and returns[1].tolist() == [0.0, 0.0, 0.0]
+    # the same batch without the empty completion: every score lands on its last real token
+    rewards, _ = ppo.per_token_rewards(scores[[0, 2]], zeros[:2], zeros[:2], mask[[0, 2]], kl_coef=0.1)
+    assert rewards.tolist() == [[2.0, 0.0, 0.0], [0.0, -1.0, 0.0]]
+
+
 # ------------------------------------------------------------------------------ adaptive KL
 def test_adaptive_kl_controller_on_hand_computed_numbers():
     # kl 9 over target 6: error 0.5 clipped to 0.2 -> x (1 + 0.2 * 512 / 10000)

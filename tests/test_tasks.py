@@ -101,9 +101,11 @@ def test_missing_columns_and_chat_templates_and_bad_rows_are_one_line_usage_erro
         (lambda: script.load_prompts(str(FIXTURES / "no_robots" / "data"), "test", tokenizer, 512, task="no_robots"),
          rf"--task no_robots writes prompts with the policy's chat template, and the tokenizer of --sft_model_path {TINY / 'sft'} has none"),
     ]
-    (tmp_path / "unlabelled.jsonl").write_text(json.dumps({"question": "What is 2 + 2?", "answer": "2 + 2 = 4"}) + "\n")
+    # a label needs a match of the verifier's "#### (-?[0-9.,]+)": "####" alone, or followed by a word, is not one
+    unlabelled = [{"question": "What is 2 + 2?", "answer": answer} for answer in ("2 + 2 = 4\n#### 4", "2 + 2 = 4", "2 + 2 = 4\n#### four")]
+    (tmp_path / "unlabelled.jsonl").write_text("".join(json.dumps(row) + "\n" for row in unlabelled))
     cases.append((lambda: script.load_prompts(str(tmp_path / "unlabelled.jsonl"), "train", tokenizer, 512, task="gsm8k"),
-                  r"unlabelled.jsonl split train: 1 `answer`\(s\) without a final '#### <number>' line \(row 0\)"))
+                  r"unlabelled.jsonl split train: 2 `answer`\(s\) without a '#### <number>' final answer \(row 1\): not GSM8k's format$"))
     (tmp_path / "no_answer.jsonl").write_text(json.dumps({"messages": [{"role": "user", "content": "Hi"}]}) + "\n")
     cases.append((lambda: script.load_prompts(str(tmp_path / "no_answer.jsonl"), "train", chat_tokenizer, 512, task="no_robots"),
                   r"no_answer.jsonl split train: row 0's `messages` do not end with an assistant turn"))
@@ -126,27 +128,62 @@ def test_a_gold_reward_model_for_gsm8k_is_refused_in_one_line_before_any_model_l
 
 
 # ------------------------------------------------------------------------------------------ GSM8k's verifier
+# OpenAI's grade-school-math checker: the first match of "#### (-?[0-9.,]+)", commas removed, equal as strings
 @pytest.mark.parametrize("completion, answer, reward", [
     ("She makes 8 * 5 = 40 dollars.\n#### 40", "She makes 8 * 5 = <<8*5=40>>40 dollars.\n#### 40", 1.0),
-    ("#### 1020", "#### 1,020", 1.0),  # commas are stripped, from the label too
+    ("#### 1020", "#### 1,020", 1.0),  # commas are removed, from the label too
     ("#### 1,020", "#### 1020", 1.0),
-    ("####   40  ", "#### 40", 1.0),  # whitespace around the answer
-    ("####40", "#### 40", 1.0),
-    ("#### 40\nProblem: the next one", "#### 40", 1.0),  # the rest of the line after "####"
-    ("#### 12\nno, wait\n#### 40", "#### 40", 1.0),  # the last "####" counts
-    ("#### 40\nno, wait\n#### 12", "#### 40", 0.0),
+    ("#### 1,02,0", "#### 1020", 1.0),  # wherever they are
+    ("#### 40 dollars", "#### 40", 1.0),  # what follows the number is not read
+    ("#### 5%", "#### 5", 1.0),
+    ("#### 40\n\nProblem: Ann has 3 cats and buys 4. How many cats?\nSolution: 3 + 4 = 7\n#### 7", "#### 40", 1.0),  # the first match counts
+    ("#### 12\nno, wait\n#### 40", "#### 40", 0.0),
+    ("#### 40\nno, wait\n#### 12", "#### 40", 1.0),
+    ("So the answer is #### 40", "#### 40", 1.0),  # anywhere in the text
+    ("####40", "#### 40", 0.0),  # no space: no match, and so no answer
+    ("####   40  ", "#### 40", 0.0),  # more than one space: no match either
+    ("####40\n#### 40", "#### 40", 1.0),  # the first MATCH: "####40" is none
     ("The answer is 40.", "#### 40", 0.0),  # no "####": no answer
     ("####", "#### 40", 0.0),
-    ("#### 40.", "#### 40", 0.0),  # exact strings: nothing else is normalised
-    ("#### 40.0", "#### 40", 0.0),
+    ("#### 40.", "#### 40", 0.0),  # the period is taken: "40." is not "40"
+    ("#### 40.\n", "#### 40.", 1.0),
+    ("#### 40.0", "#### 40", 0.0),  # nothing else is normalised
     ("#### $40", "#### 40", 0.0),
-    ("#### 4 0", "#### 40", 0.0),
-    ("#### \u22125", "#### -5", 0.0),  # Unicode minus
+    ("#### 4 0", "#### 40", 0.0),  # "4"
     ("#### -5", "#### -5", 1.0),
+    ("#### 5", "#### -5", 0.0),
+    ("#### - 5", "#### -5", 0.0),
+    ("#### \u22125", "#### -5", 0.0),  # Unicode minus: no match
+    ("#### -7 degrees", "At midnight it was 4 - 11 = <<4-11=-7>>-7 degrees.\n#### -7", 1.0),
 ])
 def test_gsm8k_verifier_by_hand(completion, answer, reward):
     for name in SCRIPTS:
         assert importlib.import_module(name.removesuffix(".py")).gsm8k_reward(completion, answer) == reward
+
+
+def test_gsm8k_answers_of_the_fixture_labels_and_completions_against_them(script, tokenizer):
+    """The labels of the fixture's main/train split as the verifier reads them (a comma, a unit after the number,
+    a negative), and completions against them, all written by hand."""
+    prompts = script.load_prompts(str(FIXTURES / "gsm8k"), "train", tokenizer, 512, task="gsm8k", config="main")
+    assert [script.gsm8k_answer(answer) for answer in prompts.references] == ["40", "36", "1020", "9", "18", "-7"]
+    label = dict(zip(["muffins", "pages", "chickens", "apples", "pens", "temperature"], prompts.references))
+    assert label["pens"].endswith("#### 18 dollars") and label["chickens"].endswith("#### 1,020") and label["temperature"].endswith("#### -7")
+    cases = [
+        ("pens", "12 + 6 = 18 dollars.\n#### 18", 1.0),
+        ("pens", "#### 18 dollars", 1.0),
+        ("pens", "#### 18.", 0.0),
+        ("pens", "####18", 0.0),
+        ("pens", "#### 18\n\n[MATH_TASK] Problem:\nA box holds 6 eggs. How many eggs are in 5 boxes?\n\nSolution: 6 * 5 = 30\n#### 30", 1.0),
+        ("pens", "#### 30\n#### 18", 0.0),
+        ("chickens", "#### 1,020", 1.0),
+        ("chickens", "#### 1020 chickens", 1.0),
+        ("chickens", "#### 1.020", 0.0),
+        ("temperature", "#### -7", 1.0),
+        ("temperature", "#### 7", 0.0),
+        ("temperature", "#### -7.", 0.0),
+        ("apples", "#### 9 apples.", 1.0),
+    ]
+    assert [script.gsm8k_reward(completion, label[name]) for name, completion, _ in cases] == [reward for _, _, reward in cases]
 
 
 def number_tokenizer():
