@@ -395,6 +395,18 @@ def response_logprobs(model, query_ids, query_mask, response_ids, response_mask,
     return logprobs * response_mask
 
 
+def forward_flops(model, sequences: int, length: int, logit_positions: int | None = None) -> int:
+    """Matmul FLOPs of a forward pass, 2 per parameter and token (Kaplan et al. 2020, attention's quadratic term
+    left out): every token through the body, `logit_positions` per sequence through the output head (all when
+    None), none through the input embedding, a lookup. A training pass is 3 forwards' worth, 4 when recomputing."""
+    embedding = model.get_input_embeddings().weight
+    head = model.get_output_embeddings()
+    head_params = 0 if head is None else head.weight.numel()
+    tied = head is not None and head.weight is embedding
+    body = sum(p.numel() for p in model.parameters()) - embedding.numel() - (0 if tied else head_params)
+    return 2 * sequences * (body * length + head_params * (length if logit_positions is None else logit_positions))
+
+
 def reward_head(model):
     return model.score if hasattr(model, "score") else model.classifier
 
@@ -1296,6 +1308,15 @@ if __name__ == "__main__":
     if args.gradient_checkpointing:
         for m in (policy, value_model):
             m.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    L, R = args.max_prompt_length + args.response_length, args.response_length  # padded widths the passes process
+    B = sizes.local_batch_size
+    trained_flops = forward_flops(policy, B, L, R + 1) + forward_flops(value_model, B, L)
+    phase_flops = {  # per process and step, for the model FLOP utilisation of each phase (benchmark/timing.py)
+        "scoring": 0 if reward_model is None else forward_flops(reward_model, B, L),
+        "old_logprobs": trained_flops,
+        "reference": forward_flops(ref_policy, B, L, R + 1),
+        "update": (4 if args.gradient_checkpointing else 3) * args.num_ppo_epochs * trained_flops,
+    }
     frozen = [m for m in (ref_policy, reward_model) if m is not None]  # GSM8k has no reward model
     for m in (policy, value_model, *frozen):
         disable_dropout(m)
@@ -1666,6 +1687,10 @@ if __name__ == "__main__":
                     "time/old_logprobs": old_time,
                     "time/reference": ref_time,
                     "time/update": update_time,
+                    "flops/scoring": phase_flops["scoring"],
+                    "flops/old_logprobs": phase_flops["old_logprobs"],
+                    "flops/reference": phase_flops["reference"],
+                    "flops/update": phase_flops["update"],
                     "time/training": training_time,
                     "time/step": step_time,
                     "timeline/step_start": step_start - run_start,  # seconds since the engine was up

@@ -200,6 +200,7 @@ def parse(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     parser.add_argument("--prompt_length", type=int, default=None, help=f"prompt tokens with a Pythia size (default {TLDR_LENGTHS[0]}, TLDR's)")
     parser.add_argument("--launch", default=shlex.quote(sys.executable), help="command that starts the script, e.g. \"accelerate launch --config_file configs/multi_gpu.yaml --num_processes 1\"")
     parser.add_argument("--steps", default="0:12", help="steps A to B-1 drawn in timeline.png")
+    parser.add_argument("--peak_tflops", type=float, default=None, help="the GPU's dense bf16 peak (989 for an H100 SXM): adds the model FLOP utilisation of each trainer phase")
     args = parser.parse_args(own)
     if not (ROOT / args.script).is_file():
         parser.error(f"--script {args.script}: no such file (relative to the repository root)")
@@ -237,7 +238,7 @@ def main(argv: list[str]) -> None:
         if proc.returncode:
             raise SystemExit(f"[{name}] {args.script} exited with {proc.returncode}; see {run / 'run.log'}")
         print(f"[{name}] done in {time.perf_counter() - start:.0f} s", flush=True)
-    table = timing.report([str(run / "metrics.jsonl") for run in runs.values()])
+    table = timing.report([str(run / "metrics.jsonl") for run in runs.values()], args.peak_tflops)
     (out / "speed.md").write_text(table + "\n")
     print(table)
     print(f"wrote {out / 'speed.md'}")

@@ -7,7 +7,12 @@ Means over training steps, the first two left out as warm-up (engine and allocat
 step-0 evaluation). A step's wall time is the time from its start to the next step's start
 (`timeline/step_start`), so logging between steps is counted; the last step, which has no next
 start, is then left out too (files without timeline keys use `time/step`). One column per run; with
-two runs, synchronous then asynchronous, also the speed-up figures.
+two runs, synchronous then asynchronous, also the speed-up figures. With `--peak_tflops` (the GPU's dense
+bf16 peak, e.g. 989 for an H100 SXM), also the trainer's model FLOP utilisation per phase: the FLOPs a
+script logs per process and step (`flops/*`: 2 per parameter and token in a forward, 3x for training)
+over the phase's time and that peak.
+
+    python benchmark/timing.py --peak_tflops 989 runs/speed/sync/metrics.jsonl runs/speed/async/metrics.jsonl
 """
 
 import json
@@ -40,6 +45,7 @@ def summarize(path: str) -> dict:
     else:
         step_times = [m["time/step"] for m in steps]
     phases = {key: mean(m[key] for m in steps) for key in PHASES if key in steps[0]}
+    flops = {key: mean(m["flops/" + key[5:]] for m in steps) for key in phases if "flops/" + key[5:] in steps[0]}
     r = {
         "run": path,
         "async_level": max(m["async/lag"] for m in train),
@@ -48,6 +54,7 @@ def summarize(path: str) -> dict:
         "push": mean(m["time/weight_sync"] for m in steps),
         "T": mean(m["time/training"] for m in steps),
         "phases": phases,
+        "flops": flops,
         "wait": mean(m["time/wait_for_rollouts"] for m in steps),
         "step": mean(step_times),
     }
@@ -71,10 +78,16 @@ def compare(sync: dict, async_: dict) -> dict:
     }
 
 
-def report(paths: list[str]) -> str:
+def utilisation(r: dict, key: str, peak_tflops: float) -> str:
+    """Model FLOP utilisation of a phase: the FLOPs it does per step over its time and the GPU's peak."""
+    return f"{r['flops'][key] / r['phases'][key] / (peak_tflops * 1e12):.1%}" if key in r["flops"] else "-"
+
+
+def report(paths: list[str], peak_tflops: float | None = None) -> str:
     """A Markdown table, one column per run; the comparison below it when given (sync, async)."""
     runs = [summarize(path) for path in paths]
     phase_keys = [key for key in PHASES if any(key in r["phases"] for r in runs)]
+    mfu_keys = [key for key in phase_keys if peak_tflops and any(key in r["flops"] for r in runs)]
     rows = [
         ("steps timed", lambda r: f"{r['steps']}"),
         ("**G**: generation + weight push (s)", lambda r: f"{r['G']:.4f}"),
@@ -87,6 +100,7 @@ def report(paths: list[str]) -> str:
         ("rest of the step: logging (s)", lambda r: f"{r['outside']:.4f}"),
         ("**step**: wall time per step (s)", lambda r: f"{r['step']:.4f}"),
         ("max(G, T) / step", lambda r: f"{r['efficiency']:.1%}"),
+        *[(f"model FLOP utilisation: {key[5:]}", lambda r, key=key: utilisation(r, key, peak_tflops)) for key in mfu_keys],
     ]
     lines = ["| | " + " | ".join(f"`--async_level {r['async_level']}`" for r in runs) + " |", "|---" * (len(runs) + 1) + "|"]
     lines += [f"| {name} | " + " | ".join(cell(r) for r in runs) + " |" for name, cell in rows]
@@ -108,6 +122,9 @@ def report(paths: list[str]) -> str:
 
 
 if __name__ == "__main__":
-    if len(sys.argv) < 2:
-        raise SystemExit("usage: python benchmark/timing.py METRICS.jsonl [METRICS.jsonl ...] (sync first, then async)")
-    print(report(sys.argv[1:]))
+    argv, peak = sys.argv[1:], None
+    if argv[:1] == ["--peak_tflops"] and len(argv) > 1:
+        peak, argv = float(argv[1]), argv[2:]
+    if not argv:
+        raise SystemExit("usage: python benchmark/timing.py [--peak_tflops TFLOPS] METRICS.jsonl [METRICS.jsonl ...] (sync first, then async)")
+    print(report(argv, peak))

@@ -41,3 +41,20 @@ def test_timing_summary_by_hand(tmp_path):
     reversed_order = subprocess.run([sys.executable, "benchmark/timing.py", str(tmp_path / "async.jsonl"), str(tmp_path / "sync.jsonl")],
                                     cwd=ROOT, capture_output=True, text=True, check=True).stdout
     assert "speed-up" not in reversed_order  # the comparison needs the synchronous run first
+
+
+def test_model_flop_utilisation_by_hand(tmp_path):
+    """--peak_tflops adds, per trainer phase, the FLOPs the script logged over the phase's time and the peak:
+    scoring 2e12 FLOPs in 0.1 s at a 100 TFLOP/s peak is 20 %; a phase without logged FLOPs gets no row."""
+    path = write_run(tmp_path / "run.jsonl", 0.3, 0.1, 0.5, 0.9)
+    lines = [json.loads(line) for line in open(path)]
+    for m in lines:
+        if "async/lag" in m:
+            m["flops/scoring"] = 2e12
+    (tmp_path / "run.jsonl").write_text("".join(json.dumps(m) + "\n" for m in lines))
+    summary = timing.summarize(path)
+    assert summary["flops"] == {"time/scoring": 2e12}
+    assert timing.utilisation(summary, "time/scoring", 100.0) == "20.0%" and timing.utilisation(summary, "time/update", 100.0) == "-"
+    out = subprocess.run([sys.executable, "benchmark/timing.py", "--peak_tflops", "100", path], cwd=ROOT, capture_output=True, text=True, check=True).stdout
+    assert "| model FLOP utilisation: scoring | 20.0% |" in out and "utilisation: update" not in out  # no FLOPs logged for it
+    assert "utilisation" not in timing.report([path])  # no peak given: no utilisation rows

@@ -169,3 +169,21 @@ def test_bf16_run_on_a_cpu_trains_with_autocast_and_gradient_checkpointing(tmp_p
     train, _ = read_metrics(out)
     assert [m["step"] for m in train] == list(range(8))  # 128 episodes of 8 prompts x 2 samples
     assert train[0]["objective/kl"] == 0.0 and all(math.isfinite(m["loss/policy"]) for m in train)
+
+
+@pytest.mark.parametrize("arch", ["llama", "gptneox"])
+@pytest.mark.parametrize("tied", [False, True])
+def test_forward_flops_by_hand(algo, tokenizer, arch, tied):
+    """2 FLOPs per parameter and token: the body's parameters for every token, the output head's for the logit
+    positions only, the input embedding (a lookup) for none; a tied head is the embedding, counted as the head."""
+    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
+
+    config = small_config(tokenizer, arch, tie_word_embeddings=tied)
+    model = AutoModelForCausalLM.from_config(config)
+    embedding = len(tokenizer) * 64  # vocabulary x hidden
+    total = sum(p.numel() for p in model.parameters())
+    body = total - embedding - (0 if tied else embedding)
+    assert algo.forward_flops(model, 3, 20, 5) == 2 * 3 * (body * 20 + embedding * 5)
+    assert algo.forward_flops(model, 3, 20) == 2 * 3 * (body + embedding) * 20
+    scorer = AutoModelForSequenceClassification.from_config(small_config(tokenizer, arch, num_labels=1))
+    assert algo.forward_flops(scorer, 2, 10) == 2 * 2 * 10 * (sum(p.numel() for p in scorer.parameters()) - embedding)
