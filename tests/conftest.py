@@ -64,11 +64,11 @@ COMMON_STEP_KEYS = (
     "val/num_eos_tokens", "loss/policy", "async/lag", "async/version", "time/generation", "time/weight_sync", "time/generator_wait",
     "time/wait_for_rollouts", "time/scoring", "time/reference", "time/update", "time/training", "time/step",
     "throughput/episodes_per_second", "throughput/tokens_per_second", "timeline/step_start", "timeline/training_start",
-    "timeline/generation_start", "timeline/weight_sync_start",
+    "timeline/generation_start", "timeline/weight_sync_start", "flops/scoring", "flops/reference", "flops/update",
 )
 POLICY_GRADIENT_KEYS = (
     "policy/approxkl", "policy/clipfrac", "policy/ratio_mean", "policy/ratio_max", "policy/ratio_min", "policy/engine_logprob_diff",
-    "policy/engine_kl", "time/old_logprobs",
+    "policy/engine_kl", "time/old_logprobs", "flops/old_logprobs",
 )
 STEP_KEYS = {  # what every training line of each script holds
     "online_dpo_async.py": (*COMMON_STEP_KEYS, "logps/chosen", "logps/rejected", "rewards/accuracies", "rewards/margins", "val/tied_pairs"),
