@@ -632,6 +632,8 @@ def snapshot_weights(state_dict: dict[str, torch.Tensor], names: dict[str, str],
     """theta_v for the engine: a copy in the engine's dtype under the checkpoint's names, in one buffer, taken
     between optimizer steps so the optimizer never writes what the engine reads. On a GPU the buffer stays in GPU
     memory and one CUDA IPC handle shares it with the engine; on a CPU it goes through a file."""
+    if missing := [key for key in names if key not in state_dict]:
+        raise RuntimeError(f"the weights to push lack {len(missing)} tensor(s) of the policy, e.g. {missing[0]}")
     layout, offset = [], 0
     for key, tensor in state_dict.items():
         if key in names:

@@ -187,3 +187,15 @@ def test_forward_flops_by_hand(algo, tokenizer, arch, tied):
     assert algo.forward_flops(model, 3, 20) == 2 * 3 * (body + embedding) * 20
     scorer = AutoModelForSequenceClassification.from_config(small_config(tokenizer, arch, num_labels=1))
     assert algo.forward_flops(scorer, 2, 10) == 2 * 2 * 10 * (sum(p.numel() for p in scorer.parameters()) - embedding)
+
+
+def test_a_snapshot_missing_a_tensor_of_the_policy_is_refused(algo, tokenizer):
+    """A partial push would leave the engine generating with stale tensors: refuse it."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_config(small_config(tokenizer, "llama"))
+    state = model.state_dict()
+    names = algo.checkpoint_names(model)
+    del state["model.norm.weight"]
+    with pytest.raises(RuntimeError, match="lack 1 tensor"):
+        algo.snapshot_weights(state, names, torch.float32, torch.device("cpu"))
