@@ -765,7 +765,7 @@ def release_shared_memory(names: list[str]) -> None:
 # processes, which would otherwise live on, re-parented to init, and removes the weights folder. Lines:
 # "process <pid> <create time>" (the time guards against a re-used pid) and "folder <path>".
 WATCHDOG = """
-import shutil, sys, time
+import shutil, sys
 import psutil
 lines = sys.stdin.read().splitlines()
 stopped, todo = [], []
