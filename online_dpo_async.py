@@ -21,6 +21,7 @@ import time
 import traceback
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
+from multiprocessing import shared_memory
 from pathlib import Path
 from typing import Literal, NamedTuple
 
@@ -606,6 +607,134 @@ def get_or_raise(q: queue.Queue, stop: threading.Event, error: list, engine_proc
             continue
 
 
+def kill_process_trees(processes: list[psutil.Process], timeout: float = 5) -> None:
+    """SIGKILL these processes and every process they started. Each is stopped first, so that none can
+    start another between our listing its children and killing it. Waits (up to `timeout`) for them to
+    die without reaping them: vLLM's process manager reaps its own."""
+    stopped, todo = {}, list(processes)
+    while todo:
+        process = todo.pop()
+        try:
+            if process.pid not in stopped:
+                process.suspend()
+                stopped[process.pid] = process
+                todo.extend(process.children())
+        except psutil.Error:
+            pass
+    for process in stopped.values():
+        try:
+            process.kill()
+        except psutil.Error:
+            pass
+    deadline = time.time() + timeout
+    while len(dead_processes(list(stopped.values()))) < len(stopped) and time.time() < deadline:
+        time.sleep(0.02)
+
+
+def started_processes(before: set[int]) -> list[psutil.Process]:
+    """Children of this process not in `before`, but for Python's resource tracker (a child that
+    multiprocessing starts here for the engine: it must outlive the engine to clean up after it)."""
+    started = []
+    for process in psutil.Process().children(recursive=True):
+        try:
+            if process.pid not in before and "multiprocessing.resource_tracker" not in " ".join(process.cmdline()):
+                started.append(process)
+        except psutil.Error:
+            pass
+    return started
+
+
+def shared_memory_of(processes: list[psutil.Process]) -> list[str]:
+    """The POSIX shared memory segments (Python's psm_*) these processes map: vLLM's message queues."""
+    names = set()
+    for process in processes:
+        try:
+            names.update(os.path.basename(m.path) for m in process.memory_maps() if m.path.startswith("/dev/shm/psm_"))
+        except psutil.Error:
+            pass
+    return sorted(names)
+
+
+def release_shared_memory(names: list[str]) -> None:
+    """Unlink the engine's message queues that its processes, killed by their shutdown's timeout, could not:
+    vLLM's scheduler process unlinks its queue only after its worker has exited, which takes seconds (a garbage
+    collection). Call once those processes are dead. Unlinking here also tells Python's resource tracker, which
+    would otherwise unlink them at exit with a "leaked shared_memory objects" warning."""
+    for name in names:
+        try:
+            segment = shared_memory.SharedMemory(name=name)
+        except FileNotFoundError:
+            continue  # its creator unlinked it
+        segment.close()
+        segment.unlink()
+
+
+# The watchdog's code (run as `python -c`): it blocks reading the pipe the trainer holds the only write end of.
+# When the trainer dies, however it dies (kill -9 included), the pipe closes: it then kills the engine's
+# processes, which would otherwise live on, re-parented to init, and removes the weights folder. Lines:
+# "process <pid> <create time>" (the time guards against a re-used pid) and "folder <path>".
+WATCHDOG = """
+import shutil, sys
+import psutil
+lines = sys.stdin.read().splitlines()
+stopped, todo = [], []
+for line in lines:
+    kind, _, value = line.partition(" ")
+    if kind == "process":
+        pid, create_time = value.split()
+        try:
+            process = psutil.Process(int(pid))
+            if abs(process.create_time() - float(create_time)) < 0.01 and process.status() != psutil.STATUS_ZOMBIE:
+                todo.append(process)
+        except psutil.Error:
+            pass
+while todo:
+    process = todo.pop()
+    try:
+        process.suspend()
+        stopped.append(process)
+        todo.extend(process.children())
+    except psutil.Error:
+        pass
+for process in stopped:
+    try:
+        process.kill()
+    except psutil.Error:
+        pass
+for line in lines:
+    if line.startswith("folder "):
+        shutil.rmtree(line[len("folder "):], ignore_errors=True)
+"""
+
+
+def start_watchdog(processes: list[psutil.Process], folder: str) -> subprocess.Popen:
+    """A process of its own session (a Ctrl-C to the terminal does not reach it) that cleans up after the
+    trainer if it dies without doing so itself; closing its stdin at a normal exit lets it go. Start it after
+    the engine: the engine's processes must not hold the pipe's write end (it is not inheritable either)."""
+    watchdog = subprocess.Popen([sys.executable, "-c", WATCHDOG], stdin=subprocess.PIPE, start_new_session=True, text=True)
+    lines = []
+    for process in processes:
+        try:
+            lines.append(f"process {process.pid} {process.create_time()!r}\n")
+        except psutil.Error:
+            pass
+    watchdog.stdin.write("".join(lines) + f"folder {folder}\n")
+    watchdog.stdin.flush()
+    return watchdog
+
+
+def remove_stale_weights_folders(parent: str) -> list[str]:
+    """Remove the weights folders (policy-weights-<pid>-*) in `parent` whose trainer is no longer alive:
+    what a trainer killed together with its watchdog leaves in RAM. Returns the folders removed."""
+    removed = []
+    for path in Path(parent).glob("policy-weights-*"):
+        match = re.fullmatch(r"policy-weights-(\d+)-\w+", path.name)
+        if match and not psutil.pid_exists(int(match.group(1))):
+            shutil.rmtree(path, ignore_errors=True)
+            removed.append(str(path))
+    return removed
+
+
 def checkpoint_names(model) -> dict[str, str]:
     """In-memory name -> the name `save_pretrained` writes, for each tensor it writes. transformers renames some
     tensors when it saves (GPTNeoX's `lm_head` is `embed_out` in Pythia's checkpoints) and leaves tied copies out;
@@ -897,6 +1026,12 @@ def git_revision() -> str:
 # ---------------------------------------------------------------------------------------------
 # Checks of the inputs, checkpoints and resuming
 # ---------------------------------------------------------------------------------------------
+def name_run(args: Args) -> str:
+    """<exp_name>__<seed>__<unix time>, as rank 0 sees it (the default --output_dir is runs/<run name>):
+    another rank's clock may already be in the next second."""
+    return broadcast_object_list([f"{args.exp_name}__{args.seed}__{int(time.time())}"])[0]
+
+
 def load_tokenizer(path: str, flag: str, trust_remote_code: bool):
     tokenizer = AutoTokenizer.from_pretrained(path, padding_side="left", trust_remote_code=trust_remote_code)
     if tokenizer.eos_token_id is None:
@@ -972,6 +1107,13 @@ def load_reward_model(path: str, flag: str, **kwargs):
     return model
 
 
+def holds_a_run(output_dir: str) -> bool:
+    """Whether a run has logged or saved anything in the folder: one stopped while starting (args.json and
+    an empty metrics.jsonl) has not, and a plain re-run may use the folder."""
+    metrics = Path(output_dir, "metrics.jsonl")
+    return (metrics.exists() and metrics.stat().st_size > 0) or any(Path(output_dir, "checkpoints").glob("step_*")) or Path(output_dir, "policy").exists()
+
+
 # Flags that may change when a run is resumed; any other must be what the run started with.
 RESUMABLE_CHANGES = {"resume", "output_dir", "track", "wandb_project", "wandb_entity", "save_freq", "num_sample_completions"}
 
@@ -980,7 +1122,7 @@ def checkpoint_to_resume(output_dir: str, args: Args, world_size: int) -> str | 
     """The checkpoint a run continues from (None: it starts at step 0); two runs never share a folder."""
     run_file = os.path.join(output_dir, "args.json")
     if not args.resume:
-        if os.path.exists(run_file) or os.path.exists(os.path.join(output_dir, "metrics.jsonl")):
+        if holds_a_run(output_dir):
             raise UsageError(f"--output_dir {output_dir} holds another run: pass --resume to continue it, or choose another --output_dir")
         return None
     if os.path.exists(run_file):
@@ -1066,7 +1208,7 @@ if __name__ == "__main__":
     # bf16: autocast in the forward passes of the policy (accelerate's mixed precision) and of every frozen model
     accelerator = Accelerator(gradient_accumulation_steps=args.gradient_accumulation_steps, mixed_precision="bf16" if dtype == torch.bfloat16 else "no")
     torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True  # fp32 matmuls on tensor cores (GPUs only)
-    run_name = f"{args.exp_name}__{args.seed}__{int(time.time())}"
+    run_name = name_run(args)
     output_dir = args.output_dir or os.path.join("runs", run_name)
     deepspeed = accelerator.state.deepspeed_plugin
     try:  # every check of the flags and input files, before any model loads
@@ -1078,6 +1220,10 @@ if __name__ == "__main__":
         if args.resume and args.output_dir is None:
             raise UsageError("--resume needs --output_dir, the folder of the run to continue")
         checkpoint = checkpoint_to_resume(output_dir, args, sizes.world_size)
+        if args.resume and os.path.isdir(os.path.join(output_dir, "policy")):  # the final policy is saved at the very end
+            if accelerator.is_main_process:
+                print(f"--resume: the run in {output_dir} is finished (its final policy is {os.path.join(output_dir, 'policy')}): nothing to do")
+            raise SystemExit(0)
         placement = engine_placement(args.vllm_placement, visible_gpus() if on_gpu else [], accelerator.num_processes, args.vllm_gpu_memory_utilization)
         if args.task == "gsm8k" and args.gold_judge != "tiny":
             raise UsageError(f"--gold_judge {args.gold_judge}: --task gsm8k is evaluated by its verifier (eval/pass@1), not by a gold reward model")
@@ -1096,6 +1242,28 @@ if __name__ == "__main__":
             raise UsageError(f"{len(train.token_ids)} training prompts cannot fill one batch of {sizes.batch_size} prompts; lower the batch sizes")
     except UsageError as exc:
         raise SystemExit(f"error: {exc}")
+    # SIGTERM (pre-emption) or Ctrl-C. Once the engine runs: finish the step, write a checkpoint, exit; a second
+    # signal exits at once. Until then, exit at once. vLLM cannot be left to stop its engine's start-up: its
+    # handshake swallows KeyboardInterrupt, and its wait for the engine's ready message does not notice the
+    # engine dying (which a Ctrl-C to the process group does), so it waits out its 10-minute timeout. Hence
+    # the handler kills the processes started so far itself.
+    stop_signal, starting, weights_dir = [], True, None
+
+    def request_stop(signum, frame):
+        if starting:
+            os.write(2, f"\n{signal.Signals(signum).name} while starting: stopping the engine and exiting\n".encode())
+            kill_process_trees(started_processes(set()))
+            if weights_dir is not None:
+                shutil.rmtree(weights_dir, ignore_errors=True)
+            gc.freeze()  # see the end of the file
+            raise SystemExit(128 + signum)
+        os.write(2, f"\n{signal.Signals(signum).name}: writing a checkpoint at the end of this step, then exiting\n".encode())
+        stop_signal.append(signum)
+        signal.signal(signum, signal.default_int_handler if signum == signal.SIGINT else signal.SIG_DFL)
+
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(signum, request_stop)
+
     if deepspeed is not None:  # DeepSpeed wants these in its own config
         deepspeed.deepspeed_config["train_micro_batch_size_per_gpu"] = args.local_micro_batch_size
         deepspeed.deepspeed_config["gradient_accumulation_steps"] = args.gradient_accumulation_steps
@@ -1170,8 +1338,8 @@ if __name__ == "__main__":
     # generation thread: rank 0 owns the engine and generates for every rank
     weights_queue, rollout_queue, eval_queue = queue.Queue(), queue.Queue(), queue.Queue()
     stop, error = threading.Event(), []
-    llm = thread = weights_dir = logger = run_start = None
-    engine_processes = []
+    llm = thread = watchdog = logger = run_start = None
+    engine_processes, engine_segments = [], []
     if accelerator.is_main_process:
         os.makedirs(output_dir, exist_ok=True)
         if args.resume:
@@ -1189,8 +1357,12 @@ if __name__ == "__main__":
             if placement.devices is not None:
                 os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"  # the push's CUDA IPC handle is pickled, between our own processes
             llm = make_engine(args, placement, str(engine_dtype).removeprefix("torch."))
-            engine_processes = [p for p in psutil.Process().children(recursive=True) if p.pid not in children_before]
-            weights_dir = tempfile.mkdtemp(prefix="policy-weights-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
+            engine_processes = started_processes(children_before)
+            engine_segments = shared_memory_of(engine_processes)
+            ram = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
+            remove_stale_weights_folders(ram)
+            weights_dir = tempfile.mkdtemp(prefix=f"policy-weights-{os.getpid()}-", dir=ram)  # the pid: see remove_stale_weights_folders
+            watchdog = start_watchdog(engine_processes, weights_dir)
             thread = threading.Thread(
                 target=generation_thread,
                 args=(llm, schedule, train.token_ids, evaluation.token_ids, args, sizes.batch_size, tokenizer.eos_token_id,
@@ -1199,6 +1371,7 @@ if __name__ == "__main__":
             )
             run_start = time.perf_counter()
             thread.start()
+    starting = False
 
     def to_batch(prompt_token_ids: list[list[int]], responses: list[list[int]], repeat: int):
         query_ids, query_mask = left_pad(prompt_token_ids, args.max_prompt_length, tokenizer.pad_token_id)
@@ -1331,17 +1504,6 @@ if __name__ == "__main__":
             tensors = load_file(os.path.join(checkpoint, f"version_{version:06d}.safetensors"))
             snapshots[version] = Weights(version, *snapshot_weights(tensors, {k: k for k in tensors}, engine_dtype, snapshot_device))
             weights_queue.put(snapshots[version])
-
-    # SIGTERM (pre-emption) or Ctrl-C: finish the step, write a checkpoint, exit; a second one exits at once.
-    stop_signal = []
-
-    def request_stop(signum, frame):
-        os.write(2, f"\n{signal.Signals(signum).name}: writing a checkpoint at the end of this step, then exiting\n".encode())
-        stop_signal.append(signum)
-        signal.signal(signum, signal.default_int_handler if signum == signal.SIGINT else signal.SIG_DFL)
-
-    for signum in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(signum, request_stop)
 
     last_checkpoint = checkpoint
     exit_code = 0
@@ -1520,8 +1682,18 @@ if __name__ == "__main__":
             llm.llm_engine.engine_core.shutdown(timeout=1)  # the engine holds nothing to save: don't wait on its exit
         if thread is not None:
             thread.join(timeout=5)  # a daemon: a thread stuck on a dead engine does not keep the process alive
+        # The engine's worker outlives its scheduler process, killed after 1 s, by seconds (a garbage collection),
+        # and their message queues stay in shared memory: end both.
+        kill_process_trees(engine_processes)
+        release_shared_memory(engine_segments)
         if weights_dir is not None:
             shutil.rmtree(weights_dir, ignore_errors=True)
+        if watchdog is not None:
+            watchdog.stdin.close()  # nothing is left for it to clean up: it exits
+            try:
+                watchdog.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                pass
         if logger is not None:
             logger.close()
         gc.freeze()  # the interpreter's exit would garbage-collect the whole heap (seconds on a CPU); the OS frees it

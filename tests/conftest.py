@@ -45,9 +45,9 @@ def save_random_policy(tokenizer, path: Path, arch: str = "llama", seed: int = 0
     return path
 
 
-def run_script(argv: list[str], timeout: float = 600, env: dict | None = None) -> subprocess.CompletedProcess:
-    """Run a command from the repository root; fail with its output if it fails."""
-    proc = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=timeout, env={**os.environ, **(env or {})})
+def run_script(argv: list[str], timeout: float = 600, env: dict | None = None, cwd: Path = ROOT) -> subprocess.CompletedProcess:
+    """Run a command (from the repository root unless told); fail with its output if it fails."""
+    proc = subprocess.run(argv, cwd=cwd, capture_output=True, text=True, timeout=timeout, env={**os.environ, **(env or {})})
     assert proc.returncode == 0, f"{' '.join(argv)} failed ({proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}"
     return proc
 
@@ -102,6 +102,7 @@ def check_run(output_dir: Path, script: str) -> tuple[dict, list[dict], list[dic
 
 
 SHARED_RUNS: dict[tuple, Path] = {}
+SHARED_STDERR: dict[Path, str] = {}  # what each shared run wrote to stderr
 
 
 def shared_run(argv: list[str], env: dict | None = None) -> Path:
@@ -113,7 +114,7 @@ def shared_run(argv: list[str], env: dict | None = None) -> Path:
     key = (*argv, *sorted((env or {}).items()))
     if key not in SHARED_RUNS:
         output_dir = Path(tempfile.mkdtemp(prefix="shared-run-"))
-        run_script([*argv, "--output_dir", str(output_dir)], env=env)
+        SHARED_STDERR[output_dir] = run_script([*argv, "--output_dir", str(output_dir)], env=env).stderr
         SHARED_RUNS[key] = output_dir
     return SHARED_RUNS[key]
 

@@ -96,6 +96,9 @@ def test_an_output_dir_holding_a_run_needs_resume_with_the_same_flags(script, tm
     args = script.Args(output_dir=str(tmp_path))
     assert script.checkpoint_to_resume(str(tmp_path), args, world_size=1) is None  # empty: a fresh run
     (tmp_path / "args.json").write_text(json.dumps({**vars(args), "world_size": 1}))
+    (tmp_path / "metrics.jsonl").write_text("")
+    assert script.checkpoint_to_resume(str(tmp_path), args, world_size=1) is None  # a run stopped while starting: not a run
+    (tmp_path / "metrics.jsonl").write_text('{"step": 0, "episode": 0, "eval/win_rate": 0.5}\n')
     with pytest.raises(script.UsageError, match=f"--output_dir {tmp_path} holds another run: pass --resume"):
         script.checkpoint_to_resume(str(tmp_path), args, world_size=1)
     resumed = script.Args(output_dir=str(tmp_path), resume=True)
@@ -111,7 +114,7 @@ def test_an_output_dir_holding_a_run_needs_resume_with_the_same_flags(script, tm
 @pytest.mark.parametrize("name", SCRIPTS)
 def test_the_command_line_prints_one_line_and_loads_no_model(name, tmp_path):
     """From the shell: exit 1, one line on stderr, no traceback, well before a model could have loaded."""
-    (tmp_path / "metrics.jsonl").write_text("")
+    (tmp_path / "metrics.jsonl").write_text('{"step": 0, "episode": 0, "eval/win_rate": 0.5}\n')
     proc = subprocess.run([sys.executable, name, "--output_dir", str(tmp_path)], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 1
     assert proc.stderr.strip().splitlines() == [f"error: --output_dir {tmp_path} holds another run: pass --resume to continue it, or choose another --output_dir"]

@@ -59,13 +59,45 @@ def test_quickstart_run_command_learns(tmp_path):
 
 
 @pytest.mark.parametrize("command", block("cpu-examples"))
-def test_cpu_example_commands_run(command):
-    """Each CPU example with SMALL_RUN's sizes (the run tests of rloo_async.py and ppo_async.py share the runs of their plain examples)."""
+def test_cpu_example_commands_run(command, tmp_path):
+    """Each CPU example with SMALL_RUN's sizes (the run tests of rloo_async.py and ppo_async.py share the runs of their plain examples).
+    The two-process one runs as shown, without --output_dir (from an empty folder): both processes must write
+    to the one runs/<run name> folder, which a checkpoint shows (each process writes its RNG state there)."""
     env, argv = to_argv(command)
     script = next(word for word in argv if word.endswith("_async.py"))
-    args, _, _ = check_run(shared_run(argv + SMALL_RUN, env), script)
-    if "cpu_2proc" in command:
-        assert args["world_size"] == 2 and args["batch_size"] == 16
+    if "cpu_2proc" not in command:
+        check_run(shared_run(argv + SMALL_RUN, env), script)
+        return
+    argv = [str(ROOT / word) if (ROOT / word).is_file() else word for word in argv]
+    run_script(argv + SMALL_RUN + ["--save_freq", "4"], env=env, cwd=tmp_path)
+    (run,) = (tmp_path / "runs").iterdir()
+    args, _, _ = check_run(run, script)
+    assert args["world_size"] == 2 and args["batch_size"] == 16
+    assert sorted(p.name for p in (run / "checkpoints" / "step_000004").glob("rng_*.json")) == ["rng_0.json", "rng_1.json"]
+
+
+def test_every_training_process_gets_rank_0s_run_name(tmp_path):
+    """The default --output_dir is runs/<run name>, and the name holds the time: each process must take rank 0's,
+    even when its clock is already in the next second (here rank 1's is made one second ahead)."""
+    probe = tmp_path / "probe.py"
+    probe.write_text(f"""import importlib, sys, time, types
+sys.path.insert(0, {str(ROOT)!r})
+from accelerate import Accelerator
+accelerator = Accelerator()
+for name in ("online_dpo_async", "rloo_async", "ppo_async"):
+    module = importlib.import_module(name)
+    if accelerator.process_index == 1:
+        module.time = types.SimpleNamespace(time=lambda: time.time() + 1)
+    print(f"{{name}} rank {{accelerator.process_index}}: {{module.name_run(module.Args())}}", flush=True)
+""")
+    proc = run_script([sys.executable, "-m", "accelerate.commands.launch", "--config_file", "configs/cpu_2proc.yaml", str(probe)],
+                      env={"ACCELERATE_USE_CPU": "1"}, timeout=300)
+    names = {}
+    for line in proc.stdout.splitlines():
+        if " rank " in line:
+            script, rest = line.split(" rank ")
+            names.setdefault(script, set()).add(rest.split(": ")[1])
+    assert sorted(names) == ["online_dpo_async", "ppo_async", "rloo_async"] and all(len(n) == 1 for n in names.values()), proc.stdout
 
 
 def test_gpu_commands_parse():

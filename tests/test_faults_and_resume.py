@@ -1,15 +1,22 @@
 """Runs that survive faults: every algorithm file stops cleanly on a fault injected in generation, in
-reward scoring, as a NaN loss or a NaN score, and a run killed mid-way resumes to the same result as one
-that was not."""
+reward scoring, as a NaN loss or a NaN score, on a signal while its engine starts, and leaves no engine behind
+when it is killed; a run killed mid-way resumes to the same result as one that was not."""
 
 import importlib
 import json
+import os
+import shutil
 import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
 
 import psutil
 import pytest
 import torch
-from conftest import SMALL_RUN, TINY, assert_resumed_run_matches, read_metrics, run_with_fault
+from conftest import ROOT, SHARED_STDERR, SMALL_RUN, TINY, assert_resumed_run_matches, read_metrics, run_script, run_with_fault, shared_run
 
 SCRIPTS = ["online_dpo_async.py", "rloo_async.py", "ppo_async.py"]
 SMALL = ["--total_episodes", "512", "--local_micro_batch_size", "8", "--eval_freq", "4", "--num_eval_prompts", "32"]
@@ -83,3 +90,140 @@ def test_sigterm_writes_a_checkpoint_at_the_step_boundary_and_resumes_exactly(tm
     run, _ = assert_resumed_run_matches("online_dpo_async.py", RESUMABLE, tmp_path, stop_after=7, sig=signal.SIGTERM)
     steps = sorted(json.loads(p.read_text())["step"] for p in (run / "checkpoints").glob("step_*/trainer_state.json"))
     assert steps[0] == 5 and 7 <= steps[1] < 10  # the --save_freq one, then the one written on SIGTERM
+
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_resuming_a_finished_run_says_so_and_loads_nothing(script, tmp_path):
+    """--resume on a run that saved its final policy: one line naming the folder, exit 0, nothing loaded or
+    trained again. The finished run is the reference run of the resume tests above; at its normal exit the
+    engine's shared memory was released (no "leaked shared_memory" warning from Python's resource tracker)."""
+    flags = PPO_RESUMABLE if script == "ppo_async.py" else RESUMABLE
+    finished = shared_run([sys.executable, script, *flags])
+    assert "leaked shared_memory" not in SHARED_STDERR[finished], SHARED_STDERR[finished][-3000:]
+    run = tmp_path / "run"
+    shutil.copytree(finished, run)
+    metrics = (run / "metrics.jsonl").read_text()
+    proc = run_script([sys.executable, script, *flags, "--output_dir", str(run), "--resume"], timeout=120)
+    assert proc.stdout.strip().splitlines() == [f"--resume: the run in {run} is finished (its final policy is {run / 'policy'}): nothing to do"]
+    assert "Loading weights" not in proc.stderr, proc.stderr[-3000:]
+    assert (run / "metrics.jsonl").read_text() == metrics
+
+
+def alive(processes: list[tuple[int, float]]) -> list[int]:
+    """Which of these (pid, create time) are still running (a zombie is not)."""
+    running = []
+    for pid, create_time in processes:
+        try:
+            process = psutil.Process(pid)
+            if process.create_time() == create_time and process.status() != psutil.STATUS_ZOMBIE:
+                running.append(pid)
+        except psutil.NoSuchProcess:
+            pass
+    return running
+
+
+def kill_all(processes: list[tuple[int, float]]) -> None:
+    for pid in alive(processes):
+        try:
+            psutil.Process(pid).kill()
+        except psutil.NoSuchProcess:
+            pass
+
+
+# (script, signal, sent to the process group as a Ctrl-C at the terminal or to the trainer alone, the engine process seen starting)
+STARTUP_SIGNALS = [
+    ("online_dpo_async.py", signal.SIGINT, True, "VLLM::EngineCore"),
+    ("rloo_async.py", signal.SIGINT, False, "VLLM::Worker"),
+    ("ppo_async.py", signal.SIGTERM, False, "VLLM::EngineCore"),
+]
+
+
+@pytest.mark.parametrize("script, sig, to_group, starting", STARTUP_SIGNALS)
+def test_a_signal_while_the_engine_starts_stops_the_run_at_once(script, sig, to_group, starting, tmp_path):
+    """vLLM's start-up swallows a KeyboardInterrupt and then waits 10 minutes for an engine that a Ctrl-C
+    killed: the trainer stops the start-up itself, exits 128 + signal within 5 s, leaves no process behind,
+    and its folder (args.json, no metrics) does not hold a run that would refuse a plain re-run."""
+    run, log = tmp_path / "run", tmp_path / "output.log"
+    with open(log, "w") as output:
+        proc = subprocess.Popen([sys.executable, script, *SMALL, "--output_dir", str(run)], cwd=ROOT, stdout=output,
+                                stderr=subprocess.STDOUT, start_new_session=True)
+    seen = {}
+    try:
+        deadline = time.time() + 300
+        while starting not in seen.values():
+            assert proc.poll() is None and time.time() < deadline, log.read_text()[-4000:]
+            for process in psutil.Process(proc.pid).children(recursive=True):
+                try:
+                    seen[(process.pid, process.create_time())] = process.name()
+                except psutil.NoSuchProcess:
+                    pass
+            time.sleep(0.05)
+        if to_group:
+            os.killpg(proc.pid, sig)
+        else:
+            proc.send_signal(sig)
+        sent = time.time()
+        code = proc.wait(timeout=60)
+        print(f"{script}: exit {code} {time.time() - sent:.1f} s after {sig.name} with {starting} starting")
+        assert code == 128 + sig and time.time() - sent < 5, log.read_text()[-4000:]
+        remaining = time.time() + 5
+        while alive(list(seen)) and time.time() < remaining:
+            time.sleep(0.1)
+        assert not alive(list(seen)), f"left behind: {[seen[p] for p in seen if p[0] in alive(list(seen))]}"
+        output = log.read_text()
+        assert "TimeoutError" not in output and (to_group or "Traceback" not in output), output[-4000:]
+        module = importlib.import_module(script.removesuffix(".py"))
+        assert (run / "args.json").exists() and module.checkpoint_to_resume(str(run), module.Args(output_dir=str(run)), world_size=1) is None
+    finally:
+        proc.kill()
+        kill_all(list(seen))
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_the_engine_dies_with_a_trainer_killed_by_sigkill(script, tmp_path):
+    """kill -9 of the trainer alone, mid-run: its watchdog kills the engine's processes, which would otherwise
+    live on (re-parented to init), and removes the weights folder."""
+    run = tmp_path / "run"
+    with open(tmp_path / "output.log", "w") as output:
+        proc = subprocess.Popen([sys.executable, script, *SMALL, "--output_dir", str(run)], cwd=ROOT, stdout=output, stderr=subprocess.STDOUT)
+    engine = []
+    try:
+        metrics, deadline = run / "metrics.jsonl", time.time() + 300
+        while not (metrics.exists() and metrics.read_text().count("async/lag") >= 2):
+            assert proc.poll() is None and time.time() < deadline, (tmp_path / "output.log").read_text()[-4000:]
+            time.sleep(0.05)
+        for process in psutil.Process(proc.pid).children(recursive=True):
+            try:
+                if process.name().startswith("VLLM::"):
+                    engine.append((process.pid, process.create_time()))
+            except psutil.NoSuchProcess:
+                pass
+        ram = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
+        folders = list(Path(ram).glob(f"policy-weights-{proc.pid}-*"))
+        assert len(engine) >= 2 and len(folders) == 1, (engine, folders)  # the scheduler process and its worker
+        proc.kill()
+        proc.wait()
+        deadline = time.time() + 10
+        while (alive(engine) or folders[0].exists()) and time.time() < deadline:
+            time.sleep(0.1)
+        assert not alive(engine), "the engine outlived its trainer"
+        assert not folders[0].exists()
+    finally:
+        proc.kill()
+        kill_all(engine)
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_weights_folders_of_dead_trainers_are_removed(script, tmp_path):
+    """A trainer killed together with its watchdog leaves its weights folder in RAM: the next run removes the
+    folders whose trainer (the pid in the name) is gone, and only those."""
+    module = importlib.import_module(script.removesuffix(".py"))
+    finished = subprocess.Popen([sys.executable, "-c", "pass"])
+    finished.wait()
+    names = [f"policy-weights-{finished.pid}-ab_c12", f"policy-weights-{os.getpid()}-xyz3", "policy-weights-k2j_x9", "other-1-a"]
+    for name in names:
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "model.safetensors").write_bytes(b"weights")
+    assert module.remove_stale_weights_folders(str(tmp_path)) == [str(tmp_path / names[0])]
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(names[1:])
