@@ -31,7 +31,7 @@ import torch
 import torch.nn.functional as F
 import tyro
 from accelerate import Accelerator, PartialState
-from accelerate.utils import broadcast_object_list
+from accelerate.utils import broadcast_object_list, parse_flag_from_env
 from datasets import load_dataset
 from huggingface_hub import try_to_load_from_cache
 from safetensors import safe_open
@@ -1202,7 +1202,8 @@ def injected_fault(where: str, step: int) -> bool:
 
 if __name__ == "__main__":
     args = tyro.cli(Args, use_underscores=True)
-    on_gpu = PartialState().device.type == "cuda"  # the process group and device, before the Accelerator that needs the dtype
+    # the process group and device, before the Accelerator that needs the dtype (as that Accelerator would make them)
+    on_gpu = PartialState(cpu=parse_flag_from_env("ACCELERATE_USE_CPU")).device.type == "cuda"
     dtype = torch.bfloat16 if args.dtype == "bfloat16" or (args.dtype == "auto" and on_gpu) else torch.float32
     engine_dtype = {"auto": dtype, "float32": torch.float32, "bfloat16": torch.bfloat16}[args.vllm_dtype]
     # bf16: autocast in the forward passes of the policy (accelerate's mixed precision) and of every frozen model
