@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # GSM8k math reasoning: the paper's section 5.2 (table 2, figure 11) and appendix A.3 (tables 10-11).
-# README section "Reproducing the paper on GPUs".
+# docs/reproducing.md, "Reproducing the paper on GPUs".
 #
 #   bash benchmark/gsm8k.sh [EXPERIMENT...]   run the experiments named (default: all of them)
 #   DRY_RUN=1 bash benchmark/gsm8k.sh         print the commands instead
@@ -26,7 +26,7 @@ TRAIN_GPUS=3
 LOCAL_MICRO_BATCH_SIZE=6
 PROMPTS_PER_GPU=$(exact_div 252 "$TRAIN_GPUS" "table 10's 252 prompts over the training GPUs")
 GRADIENT_ACCUMULATION_STEPS=$(exact_div "$PROMPTS_PER_GPU" "$LOCAL_MICRO_BATCH_SIZE" "prompts per GPU over the micro-batch")
-# bf16 mixed precision, as the paper's runs; DeepSpeed runs cannot --resume
+# bf16 mixed precision, as the paper's runs
 ACCELERATE_CONFIG=configs/deepspeed_zero2.yaml
 
 # Table 10
@@ -50,7 +50,7 @@ GSM8K=(
     --adam_epsilon 1e-5
     --temperature 0.7
     --eval_freq 64                           # 9 evaluations of 512 steps, step 0 and the end included
-    --save_freq 0                            # DeepSpeed checkpoints cannot be resumed
+    --save_freq 0                            # no checkpoints (a positive value makes the run resumable)
     --local_rollout_forward_batch_size 84
     --vllm_dtype bfloat16
     --vllm_gpu_memory_utilization 0.9

@@ -1,5 +1,5 @@
 """Judge-labelled preference pairs for the No Robots reward model (paper section 5, appendix A.2).
-Usage: benchmark/README.md and `--help`.
+Usage: below, `--help` and docs/reproducing.md.
 
     OPENAI_API_KEY=... python benchmark/label_preferences.py --sft_model_path models/llama-3.1-8b-sft-no-robots \\
         --dataset_name HuggingFaceH4/no_robots --split train --output_path data/no_robots_preferences/train.jsonl \\
@@ -111,14 +111,18 @@ def prompts_and_references(dataset, tokenizer, max_prompt_length: int, where: st
     ids = dataset["prompt_id"] if "prompt_id" in dataset.column_names else [str(i) for i in range(len(dataset))]
     for i, messages in enumerate(dataset["messages"]):
         if len(messages) < 2 or messages[-1]["role"] != "assistant":
-            raise UsageError(f"{where}: row {i}'s `messages` do not end with an assistant turn after the prompt (the human answer)")
+            raise UsageError(
+                f"{where}: row {i}'s `messages` do not end with an assistant turn after the prompt (the human answer)"
+            )
         prompt = tokenizer.apply_chat_template(messages[:-1], tokenize=False, add_generation_prompt=True)
         # the chat template writes the BOS token itself (Llama 3.1's does): encoding must not add another
         token_ids = tokenizer(prompt, add_special_tokens=False).input_ids
         if len(token_ids) > max_prompt_length:
             too_long += 1
             continue
-        items.append({"prompt_id": ids[i], "prompt": prompt, "token_ids": token_ids, "reference": messages[-1]["content"]})
+        items.append(
+            {"prompt_id": ids[i], "prompt": prompt, "token_ids": token_ids, "reference": messages[-1]["content"]}
+        )
     if too_long:
         print(f"skipped {too_long} of {len(dataset)} prompts longer than --max_prompt_length {max_prompt_length}")
     if not items:
@@ -139,7 +143,9 @@ def load_sft_tokenizer(path: str, length: int):
         raise UsageError(f"--sft_model_path {path}: its tokenizer has no chat template to write the prompts with")
     context = getattr(config, "max_position_embeddings", None)
     if context and length > context:
-        raise UsageError(f"--max_prompt_length + --response_length = {length} exceed the {context}-token context of --sft_model_path {path}")
+        raise UsageError(
+            f"--max_prompt_length + --response_length = {length} exceed the {context}-token context of --sft_model_path {path}"
+        )
     return tokenizer
 
 
@@ -156,11 +162,19 @@ def preference_rows(samples: list[dict], verdicts: list[dict]) -> list[dict]:
             continue
         sample = samples[v["prompt_index"]]
         winner, loser = (v["left"], v["right"]) if v["preferred"] == "left" else (v["right"], v["left"])
-        rows.append({
-            "prompt": sample["prompt"], "chosen": sample["completions"][winner], "rejected": sample["completions"][loser],
-            "prompt_id": sample["prompt_id"], "chosen_source": winner, "rejected_source": loser,
-            "judge_verdict": v["verdict"], "swapped": v["swapped"], "judge_response": v["judge_response"],
-        })
+        rows.append(
+            {
+                "prompt": sample["prompt"],
+                "chosen": sample["completions"][winner],
+                "rejected": sample["completions"][loser],
+                "prompt_id": sample["prompt_id"],
+                "chosen_source": winner,
+                "rejected_source": loser,
+                "judge_verdict": v["verdict"],
+                "swapped": v["swapped"],
+                "judge_response": v["judge_response"],
+            }
+        )
     return rows
 
 
@@ -186,7 +200,9 @@ if __name__ == "__main__":
             raise UsageError("--sft_model_path is required: the SFT policy that writes the prompts and samples")
         tokenizer = load_sft_tokenizer(args.sft_model_path, args.max_prompt_length + args.response_length)
         dataset = load_conversations(args.dataset_name, args.split, args.num_prompts)
-        items = prompts_and_references(dataset, tokenizer, args.max_prompt_length, f"--dataset_name {args.dataset_name}")
+        items = prompts_and_references(
+            dataset, tokenizer, args.max_prompt_length, f"--dataset_name {args.dataset_name}"
+        )
     except UsageError as exc:
         raise SystemExit(f"error: {exc}")
     details_dir = Path(args.details_dir) if args.details_dir else default_details_dir(output_path)
@@ -198,19 +214,32 @@ if __name__ == "__main__":
 
     start = time.time()
     llm = LLM(
-        model=args.sft_model_path, dtype=args.vllm_dtype, seed=args.seed, max_model_len=args.max_prompt_length + args.response_length,
-        gpu_memory_utilization=args.vllm_gpu_memory_utilization, tensor_parallel_size=args.vllm_tensor_parallel_size,
+        model=args.sft_model_path,
+        dtype=args.vllm_dtype,
+        seed=args.seed,
+        max_model_len=args.max_prompt_length + args.response_length,
+        gpu_memory_utilization=args.vllm_gpu_memory_utilization,
+        tensor_parallel_size=args.vllm_tensor_parallel_size,
         enforce_eager=args.vllm_enforce_eager,
     )
-    params = SamplingParams(n=args.num_samples, temperature=args.temperature, top_p=args.top_p, max_tokens=args.response_length)
+    params = SamplingParams(
+        n=args.num_samples, temperature=args.temperature, top_p=args.top_p, max_tokens=args.response_length
+    )
     outputs = llm.generate([{"prompt_token_ids": item["token_ids"]} for item in items], params)
     names = [f"sft_{k}" for k in range(args.num_samples)] + ["human"]
     samples = []
     for i, (item, output) in enumerate(zip(items, outputs)):
         texts = [o.text for o in output.outputs] + [item["reference"]]
         reasons = [o.finish_reason for o in output.outputs] + [None]
-        samples.append({"prompt_index": i, "prompt_id": item["prompt_id"], "prompt": item["prompt"],
-                        "completions": dict(zip(names, texts)), "finish_reasons": dict(zip(names, reasons))})
+        samples.append(
+            {
+                "prompt_index": i,
+                "prompt_id": item["prompt_id"],
+                "prompt": item["prompt"],
+                "completions": dict(zip(names, texts)),
+                "finish_reasons": dict(zip(names, reasons)),
+            }
+        )
     write_atomic(details_dir / f"{output_path.stem}.samples.jsonl", "".join(json.dumps(s) + "\n" for s in samples))
     sampling_seconds = time.time() - start
     del llm
@@ -221,11 +250,24 @@ if __name__ == "__main__":
     for sample in samples:
         for a, b in all_pairs(len(names)):
             texts = sample["completions"]
-            pairs.append({"prompt_index": sample["prompt_index"], "prompt_id": sample["prompt_id"], "left": names[a], "right": names[b],
-                          "identical": texts[names[a]] == texts[names[b]]})
+            pairs.append(
+                {
+                    "prompt_index": sample["prompt_index"],
+                    "prompt_id": sample["prompt_id"],
+                    "left": names[a],
+                    "right": names[b],
+                    "identical": texts[names[a]] == texts[names[b]],
+                }
+            )
     to_judge = [p for p in pairs if not p["identical"]]
-    requests = [(samples[p["prompt_index"]]["prompt"], samples[p["prompt_index"]]["completions"][p["left"]],
-                 samples[p["prompt_index"]]["completions"][p["right"]]) for p in to_judge]
+    requests = [
+        (
+            samples[p["prompt_index"]]["prompt"],
+            samples[p["prompt_index"]]["completions"][p["left"]],
+            samples[p["prompt_index"]]["completions"][p["right"]],
+        )
+        for p in to_judge
+    ]
     try:
         results = judge_pairs(make_client(args), args, requests, args.seed)
     except RuntimeError as exc:
@@ -242,14 +284,25 @@ if __name__ == "__main__":
     labelled = [p for p in judged if p["verdict"] is not None]
     human_pairs = [p for p in labelled if "human" in (p["left"], p["right"])]
     summary = {
-        "dataset_name": args.dataset_name, "split": args.split, "sft_model_path": args.sft_model_path, "judge_model": args.model,
-        "seed": args.seed, "n_prompts": len(samples), "n_pairs": len(pairs), "n_identical": len(pairs) - len(judged),
-        "n_judged": len(judged), "n_unparseable": sum(p["verdict"] is None for p in judged), "n_written": len(rows),
+        "dataset_name": args.dataset_name,
+        "split": args.split,
+        "sft_model_path": args.sft_model_path,
+        "judge_model": args.model,
+        "seed": args.seed,
+        "n_prompts": len(samples),
+        "n_pairs": len(pairs),
+        "n_identical": len(pairs) - len(judged),
+        "n_judged": len(judged),
+        "n_unparseable": sum(p["verdict"] is None for p in judged),
+        "n_written": len(rows),
         "unparseable_rate": sum(p["verdict"] is None for p in judged) / len(judged) if judged else None,
         # how often the human answer beat an SFT sample, and how often the judge picked the answer shown first
-        "human_win_rate": sum(p[p["preferred"]] == "human" for p in human_pairs) / len(human_pairs) if human_pairs else None,
+        "human_win_rate": sum(p[p["preferred"]] == "human" for p in human_pairs) / len(human_pairs)
+        if human_pairs
+        else None,
         "verdict_a_rate": sum(p["verdict"] == "A" for p in labelled) / len(labelled) if labelled else None,
-        "sampling_seconds": round(sampling_seconds, 2), "judging_seconds": round(time.time() - start, 2),
+        "sampling_seconds": round(sampling_seconds, 2),
+        "judging_seconds": round(time.time() - start, 2),
     }
     write_atomic(details_dir / f"{output_path.stem}.verdicts.jsonl", "".join(json.dumps(p) + "\n" for p in pairs))
     write_atomic(output_path, "".join(json.dumps(r) + "\n" for r in rows))

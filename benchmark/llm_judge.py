@@ -1,5 +1,5 @@
 """LLM-judge win rate of policy answers against the human ones (No Robots evaluation, paper section 5,
-appendix A.2, tables 1, 8, 9). Usage: benchmark/README.md and `--help`.
+appendix A.2, tables 1, 8, 9). Usage: below, `--help` and docs/reproducing.md.
 
     OPENAI_API_KEY=... python benchmark/llm_judge.py runs/<run>/eval_completions/step_000100.jsonl \\
         --base_url https://api.openai.com/v1 --model gpt-4o --seed 1
@@ -107,7 +107,7 @@ class Args(JudgeArgs):
 
 
 def parse_verdict(text: str | None) -> str | None:
-    """"A" or "B", or None when the answer is unparseable: neither verdict in it, or both (a judge
+    """ "A" or "B", or None when the answer is unparseable: neither verdict in it, or both (a judge
     that names both has not chosen). A bare "A" or "B" (the whole answer) also counts."""
     if text is None:
         return None
@@ -147,7 +147,9 @@ def judge_messages(request: str, answer_a: str, answer_b: str, constrained: bool
 
 def check_judge_args(args: JudgeArgs) -> None:
     if not os.environ.get(args.api_key_env):
-        raise UsageError(f"the environment variable {args.api_key_env} (named by --api_key_env) is not set: put the judge's API key there")
+        raise UsageError(
+            f"the environment variable {args.api_key_env} (named by --api_key_env) is not set: put the judge's API key there"
+        )
     if not re.match(r"https?://", args.base_url):
         raise UsageError(f"--base_url must start with http:// or https://, got {args.base_url!r}")
     for name, low in [("concurrency", 1), ("judge_max_tokens", 1), ("max_retries", 0)]:
@@ -164,7 +166,9 @@ def make_client(args: JudgeArgs):
     import openai
 
     # retries are ours (ask_judge), so that the limit and the waits are visible in one place
-    return openai.OpenAI(base_url=args.base_url, api_key=os.environ[args.api_key_env], max_retries=0, timeout=args.request_timeout)
+    return openai.OpenAI(
+        base_url=args.base_url, api_key=os.environ[args.api_key_env], max_retries=0, timeout=args.request_timeout
+    )
 
 
 def is_transient(exc: Exception) -> bool:
@@ -182,14 +186,24 @@ def ask_judge(client, args: JudgeArgs, messages: list[dict], seed: int) -> dict:
     for attempt in range(args.max_retries + 1):
         try:
             response = client.chat.completions.create(
-                model=args.model, messages=messages, temperature=args.judge_temperature,
-                max_tokens=args.judge_max_tokens, seed=seed, extra_body=extra_body,
+                model=args.model,
+                messages=messages,
+                temperature=args.judge_temperature,
+                max_tokens=args.judge_max_tokens,
+                seed=seed,
+                extra_body=extra_body,
             )
             choice = response.choices[0]
-            return {"judge_response": choice.message.content, "finish_reason": choice.finish_reason, "attempts": attempt + 1}
+            return {
+                "judge_response": choice.message.content,
+                "finish_reason": choice.finish_reason,
+                "attempts": attempt + 1,
+            }
         except Exception as exc:
             if not is_transient(exc) or attempt == args.max_retries:
-                raise RuntimeError(f"judge request failed after {attempt + 1} attempt(s): {type(exc).__name__}: {exc}") from exc
+                raise RuntimeError(
+                    f"judge request failed after {attempt + 1} attempt(s): {type(exc).__name__}: {exc}"
+                ) from exc
             time.sleep(min(args.retry_wait * 2**attempt, args.retry_wait_max))
 
 
@@ -232,7 +246,13 @@ def read_completions(path: str) -> list[dict]:
                 raise UsageError(f"{path} line {number}: not JSON ({exc.msg})") from None
             if not isinstance(row, dict):
                 raise UsageError(f"{path} line {number}: expected a JSON object")
-            for key, kind in [("prompt", str), ("completion", str), ("reference", str), ("step", int), ("episode", int)]:
+            for key, kind in [
+                ("prompt", str),
+                ("completion", str),
+                ("reference", str),
+                ("step", int),
+                ("episode", int),
+            ]:
                 if not isinstance(row.get(key), kind) or isinstance(row.get(key), bool):
                     raise UsageError(f"{path} line {number}: {key!r} must be a {kind.__name__}, got {row.get(key)!r}")
             rows.append(row)
@@ -299,7 +319,9 @@ if __name__ == "__main__":
             try:
                 tokenizer = AutoTokenizer.from_pretrained(args.length_tokenizer)
             except Exception as exc:
-                raise UsageError(f"--length_tokenizer {args.length_tokenizer}: cannot load it ({type(exc).__name__})") from None
+                raise UsageError(
+                    f"--length_tokenizer {args.length_tokenizer}: cannot load it ({type(exc).__name__})"
+                ) from None
     except UsageError as exc:
         raise SystemExit(f"error: {exc}")
 
@@ -307,18 +329,37 @@ if __name__ == "__main__":
     for path, rows in inputs.items():
         start = time.time()
         try:
-            results = judge_pairs(client, args, [(r["prompt"], r["completion"], r["reference"]) for r in rows], args.seed)
+            results = judge_pairs(
+                client, args, [(r["prompt"], r["completion"], r["reference"]) for r in rows], args.seed
+            )
         except RuntimeError as exc:
             raise SystemExit(f"error: {path}: {exc}")
         verdicts = []
         for i, (row, result) in enumerate(zip(rows, results)):
             winner = {"left": "policy", "right": "reference", None: None}[result["preferred"]]
-            verdicts.append({"index": i, "step": row["step"], "episode": row["episode"], "policy_first": not result["swapped"],
-                             "verdict": result["verdict"], "winner": winner, "judge_response": result["judge_response"],
-                             "finish_reason": result["finish_reason"], "attempts": result["attempts"]})
-        summary = {"file": path, "judge_model": args.model, "seed": args.seed, "constrained_verdict": args.constrained_verdict,
-                   **summarize(rows, verdicts, tokenizer), "length_units": ["words", "chars"] + (["tokens"] if tokenizer else []),
-                   "length_tokenizer": args.length_tokenizer, "seconds": round(time.time() - start, 2)}
+            verdicts.append(
+                {
+                    "index": i,
+                    "step": row["step"],
+                    "episode": row["episode"],
+                    "policy_first": not result["swapped"],
+                    "verdict": result["verdict"],
+                    "winner": winner,
+                    "judge_response": result["judge_response"],
+                    "finish_reason": result["finish_reason"],
+                    "attempts": result["attempts"],
+                }
+            )
+        summary = {
+            "file": path,
+            "judge_model": args.model,
+            "seed": args.seed,
+            "constrained_verdict": args.constrained_verdict,
+            **summarize(rows, verdicts, tokenizer),
+            "length_units": ["words", "chars"] + (["tokens"] if tokenizer else []),
+            "length_tokenizer": args.length_tokenizer,
+            "seconds": round(time.time() - start, 2),
+        }
         summary_path, verdicts_path = output_paths(path, args.tag)
         write_atomic(verdicts_path, "".join(json.dumps(v) + "\n" for v in verdicts))
         write_atomic(summary_path, json.dumps(summary, indent=2) + "\n")

@@ -42,22 +42,101 @@ from plot_miniature import write_json_atomically  # noqa: E402
 
 # The tiny task's defaults in the algorithm files, spelled out so that no run relies on a default.
 TASK = [
-    "--task", "tiny", "--dataset_name", "benchmark/tiny_task/data", "--dataset_config", "None",
-    "--dataset_train_split", "train", "--dataset_eval_split", "test",
-    "--sft_model_path", "benchmark/tiny_task/sft", "--reward_model_path", "benchmark/tiny_task/reward", "--gold_judge", "tiny",
-    "--max_prompt_length", "12", "--response_length", "12", "--temperature", "0.7", "--vllm_dtype", "float32",
-    "--gradient_accumulation_steps", "1", "--num_ppo_epochs", "1", "--local_rollout_forward_batch_size", "64",
-    "--lr_schedule", "linear", "--adam_epsilon", "1e-05", "--vllm_gpu_memory_utilization", "0.9", "--save_freq", "0", "--no_trust_remote_code",
+    "--task",
+    "tiny",
+    "--dataset_name",
+    "benchmark/tiny_task/data",
+    "--dataset_config",
+    "None",
+    "--dataset_train_split",
+    "train",
+    "--dataset_eval_split",
+    "test",
+    "--sft_model_path",
+    "benchmark/tiny_task/sft",
+    "--reward_model_path",
+    "benchmark/tiny_task/reward",
+    "--gold_judge",
+    "tiny",
+    "--max_prompt_length",
+    "12",
+    "--response_length",
+    "12",
+    "--temperature",
+    "0.7",
+    "--vllm_dtype",
+    "float32",
+    "--gradient_accumulation_steps",
+    "1",
+    "--num_ppo_epochs",
+    "1",
+    "--local_rollout_forward_batch_size",
+    "64",
+    "--lr_schedule",
+    "linear",
+    "--adam_epsilon",
+    "1e-05",
+    "--vllm_gpu_memory_utilization",
+    "0.9",
+    "--save_freq",
+    "0",
+    "--no_trust_remote_code",
 ]
 # method -> (algorithm file, completions per prompt, the algorithm's flags); kl / beta as in the files' defaults
 METHODS = {
     "dpo": ("online_dpo_async.py", 2, ["--loss_type", "sigmoid", "--beta", "0.1", "--missing_eos_penalty", "-3.0"]),
-    "bo2": ("online_dpo_async.py", 2, ["--loss_type", "best_of_k_sft", "--beta", "0.1", "--missing_eos_penalty", "-3.0"]),
-    "rloo": ("rloo_async.py", 2, ["--kl_coef", "0.05", "--cliprange", "0.2", "--no_normalize_advantage", "--old_logprobs", "trainer",
-                                  "--tis_cap", "2.0", "--missing_eos_penalty", "-3.0"]),
-    "ppo": ("ppo_async.py", 1, ["--kl_coef", "0.05", "--no_adaptive_kl", "--kl_target", "6.0", "--kl_horizon", "10000", "--gamma", "1.0",
-                                "--lam", "0.95", "--no_whiten_rewards", "--cliprange", "0.2", "--cliprange_value", "0.2", "--vf_coef", "0.1",
-                                "--old_logprobs", "trainer", "--tis_cap", "2.0", "--missing_eos_penalty", "-3.0"]),
+    "bo2": (
+        "online_dpo_async.py",
+        2,
+        ["--loss_type", "best_of_k_sft", "--beta", "0.1", "--missing_eos_penalty", "-3.0"],
+    ),
+    "rloo": (
+        "rloo_async.py",
+        2,
+        [
+            "--kl_coef",
+            "0.05",
+            "--cliprange",
+            "0.2",
+            "--no_normalize_advantage",
+            "--old_logprobs",
+            "trainer",
+            "--tis_cap",
+            "2.0",
+            "--missing_eos_penalty",
+            "-3.0",
+        ],
+    ),
+    "ppo": (
+        "ppo_async.py",
+        1,
+        [
+            "--kl_coef",
+            "0.05",
+            "--no_adaptive_kl",
+            "--kl_target",
+            "6.0",
+            "--kl_horizon",
+            "10000",
+            "--gamma",
+            "1.0",
+            "--lam",
+            "0.95",
+            "--no_whiten_rewards",
+            "--cliprange",
+            "0.2",
+            "--cliprange_value",
+            "0.2",
+            "--vf_coef",
+            "0.1",
+            "--old_logprobs",
+            "trainer",
+            "--tis_cap",
+            "2.0",
+            "--missing_eos_penalty",
+            "-3.0",
+        ],
+    ),
 }
 NS = (1, 2, 4, 8, 16)  # figure 4's mini-batches per generated batch
 ASYNC_METHODS = ("dpo", "rloo", "ppo")  # one per algorithm file: Best-of-2 shares online DPO's file
@@ -101,34 +180,75 @@ class Run:
         return [sys.executable, self.script, *self.flags, "--output_dir", str(out_dir / self.name)]
 
 
-def make_run(method: str, n: int, async_level: int, seed: int, episodes: int, learning_rate: float, micro_batch: int,
-             num_evals: int, eval_prompts: int, num_samples: int | None = None) -> Run:
+def make_run(
+    method: str,
+    n: int,
+    async_level: int,
+    seed: int,
+    episodes: int,
+    learning_rate: float,
+    micro_batch: int,
+    num_evals: int,
+    eval_prompts: int,
+    num_samples: int | None = None,
+) -> Run:
     """One run with every defining flag spelled out. Batch sizes count prompts: a step generates
     micro_batch x N prompts x K completions and trains N mini-batches of micro_batch prompts, so at equal
     episodes every N makes the same number of optimizer updates (and the same linear lr decay)."""
     script, default_samples, algorithm = METHODS[method]
     k = num_samples or default_samples
-    name = f"{method}_n{n}_{'async' if async_level else 'sync'}" + (f"_k{k}" if k != default_samples else "") + f"_s{seed}"
+    name = (
+        f"{method}_n{n}_{'async' if async_level else 'sync'}" + (f"_k{k}" if k != default_samples else "") + f"_s{seed}"
+    )
     per_step = micro_batch * n * k
     if episodes % per_step:
-        raise SystemExit(f"error: --episodes {episodes} is not a multiple of {per_step}, the episodes per step of run {name}")
+        raise SystemExit(
+            f"error: --episodes {episodes} is not a multiple of {per_step}, the episodes per step of run {name}"
+        )
     num_steps = episodes // per_step
     if num_steps % num_evals:
-        raise SystemExit(f"error: --num_evals {num_evals} does not divide the {num_steps} steps of run {name}; change --num_evals or --episodes")
-    flags = [*TASK, *algorithm, "--exp_name", name, "--seed", str(seed), "--total_episodes", str(episodes),
-             "--local_micro_batch_size", str(micro_batch), "--num_mini_batches", str(n), "--learning_rate", repr(learning_rate),
-             "--async_level", str(async_level), "--eval_freq", str(num_steps // num_evals), "--num_eval_prompts", str(eval_prompts)]
+        raise SystemExit(
+            f"error: --num_evals {num_evals} does not divide the {num_steps} steps of run {name}; change --num_evals or --episodes"
+        )
+    flags = [
+        *TASK,
+        *algorithm,
+        "--exp_name",
+        name,
+        "--seed",
+        str(seed),
+        "--total_episodes",
+        str(episodes),
+        "--local_micro_batch_size",
+        str(micro_batch),
+        "--num_mini_batches",
+        str(n),
+        "--learning_rate",
+        repr(learning_rate),
+        "--async_level",
+        str(async_level),
+        "--eval_freq",
+        str(num_steps // num_evals),
+        "--num_eval_prompts",
+        str(eval_prompts),
+    ]
     if script in SAMPLES_FLAG:
         flags += [SAMPLES_FLAG[script], str(k)]
-    return Run(name, method, script, seed, n, k, async_level, learning_rate, episodes, num_steps, num_steps // num_evals, flags)
+    return Run(
+        name, method, script, seed, n, k, async_level, learning_rate, episodes, num_steps, num_steps // num_evals, flags
+    )
 
 
-def make_plan(seeds: list[int], episodes: int, learning_rate: float, micro_batch: int, num_evals: int, eval_prompts: int) -> list[Run]:
+def make_plan(
+    seeds: list[int], episodes: int, learning_rate: float, micro_batch: int, num_evals: int, eval_prompts: int
+) -> list[Run]:
     """Seed by seed (an interrupted reproduction has whole seeds): per method the N sweep (sync), the
     async N = 1 run, and for online DPO the K = 4 run of figure 8."""
     per_step = math.lcm(*(micro_batch * n * k for _, k, _ in METHODS.values() for n in NS), micro_batch * 4)
     if episodes % per_step:
-        raise SystemExit(f"error: --episodes {episodes} must be a multiple of {per_step}, so that every run has whole steps")
+        raise SystemExit(
+            f"error: --episodes {episodes} must be a multiple of {per_step}, so that every run has whole steps"
+        )
     common = dict(episodes=episodes, micro_batch=micro_batch, num_evals=num_evals, eval_prompts=eval_prompts)
     plan = []
     for seed in seeds:
@@ -156,7 +276,9 @@ def is_finished(run: Run, out_dir: Path) -> bool:
         return False
     recorded = json.loads(marker.read_text())
     if recorded["flags"] != run.flags:
-        raise SystemExit(f"error: --out_dir {out_dir} holds run {run.name} made with other flags (see {marker}); choose another --out_dir")
+        raise SystemExit(
+            f"error: --out_dir {out_dir} holds run {run.name} made with other flags (see {marker}); choose another --out_dir"
+        )
     return True
 
 
@@ -181,24 +303,50 @@ def execute(run: Run, out_dir: Path, env: dict) -> float:
     if code:
         raise RuntimeError(f"[{run.name}] {run.script} exited with {code}; see {folder / 'run.log'}")
     revision = json.loads((folder / "args.json").read_text())["git_revision"]
-    write_json_atomically(folder / "miniature.json", {**asdict(run), "argv": argv, "wall_s": wall_s, "git_revision": revision})
+    write_json_atomically(
+        folder / "miniature.json", {**asdict(run), "argv": argv, "wall_s": wall_s, "git_revision": revision}
+    )
     return wall_s
 
 
 def parse(argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--out_dir", default="runs/miniature", help="one folder per run goes here, and the plots under <out_dir>/plots")
+    parser.add_argument(
+        "--out_dir", default="runs/miniature", help="one folder per run goes here, and the plots under <out_dir>/plots"
+    )
     parser.add_argument("--seeds", type=int, nargs="+", default=None, help="seeds of every run (default 1 2)")
-    parser.add_argument("--episodes", type=int, default=None, help="episodes (prompt-completion pairs) of every run (default 6144; the files' own default is 12800)")
-    parser.add_argument("--learning_rate", type=float, default=1e-4, help="initial learning rate (the K = 4 run gets half)")
-    parser.add_argument("--num_evals", type=int, default=None, help="evaluations per run after step 0, evenly spaced (default 3)")
-    parser.add_argument("--only", default=None, help="run only the runs whose name matches one of these comma-separated patterns, e.g. 'dpo_*_s1,ppo_n1_*'")
-    parser.add_argument("--smoke", action="store_true", help="every run at a trivial size (1 prompt per mini-batch, 32 episodes, 16 eval prompts): checks the plumbing, not the results")
-    parser.add_argument("--dry_run", action="store_true", help="print the plan, every run's command and the estimated time, run nothing")
+    parser.add_argument(
+        "--episodes",
+        type=int,
+        default=None,
+        help="episodes (prompt-completion pairs) of every run (default 6144; the files' own default is 12800)",
+    )
+    parser.add_argument(
+        "--learning_rate", type=float, default=1e-4, help="initial learning rate (the K = 4 run gets half)"
+    )
+    parser.add_argument(
+        "--num_evals", type=int, default=None, help="evaluations per run after step 0, evenly spaced (default 3)"
+    )
+    parser.add_argument(
+        "--only",
+        default=None,
+        help="run only the runs whose name matches one of these comma-separated patterns, e.g. 'dpo_*_s1,ppo_n1_*'",
+    )
+    parser.add_argument(
+        "--smoke",
+        action="store_true",
+        help="every run at a trivial size (1 prompt per mini-batch, 32 episodes, 16 eval prompts): checks the plumbing, not the results",
+    )
+    parser.add_argument(
+        "--dry_run", action="store_true", help="print the plan, every run's command and the estimated time, run nothing"
+    )
     args = parser.parse_args(argv)
     # the reproduction's sizes; the smoke test's trivial ones (N = 16 is then one step of 16 prompts)
-    size = dict(seeds=[1], episodes=32, micro_batch=1, num_evals=1, eval_prompts=16) if args.smoke else \
-        dict(seeds=[1, 2], episodes=6144, micro_batch=32, num_evals=3, eval_prompts=512)
+    size = (
+        dict(seeds=[1], episodes=32, micro_batch=1, num_evals=1, eval_prompts=16)
+        if args.smoke
+        else dict(seeds=[1, 2], episodes=6144, micro_batch=32, num_evals=3, eval_prompts=512)
+    )
     args.seeds = args.seeds or size["seeds"]
     args.episodes = args.episodes or size["episodes"]
     args.num_evals = args.num_evals or size["num_evals"]
@@ -220,14 +368,20 @@ def main(argv: list[str]) -> int:
             raise SystemExit(f"error: --only {args.only} matches no run")
     done = [run for run in plan if is_finished(run, out_dir)]
     todo = [run for run in plan if run not in done]
-    print(f"{'run':<22} {'file':<20} {'N':>3} {'K':>2} {'async':>5} {'lr':>8} {'episodes':>8} {'steps':>5} {'est. s':>7}")
+    print(
+        f"{'run':<22} {'file':<20} {'N':>3} {'K':>2} {'async':>5} {'lr':>8} {'episodes':>8} {'steps':>5} {'est. s':>7}"
+    )
     for run in plan:
         state = "done" if run in done else f"{estimate_s(run, args.num_evals):7.0f}"
-        print(f"{run.name:<22} {run.script:<20} {run.num_mini_batches:>3} {run.num_samples:>2} {run.async_level:>5} "
-              f"{run.learning_rate:>8.2g} {run.total_episodes:>8} {run.num_steps:>5} {state:>7}")
+        print(
+            f"{run.name:<22} {run.script:<20} {run.num_mini_batches:>3} {run.num_samples:>2} {run.async_level:>5} "
+            f"{run.learning_rate:>8.2g} {run.total_episodes:>8} {run.num_steps:>5} {state:>7}"
+        )
     total = sum(estimate_s(run, args.num_evals) for run in todo)
-    print(f"{len(plan)} runs, {len(done)} done; estimated time of the {len(todo)} left: {total / 60:.0f} min on 2 quiet CPU cores "
-          f"(up to {1.5 * total / 60:.0f} min if other work shares them)")
+    print(
+        f"{len(plan)} runs, {len(done)} done; estimated time of the {len(todo)} left: {total / 60:.0f} min on 2 quiet CPU cores "
+        f"(up to {1.5 * total / 60:.0f} min if other work shares them)"
+    )
     if args.dry_run:
         for run in todo:
             print(shlex.join(run.argv(out_dir)))
@@ -239,13 +393,18 @@ def main(argv: list[str]) -> int:
     for i, run in enumerate(todo):
         try:
             wall_s = execute(run, out_dir, env)
-            print(f"[{run.name}] done in {wall_s:.0f} s (estimated {estimate_s(run, args.num_evals):.0f} s); "
-                  f"{i + 1}/{len(todo)} after {(time.perf_counter() - start) / 60:.1f} min", flush=True)
+            print(
+                f"[{run.name}] done in {wall_s:.0f} s (estimated {estimate_s(run, args.num_evals):.0f} s); "
+                f"{i + 1}/{len(todo)} after {(time.perf_counter() - start) / 60:.1f} min",
+                flush=True,
+            )
         except RuntimeError as exc:  # go on with the others: one failure should not cost the whole reproduction
             print(exc, flush=True)
             failed.append(run.name)
         except KeyboardInterrupt:
-            print(f"interrupted during {run.name}: run the same command again to continue (finished runs are skipped, this one starts over)")
+            print(
+                f"interrupted during {run.name}: run the same command again to continue (finished runs are skipped, this one starts over)"
+            )
             return 130
     try:
         plot_miniature.main([str(out_dir), "--out", str(out_dir / "plots")])

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # No Robots instruction following at 8B: the paper's section 5.1 (table 1, figure 9) and appendix A.2
-# (tables 7-9, figure 10). README section "Reproducing the paper on GPUs".
+# (tables 7-9, figure 10). docs/reproducing.md, "Reproducing the paper on GPUs".
 #
 #   bash benchmark/no_robots.sh [EXPERIMENT...]   run the experiments named (default: all of them)
 #   DRY_RUN=1 bash benchmark/no_robots.sh         print the commands instead
@@ -34,7 +34,7 @@ TOTAL_EPISODES=$((397 * EPISODES_PER_STEP))
 LOCAL_MICRO_BATCH_SIZE=2  # prompts per forward/backward on an 80 GB GPU, 512 + 1024 tokens, 8B models
 # bf16 mixed precision; ZeRO-2 shards the 8B policy's optimizer state (PPO also trains an 8B value
 # model and may need more memory than ZeRO-2 gives: offload the optimizer in the config if so).
-# DeepSpeed runs cannot --resume.
+
 ACCELERATE_CONFIG=configs/deepspeed_zero2.yaml
 
 # Table 7
@@ -58,7 +58,7 @@ NO_ROBOTS=(
     --temperature 0.7
     --missing_eos_penalty -10.0
     --eval_freq 50                           # 9 evaluations of 397 steps, step 0 and the end included
-    --save_freq 0                            # DeepSpeed checkpoints cannot be resumed
+    --save_freq 0                            # no checkpoints (a positive value makes the run resumable)
     --local_rollout_forward_batch_size 8
     --vllm_dtype bfloat16
     --vllm_gpu_memory_utilization 0.9

@@ -51,7 +51,9 @@ def read_run(folder: Path) -> dict:
 def finished_folders(runs_dir: Path) -> list[Path]:
     if not runs_dir.is_dir():
         raise SystemExit(f"error: runs_dir {runs_dir} is not a folder")
-    folders = [f for f in sorted(runs_dir.iterdir()) if (f / "miniature.json").exists() and (f / "metrics.jsonl").exists()]
+    folders = [
+        f for f in sorted(runs_dir.iterdir()) if (f / "miniature.json").exists() and (f / "metrics.jsonl").exists()
+    ]
     if not folders:
         raise SystemExit(f"error: runs_dir {runs_dir} holds no finished run (no <run>/miniature.json)")
     return folders
@@ -124,14 +126,25 @@ def summarise(runs: list[dict]) -> tuple[list[dict], bool]:
         # learning curve: evaluation steps every seed has, averaged
         steps = sorted(set.intersection(*({e["step"] for e in r["evals"]} for r in members)))
         curve = {s: [next(e for e in r["evals"] if e["step"] == s) for r in members] for s in steps}
-        rows.append({
-            "method": key[0], "n": key[1], "k": key[2], "async_level": key[3], "seeds": [r["meta"]["seed"] for r in members],
-            "win_rate": float(np.mean(win)), "win_rate_min": min(win), "win_rate_max": max(win),
-            "kl": float(np.mean(kl)), "kl_min": min(kl), "kl_max": max(kl), "train_s": float(np.mean(wall)),
-            "episodes": [float(np.mean([e["episode"] for e in curve[s]])) for s in steps],
-            "curve": [float(np.mean([e["eval/win_rate"] for e in curve[s]])) for s in steps],
-            "times": [float(np.mean([train_time(r, s) for r in members])) for s in steps],
-        })
+        rows.append(
+            {
+                "method": key[0],
+                "n": key[1],
+                "k": key[2],
+                "async_level": key[3],
+                "seeds": [r["meta"]["seed"] for r in members],
+                "win_rate": float(np.mean(win)),
+                "win_rate_min": min(win),
+                "win_rate_max": max(win),
+                "kl": float(np.mean(kl)),
+                "kl_min": min(kl),
+                "kl_max": max(kl),
+                "train_s": float(np.mean(wall)),
+                "episodes": [float(np.mean([e["episode"] for e in curve[s]])) for s in steps],
+                "curve": [float(np.mean([e["eval/win_rate"] for e in curve[s]])) for s in steps],
+                "times": [float(np.mean([train_time(r, s) for r in members])) for s in steps],
+            }
+        )
     return rows, ppl_key is not None
 
 
@@ -169,26 +182,44 @@ def plot_kl(rows: list[dict], use_perplexity: bool, path: Path) -> None:
     """Figures 3-5: one point per N (synchronous, K default), win rate against KL; one panel per method and all together."""
     import matplotlib.pyplot as plt
 
-    sweeps = {m: [r for r in rows if r["method"] == m and r["async_level"] == 0 and r["k"] == DEFAULT_K[m]] for m in METHOD_LABELS}
+    sweeps = {
+        m: [r for r in rows if r["method"] == m and r["async_level"] == 0 and r["k"] == DEFAULT_K[m]]
+        for m in METHOD_LABELS
+    }
     sweeps = {m: sorted(s, key=lambda r: r["n"]) for m, s in sweeps.items() if s}
-    fig, axes = plt.subplots(1, len(sweeps) + 1, figsize=(4 * (len(sweeps) + 1), 3.8), sharey=True, squeeze=False, layout="constrained")
+    fig, axes = plt.subplots(
+        1, len(sweeps) + 1, figsize=(4 * (len(sweeps) + 1), 3.8), sharey=True, squeeze=False, layout="constrained"
+    )
     colors = dict(zip(METHOD_LABELS, plt.cm.tab10.colors))
     for ax, (method, sweep) in zip(axes[0], sweeps.items()):
         for target in (ax, axes[0][-1]):
             x, y = [r["kl"] for r in sweep], [r["win_rate"] for r in sweep]
             xerr = [[r["kl"] - r["kl_min"] for r in sweep], [r["kl_max"] - r["kl"] for r in sweep]]
-            yerr = [[r["win_rate"] - r["win_rate_min"] for r in sweep], [r["win_rate_max"] - r["win_rate"] for r in sweep]]
-            target.errorbar(x, y, xerr=xerr, yerr=yerr, fmt="-o", color=colors[method], capsize=2, label=METHOD_LABELS[method])
+            yerr = [
+                [r["win_rate"] - r["win_rate_min"] for r in sweep],
+                [r["win_rate_max"] - r["win_rate"] for r in sweep],
+            ]
+            target.errorbar(
+                x, y, xerr=xerr, yerr=yerr, fmt="-o", color=colors[method], capsize=2, label=METHOD_LABELS[method]
+            )
             for r in sweep:
-                target.annotate(f"N={r['n']}", (r["kl"], r["win_rate"]), textcoords="offset points", xytext=(4, 3), fontsize=7)
+                target.annotate(
+                    f"N={r['n']}", (r["kl"], r["win_rate"]), textcoords="offset points", xytext=(4, 3), fontsize=7
+                )
         ax.set_title(f"{METHOD_LABELS[method]}: N = {', '.join(str(r['n']) for r in sweep)}")
     axes[0][-1].set_title("all methods")
     axes[0][-1].legend(fontsize=8)
     for ax in axes[0]:
-        ax.set_xlabel("reference perplexity (final eval)" if use_perplexity else "mean objective/kl, last quarter of steps\n(reference perplexity not logged by every run)")
+        ax.set_xlabel(
+            "reference perplexity (final eval)"
+            if use_perplexity
+            else "mean objective/kl, last quarter of steps\n(reference perplexity not logged by every run)"
+        )
         ax.grid(alpha=0.3)
     axes[0][0].set_ylabel("final gold win rate")
-    fig.suptitle("Off-policy sweep (sync, N mini-batches per generated batch): win rate vs KL, seeds averaged, bars: seed range")
+    fig.suptitle(
+        "Off-policy sweep (sync, N mini-batches per generated batch): win rate vs KL, seeds averaged, bars: seed range"
+    )
     save(fig, path)
     plt.close(fig)
 
@@ -199,7 +230,14 @@ def plot_time(rows: list[dict], path: Path) -> None:
 
     panels = {m: [r for r in rows if r["method"] == m and r["n"] == 1] for m in ASYNC_FILES}
     panels = {m: sorted(p, key=lambda r: (r["async_level"], r["k"])) for m, p in panels.items() if p}
-    fig, axes = plt.subplots(1, max(len(panels), 1), figsize=(4.5 * max(len(panels), 1), 3.8), sharey=True, squeeze=False, layout="constrained")
+    fig, axes = plt.subplots(
+        1,
+        max(len(panels), 1),
+        figsize=(4.5 * max(len(panels), 1), 3.8),
+        sharey=True,
+        squeeze=False,
+        layout="constrained",
+    )
     for ax, (method, group) in zip(axes[0], panels.items()):
         for r in group:
             style = "-" if r["async_level"] == 0 else ("--" if r["k"] == DEFAULT_K[method] else ":")
@@ -219,7 +257,14 @@ def plot_curves(rows: list[dict], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     methods = [m for m in METHOD_LABELS if any(r["method"] == m for r in rows)]
-    fig, axes = plt.subplots(1, max(len(methods), 1), figsize=(4 * max(len(methods), 1), 3.8), sharey=True, squeeze=False, layout="constrained")
+    fig, axes = plt.subplots(
+        1,
+        max(len(methods), 1),
+        figsize=(4 * max(len(methods), 1), 3.8),
+        sharey=True,
+        squeeze=False,
+        layout="constrained",
+    )
     for ax, method in zip(axes[0], methods):
         group = [r for r in rows if r["method"] == method]
         sync = sorted((r for r in group if r["async_level"] == 0), key=lambda r: r["n"])
@@ -227,7 +272,15 @@ def plot_curves(rows: list[dict], path: Path) -> None:
         for r, color in zip(sync, shades):
             ax.plot(r["episodes"], r["curve"], "-o", color=color, markersize=3, label=label(r))
         for r in (r for r in group if r["async_level"] > 0):
-            ax.plot(r["episodes"], r["curve"], "--" if r["k"] == DEFAULT_K[method] else ":", marker="s", color="black", markersize=3, label=label(r))
+            ax.plot(
+                r["episodes"],
+                r["curve"],
+                "--" if r["k"] == DEFAULT_K[method] else ":",
+                marker="s",
+                color="black",
+                markersize=3,
+                label=label(r),
+            )
         ax.set_title(METHOD_LABELS[method])
         ax.set_xlabel("episode")
         ax.grid(alpha=0.3)
@@ -242,7 +295,11 @@ def main(argv: list[str]) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("runs_dir", help="the driver's --out_dir: one folder per run")
     parser.add_argument("--out", default=None, help="folder for the PNGs and results.md (default <runs_dir>/plots)")
-    parser.add_argument("--copy_runs", action="store_true", help="also copy each run's metrics.jsonl and miniature.json into <out>/runs/")
+    parser.add_argument(
+        "--copy_runs",
+        action="store_true",
+        help="also copy each run's metrics.jsonl and miniature.json into <out>/runs/",
+    )
     args = parser.parse_args(argv)
     import matplotlib
 
@@ -259,7 +316,9 @@ def main(argv: list[str]) -> None:
     if args.copy_runs:
         copy_runs(runs_dir, out / "runs")
     print(text)
-    print(f"wrote {', '.join(str(out / n) for n in ('win_rate_vs_kl.png', 'win_rate_vs_time.png', 'learning_curves.png', 'results.md'))}")
+    print(
+        f"wrote {', '.join(str(out / n) for n in ('win_rate_vs_kl.png', 'win_rate_vs_time.png', 'learning_curves.png', 'results.md'))}"
+    )
 
 
 if __name__ == "__main__":

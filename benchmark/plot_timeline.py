@@ -7,7 +7,6 @@ phases, labelled with the step), one bar per step. Several runs are stacked on o
 """
 
 import argparse
-import json
 from pathlib import Path
 from typing import NamedTuple
 
@@ -19,8 +18,15 @@ from matplotlib.patches import Patch  # noqa: E402
 from timing import PHASES, read_lines  # noqa: E402
 
 COLORS = {
-    "weight push": "#dd8452", "generation": "#4c72b0", "evaluation": "#8172b3", "wait": "#e5e5e5",
-    "scoring": "#55a868", "old_logprobs": "#64b5cd", "reference": "#ccb974", "update": "#c44e52", "snapshot and rest": "#937860",
+    "weight push": "#dd8452",
+    "generation": "#4c72b0",
+    "evaluation": "#8172b3",
+    "wait": "#e5e5e5",
+    "scoring": "#55a868",
+    "old_logprobs": "#64b5cd",
+    "reference": "#ccb974",
+    "update": "#c44e52",
+    "snapshot and rest": "#937860",
 }
 ROWS = {"generation": 1, "training": 0}
 
@@ -33,11 +39,18 @@ class Bar(NamedTuple):
     label: str = ""
 
 
-TIMELINE_KEYS = ("timeline/step_start", "timeline/training_start", "timeline/generation_start", "timeline/weight_sync_start")
+TIMELINE_KEYS = (
+    "timeline/step_start",
+    "timeline/training_start",
+    "timeline/generation_start",
+    "timeline/weight_sync_start",
+)
 
 
 def has_timeline(lines: list[dict]) -> bool:
-    return any("async/lag" in m for m in lines) and all(key in m for m in lines if "async/lag" in m for key in TIMELINE_KEYS)
+    return any("async/lag" in m for m in lines) and all(
+        key in m for m in lines if "async/lag" in m for key in TIMELINE_KEYS
+    )
 
 
 def timeline_bars(lines: list[dict], steps: range) -> list[Bar]:
@@ -46,13 +59,23 @@ def timeline_bars(lines: list[dict], steps: range) -> list[Bar]:
     go into the last segment, "snapshot and rest", which also holds the weight snapshot)."""
     train = {m["step"]: m for m in lines if "async/lag" in m}
     if not any(n in train for n in steps):
-        raise SystemExit(f"--steps {steps.start}:{steps.stop}: the run has training steps {min(train, default=0)} to {max(train, default=-1)}")
+        raise SystemExit(
+            f"--steps {steps.start}:{steps.stop}: the run has training steps {min(train, default=0)} to {max(train, default=-1)}"
+        )
     bars = []
     for n in (n for n in steps if n in train):
         m = train[n]
         if m["time/weight_sync"] > 0:
             bars.append(Bar("generation", "weight push", m["timeline/weight_sync_start"], m["time/weight_sync"]))
-        bars.append(Bar("generation", "generation", m["timeline/generation_start"], m["time/generation"], f"θ{m['async/version']}"))
+        bars.append(
+            Bar(
+                "generation",
+                "generation",
+                m["timeline/generation_start"],
+                m["time/generation"],
+                f"θ{m['async/version']}",
+            )
+        )
         if m["time/wait_for_rollouts"] > 0:
             bars.append(Bar("training", "wait", m["timeline/step_start"], m["time/wait_for_rollouts"]))
         start = m["timeline/training_start"]
@@ -64,8 +87,20 @@ def timeline_bars(lines: list[dict], steps: range) -> list[Bar]:
         bars.append(Bar("training", "step", m["timeline/training_start"], m["time/training"], str(n)))
     lo, hi = min(b.start for b in bars), max(b.start + b.width for b in bars)
     for m in lines:
-        if "eval/win_rate" in m and m["timeline/eval_generation_start"] < hi and m["timeline/eval_generation_start"] + m["time/eval_generation"] > lo:
-            bars.append(Bar("generation", "evaluation", m["timeline/eval_generation_start"], m["time/eval_generation"], f"eval θ{m['step']}"))
+        if (
+            "eval/win_rate" in m
+            and m["timeline/eval_generation_start"] < hi
+            and m["timeline/eval_generation_start"] + m["time/eval_generation"] > lo
+        ):
+            bars.append(
+                Bar(
+                    "generation",
+                    "evaluation",
+                    m["timeline/eval_generation_start"],
+                    m["time/eval_generation"],
+                    f"eval θ{m['step']}",
+                )
+            )
     return bars
 
 
@@ -97,9 +132,26 @@ def plot(paths: list[str], out: str, steps: range = range(12), title: str | None
                 ax.barh(y, b.width, left=x, height=0.7, fill=False, edgecolor="black", linewidth=0.6)
             else:
                 kinds.add(b.kind)
-                ax.barh(y, b.width, left=x, height=0.7, color=COLORS[b.kind], hatch="//" if b.kind == "wait" else None, edgecolor="white" if b.kind != "wait" else "#b0b0b0", linewidth=0.3)
+                ax.barh(
+                    y,
+                    b.width,
+                    left=x,
+                    height=0.7,
+                    color=COLORS[b.kind],
+                    hatch="//" if b.kind == "wait" else None,
+                    edgecolor="white" if b.kind != "wait" else "#b0b0b0",
+                    linewidth=0.3,
+                )
             if b.label and b.width > span / 90:
-                ax.text(x + b.width / 2, y, b.label, ha="center", va="center", fontsize=6.5, color="black" if b.kind == "step" else "white")
+                ax.text(
+                    x + b.width / 2,
+                    y,
+                    b.label,
+                    ha="center",
+                    va="center",
+                    fontsize=6.5,
+                    color="black" if b.kind == "step" else "white",
+                )
         lag = max((m["async/lag"] for m in lines if "async/lag" in m), default=0)
         ax.set_title(f"{Path(path).parent.name}: --async_level {lag}", fontsize=9, loc="left")
         ax.set_yticks(list(ROWS.values()), list(ROWS))
@@ -114,7 +166,9 @@ def plot(paths: list[str], out: str, steps: range = range(12), title: str | None
 
 
 if __name__ == "__main__":
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("metrics", nargs="+", help="metrics.jsonl of each run, drawn top to bottom")
     parser.add_argument("--out", default="timeline.png", help="PNG to write")
     parser.add_argument("--steps", default="0:12", help="steps A to B-1 (default 0:12, the first 12)")

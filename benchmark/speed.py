@@ -52,9 +52,19 @@ def pythia_config(size: str):
     from transformers import GPTNeoXConfig
 
     hidden, layers, heads, mlp = PYTHIA[size]
-    return GPTNeoXConfig(vocab_size=PYTHIA_VOCAB, hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads,
-                         intermediate_size=mlp, max_position_embeddings=2048, tie_word_embeddings=False,
-                         pad_token_id=0, bos_token_id=1, eos_token_id=2, num_labels=1)
+    return GPTNeoXConfig(
+        vocab_size=PYTHIA_VOCAB,
+        hidden_size=hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        intermediate_size=mlp,
+        max_position_embeddings=2048,
+        tie_word_embeddings=False,
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=2,
+        num_labels=1,
+    )
 
 
 def filler(i: int) -> str:
@@ -83,7 +93,9 @@ def write_prompts(folder: Path, prompt_length: int, limits=(("train", 4096), ("t
                 row = json.loads(line)
                 pad = prompt_length - 1 - len(row["query"].split())
                 if pad < 0:
-                    raise SystemExit(f"--prompt_length {prompt_length} is shorter than a tiny-task prompt ({prompt_length - pad})")
+                    raise SystemExit(
+                        f"--prompt_length {prompt_length} is shorter than a tiny-task prompt ({prompt_length - pad})"
+                    )
                 row["query"] = " ".join([filler(rng.randrange(22, PYTHIA_VOCAB)) for _ in range(pad)] + [row["query"]])
                 dst.write(json.dumps(row) + "\n")
 
@@ -177,12 +189,19 @@ def watch(proc: subprocess.Popen, output_dir: Path, interval: float = 1.0) -> di
     for u in usage.values():
         for core, cpu in u["cores"].items():
             ours[core] += cpu
-    return {"seconds": seconds, "others": {core: max(busy[core] - ours[core], 0.0) for core in sorted(busy)},
-            "processes": {key: value for key, value in usage.items() if sum(value["cores"].values()) > 0.01 * max(seconds, 1)}}
+    return {
+        "seconds": seconds,
+        "others": {core: max(busy[core] - ours[core], 0.0) for core in sorted(busy)},
+        "processes": {
+            key: value for key, value in usage.items() if sum(value["cores"].values()) > 0.01 * max(seconds, 1)
+        },
+    }
 
 
 def format_usage(label: str, usage: dict) -> str:
-    lines = [f"{label}: CPU use while training ({usage['seconds']:.0f} s sampled), per process: cores used (CPU-s per s), cores allowed"]
+    lines = [
+        f"{label}: CPU use while training ({usage['seconds']:.0f} s sampled), per process: cores used (CPU-s per s), cores allowed"
+    ]
     for (role, pid, name), u in sorted(usage["processes"].items()):
         busy = ", ".join(f"core {c}: {s / max(usage['seconds'], 1e-9):.2f}" for c, s in sorted(u["cores"].items()))
         lines.append(f"  {role:<8} {name:<16} pid {pid:<7} {busy:<28} allowed {sorted(u['allowed'])}")
@@ -194,20 +213,43 @@ def format_usage(label: str, usage: dict) -> str:
 def parse(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     own, extra = (argv[: argv.index("--")], argv[argv.index("--") + 1 :]) if "--" in argv else (argv, [])
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], epilog="flags after -- go to the script")
-    parser.add_argument("--script", default="online_dpo_async.py", help=f"algorithm file to time: {', '.join(SCRIPTS)} or a fork of one")
+    parser.add_argument(
+        "--script", default="online_dpo_async.py", help=f"algorithm file to time: {', '.join(SCRIPTS)} or a fork of one"
+    )
     parser.add_argument("--out_dir", default="runs/speed", help="where the two runs, speed.md and timeline.png go")
-    parser.add_argument("--model_size", default="tiny", choices=("tiny", *PYTHIA), help="tiny: the committed tiny task; else random models of that Pythia size")
-    parser.add_argument("--prompt_length", type=int, default=None, help=f"prompt tokens with a Pythia size (default {TLDR_LENGTHS[0]}, TLDR's)")
-    parser.add_argument("--launch", default=shlex.quote(sys.executable), help="command that starts the script, e.g. \"accelerate launch --config_file configs/multi_gpu.yaml --num_processes 1\"")
+    parser.add_argument(
+        "--model_size",
+        default="tiny",
+        choices=("tiny", *PYTHIA),
+        help="tiny: the committed tiny task; else random models of that Pythia size",
+    )
+    parser.add_argument(
+        "--prompt_length",
+        type=int,
+        default=None,
+        help=f"prompt tokens with a Pythia size (default {TLDR_LENGTHS[0]}, TLDR's)",
+    )
+    parser.add_argument(
+        "--launch",
+        default=shlex.quote(sys.executable),
+        help='command that starts the script, e.g. "accelerate launch --config_file configs/multi_gpu.yaml --num_processes 1"',
+    )
     parser.add_argument("--steps", default="0:12", help="steps A to B-1 drawn in timeline.png")
-    parser.add_argument("--peak_tflops", type=float, default=None, help="the GPU's dense bf16 peak (989 for an H100 SXM): adds the model FLOP utilisation of each trainer phase")
+    parser.add_argument(
+        "--peak_tflops",
+        type=float,
+        default=None,
+        help="the GPU's dense bf16 peak (989 for an H100 SXM): adds the model FLOP utilisation of each trainer phase",
+    )
     args = parser.parse_args(own)
     if not (ROOT / args.script).is_file():
         parser.error(f"--script {args.script}: no such file (relative to the repository root)")
     if args.model_size == "tiny" and args.prompt_length is not None:
         parser.error("--prompt_length needs --model_size other than tiny")
     if fixed := {"--async_level", "--output_dir"} & {flag.split("=")[0] for flag in extra}:
-        parser.error(f"{', '.join(sorted(fixed))} after --: the benchmark sets --async_level (0, then 1) and --output_dir (from --out_dir)")
+        parser.error(
+            f"{', '.join(sorted(fixed))} after --: the benchmark sets --async_level (0, then 1) and --output_dir (from --out_dir)"
+        )
     return args, extra
 
 
@@ -218,18 +260,39 @@ def main(argv: list[str]) -> None:
     runs = {"sync": out / "sync", "async": out / "async"}
     for run in runs.values():
         if (run / "metrics.jsonl").exists():
-            raise SystemExit(f"--out_dir {args.out_dir} already holds {run / 'metrics.jsonl'}: the scripts append to it; pick another --out_dir")
+            raise SystemExit(
+                f"--out_dir {args.out_dir} already holds {run / 'metrics.jsonl'}: the scripts append to it; pick another --out_dir"
+            )
     common = ["--eval_freq", "0", "--num_eval_prompts", "64"]
     if args.model_size != "tiny":
         prompt_length = args.prompt_length or TLDR_LENGTHS[0]
         print(f"building random {args.model_size} models, prompts of {prompt_length} tokens ...", flush=True)
         models = build_models(args.model_size, prompt_length, out / "models")
-        common += ["--sft_model_path", str(models / "sft"), "--reward_model_path", str(models / "reward"), "--dataset_name", str(models / "data"),
-                   "--max_prompt_length", str(prompt_length), "--response_length", str(TLDR_LENGTHS[1])]
+        common += [
+            "--sft_model_path",
+            str(models / "sft"),
+            "--reward_model_path",
+            str(models / "reward"),
+            "--dataset_name",
+            str(models / "data"),
+            "--max_prompt_length",
+            str(prompt_length),
+            "--response_length",
+            str(TLDR_LENGTHS[1]),
+        ]
     usages = {}
     for (name, run), k in zip(runs.items(), (0, 1)):
         run.mkdir(parents=True, exist_ok=True)
-        argv_run = [*shlex.split(args.launch), args.script, *common, *extra, "--async_level", str(k), "--output_dir", str(run)]
+        argv_run = [
+            *shlex.split(args.launch),
+            args.script,
+            *common,
+            *extra,
+            "--async_level",
+            str(k),
+            "--output_dir",
+            str(run),
+        ]
         print(f"[{name}] {shlex.join(argv_run)}", flush=True)
         start = time.perf_counter()
         with open(run / "run.log", "w") as log:
@@ -246,7 +309,9 @@ def main(argv: list[str]) -> None:
         print(format_usage(name, usage))
     paths = [str(run / "metrics.jsonl") for run in runs.values()]
     if all(plot_timeline.has_timeline(timing.read_lines(path)) for path in paths):
-        title = f"{Path(args.script).name}, {args.model_size}: the same steps synchronous (top) and asynchronous (bottom)"
+        title = (
+            f"{Path(args.script).name}, {args.model_size}: the same steps synchronous (top) and asynchronous (bottom)"
+        )
         plot_timeline.plot(paths, str(out / "timeline.png"), steps, title)
         print(f"wrote {out / 'timeline.png'}")
     else:

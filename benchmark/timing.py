@@ -94,15 +94,24 @@ def report(paths: list[str], peak_tflops: float | None = None) -> str:
         ("  generation (s)", lambda r: f"{r['generation']:.4f}"),
         ("  weight push (s)", lambda r: f"{r['push']:.4f}"),
         ("**T**: trainer, `time/training` (s)", lambda r: f"{r['T']:.4f}"),
-        *[(f"  {key[5:]} (s)", lambda r, key=key: f"{r['phases'][key]:.4f}" if key in r["phases"] else "-") for key in phase_keys],
+        *[
+            (f"  {key[5:]} (s)", lambda r, key=key: f"{r['phases'][key]:.4f}" if key in r["phases"] else "-")
+            for key in phase_keys
+        ],
         ("  weight snapshot and rest (s)", lambda r: f"{r['snapshot and rest']:.4f}"),
         ("trainer waits for rollouts (s)", lambda r: f"{r['wait']:.4f}"),
         ("rest of the step: logging (s)", lambda r: f"{r['outside']:.4f}"),
         ("**step**: wall time per step (s)", lambda r: f"{r['step']:.4f}"),
         ("max(G, T) / step", lambda r: f"{r['efficiency']:.1%}"),
-        *[(f"model FLOP utilisation: {key[5:]}", lambda r, key=key: utilisation(r, key, peak_tflops)) for key in mfu_keys],
+        *[
+            (f"model FLOP utilisation: {key[5:]}", lambda r, key=key: utilisation(r, key, peak_tflops))
+            for key in mfu_keys
+        ],
     ]
-    lines = ["| | " + " | ".join(f"`--async_level {r['async_level']}`" for r in runs) + " |", "|---" * (len(runs) + 1) + "|"]
+    lines = [
+        "| | " + " | ".join(f"`--async_level {r['async_level']}`" for r in runs) + " |",
+        "|---" * (len(runs) + 1) + "|",
+    ]
     lines += [f"| {name} | " + " | ".join(cell(r) for r in runs) + " |" for name, cell in rows]
     if len(runs) == 2 and runs[0]["async_level"] == 0 < runs[1]["async_level"]:
         c, (g, t) = compare(*runs), (runs[0]["G"], runs[0]["T"])
@@ -126,5 +135,7 @@ if __name__ == "__main__":
     if argv[:1] == ["--peak_tflops"] and len(argv) > 1:
         peak, argv = float(argv[1]), argv[2:]
     if not argv:
-        raise SystemExit("usage: python benchmark/timing.py [--peak_tflops TFLOPS] METRICS.jsonl [METRICS.jsonl ...] (sync first, then async)")
+        raise SystemExit(
+            "usage: python benchmark/timing.py [--peak_tflops TFLOPS] METRICS.jsonl [METRICS.jsonl ...] (sync first, then async)"
+        )
     print(report(argv, peak))

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # TLDR summarization: the paper's sections 3-4 (figures 1, 3, 4, 5, 7, 8) with the settings of
-# appendix A.1, table 4. README section "Reproducing the paper on GPUs".
+# appendix A.1, table 4. docs/reproducing.md, "Reproducing the paper on GPUs".
 #
 #   bash benchmark/tldr.sh [EXPERIMENT...]   run the experiments named (default: all of them)
 #   DRY_RUN=1 bash benchmark/tldr.sh         print the commands instead
@@ -28,7 +28,7 @@ select_experiments "$@"
 # processes: we use 4 (a 5-GPU machine, or 5 GPUs of 8 with CUDA_VISIBLE_DEVICES); 2 or 8 work too.
 TRAIN_GPUS="${TRAIN_GPUS:-4}"
 # bf16 mixed precision, as the paper's half-precision runs; ZeRO-2 shards the optimizer state (the
-# 2.8b policy's AdamW state alone is 34 GB in fp32). DeepSpeed runs cannot --resume.
+# 2.8b policy's AdamW state alone is 34 GB in fp32).
 ACCELERATE_CONFIG=configs/deepspeed_zero2.yaml
 # prompts per forward/backward per GPU, by policy size (memory on 80 GB GPUs); accumulation fills the rest
 declare -A MICRO=([410m]=16 [1b]=8 [2.8b]=4)
@@ -55,7 +55,7 @@ TLDR=(
     --local_rollout_forward_batch_size 32
     --vllm_dtype bfloat16
     --vllm_gpu_memory_utilization 0.9
-    --save_freq 0                         # DeepSpeed checkpoints cannot be resumed; evaluations are in the run
+    --save_freq 0                         # no checkpoints (a positive value makes the run resumable); evaluations are in the run
 )
 # TINY=1: the tiny task, which mirrors this controlled setup (SFT policy, proxy reward model, exact
 # gold judge); TLDR's texts do not fit its 64-token models (the loader is tested on tests/fixtures/tldr).

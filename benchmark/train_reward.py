@@ -156,12 +156,16 @@ def load_eval_rows(args) -> tuple[list, list[str], list[str]] | None:
     if os.path.isfile(args.eval_split):
         return load_preference_rows(args.eval_split, "train", "--eval_split")
     if os.path.isfile(args.dataset_name):
-        raise UsageError(f"--dataset_name {args.dataset_name} is a single file, so it has no split {args.eval_split!r}: "
-                         "pass --eval_split a file of its own, or None")
+        raise UsageError(
+            f"--dataset_name {args.dataset_name} is a single file, so it has no split {args.eval_split!r}: "
+            "pass --eval_split a file of its own, or None"
+        )
     return load_preference_rows(args.dataset_name, args.eval_split)
 
 
-def encode_pairs(tokenizer, prompts: list, chosen: list[str], rejected: list[str], args, what: str = "preference data") -> Pairs:
+def encode_pairs(
+    tokenizer, prompts: list, chosen: list[str], rejected: list[str], args, what: str = "preference data"
+) -> Pairs:
     prompt_ids = encode_prompts(tokenizer, prompts, args.apply_chat_template)
     keep = fitting_prompts(prompt_ids, args.max_prompt_length, what)
     prompt_ids = [prompt_ids[i] for i in keep]
@@ -169,9 +173,15 @@ def encode_pairs(tokenizer, prompts: list, chosen: list[str], rejected: list[str
     for texts in (chosen, rejected):
         completion_ids = encode_completions(tokenizer, [texts[i] for i in keep], args.append_eos)
         cut += sum(len(ids) > args.max_completion_length for ids in completion_ids)
-        sides.append(pad_rows(prompt_ids, completion_ids, args.max_prompt_length, args.max_completion_length, tokenizer.pad_token_id))
+        sides.append(
+            pad_rows(
+                prompt_ids, completion_ids, args.max_prompt_length, args.max_completion_length, tokenizer.pad_token_id
+            )
+        )
     if cut:
-        print(f"{what}: {cut} of {2 * len(keep)} completions cut to --max_completion_length {args.max_completion_length}")
+        print(
+            f"{what}: {cut} of {2 * len(keep)} completions cut to --max_completion_length {args.max_completion_length}"
+        )
     return Pairs(*sides)
 
 
@@ -183,7 +193,9 @@ def get_reward(model, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> 
     computed from the backbone so that padding on either side, and pad == EOS tokenizers, cannot
     move the read-out."""
     backbone = getattr(model, model.base_model_prefix)
-    hidden = backbone(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids_from(attention_mask)).last_hidden_state
+    hidden = backbone(
+        input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids_from(attention_mask)
+    ).last_hidden_state
     last = (attention_mask * torch.arange(attention_mask.shape[1], device=attention_mask.device)).argmax(1)
     return model.score(hidden[torch.arange(len(last), device=hidden.device), last]).squeeze(-1).float()
 
@@ -215,7 +227,9 @@ def pair_batch(pairs: Pairs, rows, trim: bool, device) -> tuple[torch.Tensor, to
 
 
 @torch.no_grad()
-def pair_rewards(reward_fn, pairs: Pairs, batch_size: int, trim: bool = False, device="cpu") -> tuple[torch.Tensor, torch.Tensor]:
+def pair_rewards(
+    reward_fn, pairs: Pairs, batch_size: int, trim: bool = False, device="cpu"
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(r_chosen, r_rejected) of every pair; `reward_fn(input_ids, attention_mask)` scores rows."""
     chosen, rejected = [], []
     for start in range(0, len(pairs.chosen.input_ids), batch_size):
@@ -264,17 +278,28 @@ if __name__ == "__main__":
 
     set_seed(args.seed)
     model = AutoModelForSequenceClassification.from_pretrained(
-        args.model_name_or_path, num_labels=1, dtype=getattr(torch, args.dtype), trust_remote_code=args.trust_remote_code
+        args.model_name_or_path,
+        num_labels=1,
+        dtype=getattr(torch, args.dtype),
+        trust_remote_code=args.trust_remote_code,
     )
     model.config.pad_token_id = tokenizer.pad_token_id  # HF's own batched forward needs it; our read-out does not
     if not hasattr(model, "score"):
-        raise SystemExit(f"error: --model_name_or_path {args.model_name_or_path}: {type(model).__name__} has no `score` head")
+        raise SystemExit(
+            f"error: --model_name_or_path {args.model_name_or_path}: {type(model).__name__} has no `score` head"
+        )
     if args.gradient_checkpointing:
         model.gradient_checkpointing_enable()
     reward_model, losses = train(model, data, args, accelerator)
-    results = {"train_loss_first": losses[0], "train_loss_last": losses[-1], "num_train_pairs": len(data.chosen.input_ids)}
+    results = {
+        "train_loss_first": losses[0],
+        "train_loss_last": losses[-1],
+        "num_train_pairs": len(data.chosen.input_ids),
+    }
     if eval_data is not None:  # every process scores all pairs (ZeRO-3 needs them all in every forward)
-        scores = pair_rewards(reward_model, eval_data, args.local_eval_batch_size, args.trim_padding, accelerator.device)
+        scores = pair_rewards(
+            reward_model, eval_data, args.local_eval_batch_size, args.trim_padding, accelerator.device
+        )
         results |= {"eval_pair_accuracy": pair_accuracy(*scores), "num_eval_pairs": len(scores[0])}
         if accelerator.is_main_process:
             print(f"eval pair accuracy {results['eval_pair_accuracy']:.4f} on {results['num_eval_pairs']} pairs")

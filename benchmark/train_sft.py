@@ -142,7 +142,9 @@ def load_split(name: str, split: str, flag: str = "--dataset_name"):
         try:
             dataset = load_dataset(builders[Path(name).suffix], data_files=name, split="train")
         except Exception as exc:  # a malformed file: name it in one line, not in a traceback
-            raise UsageError(f"{flag} {name} cannot be read: {type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''}") from exc
+            raise UsageError(
+                f"{flag} {name} cannot be read: {type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''}"
+            ) from exc
     else:
         try:
             dataset = load_dataset(name, split=split)
@@ -169,7 +171,11 @@ def check_prompt(value, i: int, where: str) -> None:
     """A prompt is text or a non-empty list of {"role", "content"} chat messages."""
     if isinstance(value, str):
         return
-    if not (isinstance(value, list) and value and all(isinstance(m, dict) and {"role", "content"} <= m.keys() for m in value)):
+    if not (
+        isinstance(value, list)
+        and value
+        and all(isinstance(m, dict) and {"role", "content"} <= m.keys() for m in value)
+    ):
         raise UsageError(f"{where} row {i}: `prompt` must be a string or a list of {{role, content}} messages")
 
 
@@ -182,7 +188,9 @@ def load_sft_rows(name: str, split: str) -> tuple[list, list[str]]:
         for i, messages in enumerate(dataset["messages"]):
             check_prompt(messages, i, where)
             if len(messages) < 2 or messages[-1]["role"] != "assistant":
-                raise UsageError(f"{where} row {i}: `messages` must end with an assistant turn after at least one other turn")
+                raise UsageError(
+                    f"{where} row {i}: `messages` must end with an assistant turn after at least one other turn"
+                )
             prompts.append(messages[:-1])
             completions.append(messages[-1]["content"])
         return prompts, completions
@@ -224,13 +232,21 @@ def encode_prompts(tokenizer, prompts: list, apply_chat_template: bool = False) 
     if all(isinstance(p, str) for p in prompts) and not apply_chat_template:
         bos = tokenizer.bos_token
         templated = [bool(bos) and p.startswith(bos) for p in prompts]
-        plain = iter(tokenizer([p for p, t in zip(prompts, templated) if not t]).input_ids if not all(templated) else [])
-        as_is = iter(tokenizer([p for p, t in zip(prompts, templated) if t], add_special_tokens=False).input_ids if any(templated) else [])
+        plain = iter(
+            tokenizer([p for p, t in zip(prompts, templated) if not t]).input_ids if not all(templated) else []
+        )
+        as_is = iter(
+            tokenizer([p for p, t in zip(prompts, templated) if t], add_special_tokens=False).input_ids
+            if any(templated)
+            else []
+        )
         return [next(as_is) if t else next(plain) for t in templated]
     if tokenizer.chat_template is None:
         raise UsageError("chat prompts need a chat template: the tokenizer has none, pass --chat_template (e.g. tulu)")
     texts = [
-        tokenizer.apply_chat_template([{"role": "user", "content": p}] if isinstance(p, str) else p, add_generation_prompt=True, tokenize=False)
+        tokenizer.apply_chat_template(
+            [{"role": "user", "content": p}] if isinstance(p, str) else p, add_generation_prompt=True, tokenize=False
+        )
         for p in prompts
     ]
     return tokenizer(texts, add_special_tokens=False).input_ids
@@ -243,7 +259,13 @@ def encode_completions(tokenizer, completions: list[str], append_eos: bool) -> l
     return out
 
 
-def pad_rows(prompt_ids: list[list[int]], completion_ids: list[list[int]], max_prompt_length: int, max_completion_length: int, pad_token_id: int) -> Encoded:
+def pad_rows(
+    prompt_ids: list[list[int]],
+    completion_ids: list[list[int]],
+    max_prompt_length: int,
+    max_completion_length: int,
+    pad_token_id: int,
+) -> Encoded:
     """The layout of `Encoded`; prompts must fit, completions are cut to max_completion_length."""
     n, width = len(prompt_ids), max_prompt_length + max_completion_length
     input_ids = torch.full((n, width), pad_token_id, dtype=torch.long)
@@ -263,7 +285,9 @@ def fitting_prompts(prompt_ids: list[list[int]], max_prompt_length: int, what: s
     """Indices of the prompts within max_prompt_length; the dropped ones are counted."""
     keep = [i for i, ids in enumerate(prompt_ids) if len(ids) <= max_prompt_length]
     if len(keep) < len(prompt_ids):
-        print(f"{what}: dropped {len(prompt_ids) - len(keep)} of {len(prompt_ids)} rows whose prompt is longer than --max_prompt_length {max_prompt_length}")
+        print(
+            f"{what}: dropped {len(prompt_ids) - len(keep)} of {len(prompt_ids)} rows whose prompt is longer than --max_prompt_length {max_prompt_length}"
+        )
     if not keep:
         raise UsageError(f"{what}: no prompt fits --max_prompt_length {max_prompt_length}")
     return keep
@@ -277,7 +301,9 @@ def encode_sft(tokenizer, prompts: list, completions: list[str], args) -> Encode
     if cut:
         print(f"SFT data: {cut} of {len(keep)} completions cut to --max_completion_length {args.max_completion_length}")
     prompt_ids, completion_ids = [prompt_ids[i] for i in keep], [completion_ids[i] for i in keep]
-    return pad_rows(prompt_ids, completion_ids, args.max_prompt_length, args.max_completion_length, tokenizer.pad_token_id)
+    return pad_rows(
+        prompt_ids, completion_ids, args.max_prompt_length, args.max_completion_length, tokenizer.pad_token_id
+    )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -295,10 +321,14 @@ def trim_columns(*tensors: torch.Tensor, attention_mask: torch.Tensor) -> tuple[
     return tuple(t[:, first : last + 1] for t in tensors)
 
 
-def sft_loss(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, completion_mask: torch.Tensor) -> torch.Tensor:
+def sft_loss(
+    model, input_ids: torch.Tensor, attention_mask: torch.Tensor, completion_mask: torch.Tensor
+) -> torch.Tensor:
     """Mean NLL of the completion tokens: token t is predicted from the logits at t - 1, and only
     targets under completion_mask count (prompt tokens and padding are masked)."""
-    logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids_from(attention_mask)).logits.float()
+    logits = model(
+        input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids_from(attention_mask)
+    ).logits.float()
     nll = F.cross_entropy(logits[:, :-1].flatten(0, 1), input_ids[:, 1:].flatten(), reduction="none")
     target_mask = completion_mask[:, 1:].flatten()
     return (nll * target_mask).sum() / target_mask.sum().clamp(min=1)
@@ -330,13 +360,22 @@ def batch_indices(num_rows: int, batch_size: int, num_steps: int, sampling: str,
 
 def schedule_sizes(num_rows: int, args, world_size: int) -> tuple[int, int, int]:
     """(batch_size, num_steps, warmup_steps), checked; errors name the flags to change."""
-    for flag in ("local_micro_batch_size", "gradient_accumulation_steps", "num_train_epochs", "max_prompt_length", "max_completion_length", "log_every"):
+    for flag in (
+        "local_micro_batch_size",
+        "gradient_accumulation_steps",
+        "num_train_epochs",
+        "max_prompt_length",
+        "max_completion_length",
+        "log_every",
+    ):
         if getattr(args, flag) < 1:
             raise UsageError(f"--{flag} must be >= 1, got {getattr(args, flag)}")
     if args.total_steps is not None and args.total_steps < 1:
         raise UsageError(f"--total_steps must be >= 1 or None, got {args.total_steps}")
     if args.learning_rate <= 0 or args.warmup_steps < 0 or not 0 <= args.warmup_ratio < 1 or args.max_grad_norm <= 0:
-        raise UsageError("--learning_rate and --max_grad_norm must be > 0, --warmup_steps >= 0, 0 <= --warmup_ratio < 1")
+        raise UsageError(
+            "--learning_rate and --max_grad_norm must be > 0, --warmup_steps >= 0, 0 <= --warmup_ratio < 1"
+        )
     batch_size = args.local_micro_batch_size * args.gradient_accumulation_steps * world_size
     if num_rows < batch_size:
         raise UsageError(
@@ -352,7 +391,9 @@ def optimize(model, loss_fn, num_rows: int, sampling: str, args, accelerator: Ac
     """The loop both training scripts share: each step's batch of row indices gives one optimizer step
     over gradient_accumulation_steps micro-batches per process. `loss_fn(model, rows)` returns the loss
     of those rows and extra metrics to print. Returns the prepared model and the loss of every step."""
-    assert accelerator.gradient_accumulation_steps == args.gradient_accumulation_steps, "build the Accelerator with the same accumulation"
+    assert accelerator.gradient_accumulation_steps == args.gradient_accumulation_steps, (
+        "build the Accelerator with the same accumulation"
+    )
     batch_size, num_steps, warmup = schedule_sizes(num_rows, args, accelerator.num_processes)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.learning_rate, weight_decay=args.weight_decay)
     model, optimizer = accelerator.prepare(model, optimizer)
@@ -365,7 +406,9 @@ def optimize(model, loss_fn, num_rows: int, sampling: str, args, accelerator: Ac
         mine = indices[accelerator.process_index * local :][:local]
         step_loss = 0.0
         for i in range(args.gradient_accumulation_steps):
-            with accelerator.accumulate(model):  # steps the optimizer (and syncs gradients) on the last micro-batch only
+            with accelerator.accumulate(
+                model
+            ):  # steps the optimizer (and syncs gradients) on the last micro-batch only
                 loss, metrics = loss_fn(model, mine[i * micro :][:micro])
                 accelerator.backward(loss)
                 if accelerator.sync_gradients:
@@ -373,7 +416,9 @@ def optimize(model, loss_fn, num_rows: int, sampling: str, args, accelerator: Ac
                 optimizer.step()
                 optimizer.zero_grad()
             step_loss += loss.item() / args.gradient_accumulation_steps
-        step_loss = accelerator.reduce(torch.tensor(step_loss, dtype=torch.float64, device=accelerator.device), "mean").item()  # over processes
+        step_loss = accelerator.reduce(
+            torch.tensor(step_loss, dtype=torch.float64, device=accelerator.device), "mean"
+        ).item()  # over processes
         losses.append(step_loss)
         if accelerator.is_main_process and (step % args.log_every == 0 or step == num_steps - 1):
             extra = "".join(f"  {k} {v:.3f}" for k, v in metrics.items())
@@ -410,14 +455,18 @@ def check_model_path(path: str, args) -> None:
     from transformers import AutoConfig
 
     if os.path.isdir(path) and not list(Path(path).glob("*.safetensors")):
-        raise UsageError(f"--model_name_or_path {path} has no .safetensors weights (pickled .bin weights are not loaded)")
+        raise UsageError(
+            f"--model_name_or_path {path} has no .safetensors weights (pickled .bin weights are not loaded)"
+        )
     try:
         AutoConfig.from_pretrained(path, trust_remote_code=args.trust_remote_code)
     except (OSError, ValueError) as exc:
         raise UsageError(f"--model_name_or_path {path}: {str(exc).strip().splitlines()[0]}") from exc
 
 
-def save_model(accelerator: Accelerator, prepared, tokenizer, path: str, json_files: dict | None = None, submodule: str = "") -> None:
+def save_model(
+    accelerator: Accelerator, prepared, tokenizer, path: str, json_files: dict | None = None, submodule: str = ""
+) -> None:
     """save_pretrained (safetensors) and `json_files` ({name: object}) into a temporary folder, then
     rename: never a half-written model. `prepared` is the model as accelerate returned it (ZeRO-3 shards
     it: every process must call this); `submodule` names the model inside it (train_reward.py wraps its)."""
@@ -456,7 +505,9 @@ if __name__ == "__main__":
     from transformers import AutoModelForCausalLM, set_seed
 
     set_seed(args.seed)
-    model = AutoModelForCausalLM.from_pretrained(args.model_name_or_path, dtype=getattr(torch, args.dtype), trust_remote_code=args.trust_remote_code)
+    model = AutoModelForCausalLM.from_pretrained(
+        args.model_name_or_path, dtype=getattr(torch, args.dtype), trust_remote_code=args.trust_remote_code
+    )
     if args.gradient_checkpointing:
         model.gradient_checkpointing_enable()
     model, losses = train(model, data, args, accelerator)

@@ -1,6 +1,6 @@
 """One TRL 1.16 run for benchmark/vs_trl.py: its online DPO trainer (`trl.experimental.online_dpo`) or its RLOO
 trainer, vLLM in colocate mode (synchronous), on the work vs_trl.py gives it. The only file that imports trl
-(`pip install -r requirements-trl.txt`). README "Side by side with TRL".
+(`pip install -r requirements-trl.txt`). docs/vs_trl.md.
 
 It writes what our scripts write, under the same names, so that benchmark/timing.py reads both: `args.json`
 (`episodes_per_step`), `metrics.jsonl` (per step: `time/generation`, `time/weight_sync`, `time/scoring`,
@@ -25,8 +25,17 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--trainer", required=True, choices=("online_dpo", "rloo"))
     for flag in ("output_dir", "sft_model_path", "reward_model_path", "dataset_name"):
         parser.add_argument(f"--{flag}", required=True)
-    for flag in ("total_episodes", "local_micro_batch_size", "gradient_accumulation_steps", "num_samples", "max_prompt_length",
-                 "response_length", "local_rollout_forward_batch_size", "num_eval_prompts", "seed"):
+    for flag in (
+        "total_episodes",
+        "local_micro_batch_size",
+        "gradient_accumulation_steps",
+        "num_samples",
+        "max_prompt_length",
+        "response_length",
+        "local_rollout_forward_batch_size",
+        "num_eval_prompts",
+        "seed",
+    ):
         parser.add_argument(f"--{flag}", required=True, type=int)
     for flag in ("learning_rate", "adam_epsilon", "temperature", "missing_eos_penalty", "vllm_gpu_memory_utilization"):
         parser.add_argument(f"--{flag}", required=True, type=float)
@@ -46,7 +55,9 @@ def ordered_prompts(queries: list[str], num_steps: int, batch_size: int, seed: i
     order (TRL's samplers set not to shuffle), TRL trains on the same prompts at every step as our runs."""
     from online_dpo_async import prompt_indices_for_step
 
-    return [queries[i] for step in range(num_steps) for i in prompt_indices_for_step(step, len(queries), batch_size, seed)]
+    return [
+        queries[i] for step in range(num_steps) for i in prompt_indices_for_step(step, len(queries), batch_size, seed)
+    ]
 
 
 def main(args: argparse.Namespace) -> None:
@@ -68,16 +79,26 @@ def main(args: argparse.Namespace) -> None:
     episodes_per_step = prompts_per_step * K
     num_steps = args.total_episodes // episodes_per_step
     if num_steps * episodes_per_step != args.total_episodes:
-        raise SystemExit(f"--total_episodes {args.total_episodes} is not a multiple of the episodes per step, {episodes_per_step}")
-    (out / "args.json").write_text(json.dumps({**vars(args), "episodes_per_step": episodes_per_step, "num_steps": num_steps}, indent=2))
+        raise SystemExit(
+            f"--total_episodes {args.total_episodes} is not a multiple of the episodes per step, {episodes_per_step}"
+        )
+    (out / "args.json").write_text(
+        json.dumps({**vars(args), "episodes_per_step": episodes_per_step, "num_steps": num_steps}, indent=2)
+    )
 
     tokenizer = AutoTokenizer.from_pretrained(args.sft_model_path)
     train = ours.load_prompts(args.dataset_name, "train", tokenizer, args.max_prompt_length)
     dataset = Dataset.from_dict({"prompt": ordered_prompts(train.queries, num_steps, prompts_per_step, args.seed)})
     # fp32 weights under bf16 autocast for the policy (and TRL's reference, a copy of it); bf16 weights for the reward model
-    policy = AutoModelForCausalLM.from_pretrained(args.sft_model_path, dtype=torch.float32, use_safetensors=True).to(device)
-    reward_model = ours.load_reward_model(args.reward_model_path, "--reward_model_path", dtype=torch.bfloat16 if bf16 else torch.float32,
-                                          use_safetensors=True)
+    policy = AutoModelForCausalLM.from_pretrained(args.sft_model_path, dtype=torch.float32, use_safetensors=True).to(
+        device
+    )
+    reward_model = ours.load_reward_model(
+        args.reward_model_path,
+        "--reward_model_path",
+        dtype=torch.bfloat16 if bf16 else torch.float32,
+        use_safetensors=True,
+    )
     ours.disable_dropout(reward_model)
     reward_model.to(device).eval().requires_grad_(False)
     # our optimizer: TRL's default would be fused AdamW with weight decay 0 and none on biases and norms
@@ -92,13 +113,28 @@ def main(args: argparse.Namespace) -> None:
         """Our scripts' reward: the reward model on prompt + completion up to its first EOS (ids as our scripts
         encode them) and the fixed --missing_eos_penalty score without EOS (TRL's own penalty subtracts instead)."""
         start = time.perf_counter()
-        q_ids, q_mask = ours.left_pad(tokenizer(list(prompts)).input_ids, args.max_prompt_length, tokenizer.pad_token_id)
-        r_ids, r_mask, eos = ours.truncate_responses([list(map(int, c)) for c in completion_ids], args.response_length,
-                                                     tokenizer.eos_token_id, tokenizer.pad_token_id)
+        q_ids, q_mask = ours.left_pad(
+            tokenizer(list(prompts)).input_ids, args.max_prompt_length, tokenizer.pad_token_id
+        )
+        r_ids, r_mask, eos = ours.truncate_responses(
+            [list(map(int, c)) for c in completion_ids],
+            args.response_length,
+            tokenizer.eos_token_id,
+            tokenizer.pad_token_id,
+        )
         q_ids, q_mask, r_ids, r_mask, eos = (t.to(device) for t in (q_ids, q_mask, r_ids, r_mask, eos))
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16):
-            scores = ours.score_completions(reward_model, tokenizer, tokenizer, q_ids, q_mask, r_ids, r_mask, eos,
-                                            args.local_rollout_forward_batch_size)
+            scores = ours.score_completions(
+                reward_model,
+                tokenizer,
+                tokenizer,
+                q_ids,
+                q_mask,
+                r_ids,
+                r_mask,
+                eos,
+                args.local_rollout_forward_batch_size,
+            )
         scores = ours.apply_missing_eos_penalty(scores, eos, args.missing_eos_penalty).tolist()
         timings["scoring"] += time.perf_counter() - start
         return scores
@@ -131,19 +167,47 @@ def main(args: argparse.Namespace) -> None:
             sync()
             end, g = time.perf_counter(), timings["generation"] + timings["weight_sync"]
             step = state.global_step - 1
-            line = {"step": step, "episode": (step + 1) * episodes_per_step, "async/lag": 0, "async/version": step,
-                    "time/generation": timings["generation"], "time/weight_sync": timings["weight_sync"], "time/scoring": timings["scoring"],
-                    "time/wait_for_rollouts": g, "time/training": end - self.start - g, "time/step": end - self.start,
-                    "timeline/step_start": self.start - self.run_start}
+            line = {
+                "step": step,
+                "episode": (step + 1) * episodes_per_step,
+                "async/lag": 0,
+                "async/version": step,
+                "time/generation": timings["generation"],
+                "time/weight_sync": timings["weight_sync"],
+                "time/scoring": timings["scoring"],
+                "time/wait_for_rollouts": g,
+                "time/training": end - self.start - g,
+                "time/step": end - self.start,
+                "timeline/step_start": self.start - self.run_start,
+            }
             with open(out / "metrics.jsonl", "a") as f:
                 f.write(json.dumps(line) + "\n")
 
     common = dict(  # TrainingArguments fields, set to our scripts' values
-        output_dir=str(out / "trl"), max_steps=num_steps, per_device_train_batch_size=args.local_micro_batch_size,
-        gradient_accumulation_steps=args.gradient_accumulation_steps, learning_rate=args.learning_rate, adam_epsilon=args.adam_epsilon,
-        lr_scheduler_type="linear", warmup_steps=0, max_grad_norm=0.0, bf16=bf16, fp16=False, use_cpu=device.type == "cpu",
-        seed=args.seed, logging_steps=1, save_strategy="no", report_to="none", gradient_checkpointing=False, disable_dropout=True,
-        temperature=args.temperature, top_p=1.0, top_k=0, use_vllm=True, vllm_mode="colocate", vllm_gpu_memory_utilization=args.vllm_gpu_memory_utilization,
+        output_dir=str(out / "trl"),
+        max_steps=num_steps,
+        per_device_train_batch_size=args.local_micro_batch_size,
+        gradient_accumulation_steps=args.gradient_accumulation_steps,
+        learning_rate=args.learning_rate,
+        adam_epsilon=args.adam_epsilon,
+        lr_scheduler_type="linear",
+        warmup_steps=0,
+        max_grad_norm=0.0,
+        bf16=bf16,
+        fp16=False,
+        use_cpu=device.type == "cpu",
+        seed=args.seed,
+        logging_steps=1,
+        save_strategy="no",
+        report_to="none",
+        gradient_checkpointing=False,
+        disable_dropout=True,
+        temperature=args.temperature,
+        top_p=1.0,
+        top_k=0,
+        use_vllm=True,
+        vllm_mode="colocate",
+        vllm_gpu_memory_utilization=args.vllm_gpu_memory_utilization,
     )
     if args.trainer == "online_dpo":
 
@@ -151,20 +215,48 @@ def main(args: argparse.Namespace) -> None:
             def _get_train_sampler(self, *a, **kw):
                 return SequentialSampler(self.train_dataset)
 
-        config = OnlineDPOConfig(**common, beta=args.beta, loss_type="sigmoid", max_new_tokens=args.response_length,
-                                 max_length=args.max_prompt_length + args.response_length, missing_eos_penalty=None)
-        trainer = InOrder(model=policy, reward_funcs=[reward], args=config, train_dataset=dataset, processing_class=tokenizer,
-                          optimizers=(optimizer, None), callbacks=[StepTimer()])
+        config = OnlineDPOConfig(
+            **common,
+            beta=args.beta,
+            loss_type="sigmoid",
+            max_new_tokens=args.response_length,
+            max_length=args.max_prompt_length + args.response_length,
+            missing_eos_penalty=None,
+        )
+        trainer = InOrder(
+            model=policy,
+            reward_funcs=[reward],
+            args=config,
+            train_dataset=dataset,
+            processing_class=tokenizer,
+            optimizers=(optimizer, None),
+            callbacks=[StepTimer()],
+        )
         llm, push = trainer.llm, trainer._move_model_to_vllm
         timed(trainer, "_move_model_to_vllm", "weight_sync")
     else:
         # TRL's RLOO batch sizes count completions, ours prompts
         common["per_device_train_batch_size"] = args.local_micro_batch_size * K
-        config = RLOOConfig(**common, num_generations=K, beta=args.kl_coef, epsilon=args.cliprange, num_iterations=1,
-                            normalize_advantages=False, shuffle_dataset=False, max_completion_length=args.response_length,
-                            vllm_max_model_length=args.max_prompt_length + args.response_length)
-        trainer = RLOOTrainer(model=policy, reward_funcs=[reward], args=config, train_dataset=dataset, processing_class=tokenizer,
-                              optimizers=(optimizer, None), callbacks=[StepTimer()])
+        config = RLOOConfig(
+            **common,
+            num_generations=K,
+            beta=args.kl_coef,
+            epsilon=args.cliprange,
+            num_iterations=1,
+            normalize_advantages=False,
+            shuffle_dataset=False,
+            max_completion_length=args.response_length,
+            vllm_max_model_length=args.max_prompt_length + args.response_length,
+        )
+        trainer = RLOOTrainer(
+            model=policy,
+            reward_funcs=[reward],
+            args=config,
+            train_dataset=dataset,
+            processing_class=tokenizer,
+            optimizers=(optimizer, None),
+            callbacks=[StepTimer()],
+        )
         llm, push = trainer.vllm_generation.llm, trainer.vllm_generation.sync_weights
         timed(trainer.vllm_generation, "sync_weights", "weight_sync")
     timed(llm, "generate", "generation")
@@ -176,16 +268,26 @@ def main(args: argparse.Namespace) -> None:
     # TRL evaluates nothing during training: the final policy, once, as our scripts' end-of-run evaluation (the same eval
     # prompts, generate() with the same per-prompt seeds and temperature, the tiny task's gold judge against the references)
     if args.num_eval_prompts:
-        evaluation = ours.load_prompts(args.dataset_name, "test", tokenizer, args.max_prompt_length, limit=args.num_eval_prompts)
+        evaluation = ours.load_prompts(
+            args.dataset_name, "test", tokenizer, args.max_prompt_length, limit=args.num_eval_prompts
+        )
         push()
         seeds = [args.seed + i for i in range(len(evaluation.token_ids))]
-        responses = ours.generate(llm, evaluation.token_ids, 1, args.temperature, args.response_length, tokenizer.eos_token_id, seeds)
-        r_ids, r_mask, _ = ours.truncate_responses(responses, args.response_length, tokenizer.eos_token_id, tokenizer.pad_token_id)
+        responses, _ = ours.generate(
+            llm, evaluation.token_ids, 1, args.temperature, args.response_length, tokenizer.eos_token_id, seeds
+        )
+        r_ids, r_mask, _ = ours.truncate_responses(
+            responses, args.response_length, tokenizer.eos_token_id, tokenizer.pad_token_id
+        )
         texts = [tokenizer.decode(r[m.bool()].tolist()) for r, m in zip(r_ids, r_mask)]
         gold = [ours.tiny_gold_score(q, t) for q, t in zip(evaluation.queries, texts)]
         reference = [ours.tiny_gold_score(q, r) for q, r in zip(evaluation.queries, evaluation.references)]
-        line = {"step": num_steps, "episode": num_steps * episodes_per_step, "eval/gold_score": sum(gold) / len(gold),
-                "eval/win_rate": sum(ours.win_rates(gold, reference)) / len(gold)}
+        line = {
+            "step": num_steps,
+            "episode": num_steps * episodes_per_step,
+            "eval/gold_score": sum(gold) / len(gold),
+            "eval/win_rate": sum(ours.win_rates(gold, reference)) / len(gold),
+        }
         with open(out / "metrics.jsonl", "a") as f:
             f.write(json.dumps(line) + "\n")
         print(f"eval step {num_steps}: win rate {line['eval/win_rate']:.4f}")

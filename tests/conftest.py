@@ -11,7 +11,11 @@ TINY = ROOT / "benchmark" / "tiny_task"
 sys.path.insert(0, str(ROOT))
 # No network anywhere in the tests; keep the engine's KV cache small.
 os.environ.update(
-    HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", WANDB_MODE="disabled", VLLM_CPU_KVCACHE_SPACE="1", TOKENIZERS_PARALLELISM="false"
+    HF_HUB_OFFLINE="1",
+    HF_DATASETS_OFFLINE="1",
+    WANDB_MODE="disabled",
+    VLLM_CPU_KVCACHE_SPACE="1",
+    TOKENIZERS_PARALLELISM="false",
 )
 
 
@@ -27,9 +31,16 @@ def small_config(tokenizer, arch: str = "llama", **overrides):
     from transformers import GPTNeoXConfig, LlamaConfig
 
     common = dict(
-        vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2,
-        max_position_embeddings=128, bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id, tie_word_embeddings=False,
+        vocab_size=len(tokenizer),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        max_position_embeddings=128,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        tie_word_embeddings=False,
     )
     common.update(overrides)
     return LlamaConfig(num_key_value_heads=2, **common) if arch == "llama" else GPTNeoXConfig(**common)
@@ -45,36 +56,90 @@ def save_random_policy(tokenizer, path: Path, arch: str = "llama", seed: int = 0
     return path
 
 
-def run_script(argv: list[str], timeout: float = 600, env: dict | None = None, cwd: Path = ROOT) -> subprocess.CompletedProcess:
+def run_script(
+    argv: list[str], timeout: float = 600, env: dict | None = None, cwd: Path = ROOT
+) -> subprocess.CompletedProcess:
     """Run a command (from the repository root unless told); fail with its output if it fails."""
-    proc = subprocess.run(argv, cwd=cwd, capture_output=True, text=True, timeout=timeout, env={**os.environ, **(env or {})})
-    assert proc.returncode == 0, f"{' '.join(argv)} failed ({proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}"
+    proc = subprocess.run(
+        argv, cwd=cwd, capture_output=True, text=True, timeout=timeout, env={**os.environ, **(env or {})}
+    )
+    assert proc.returncode == 0, (
+        f"{' '.join(argv)} failed ({proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}"
+    )
     return proc
 
 
 def read_metrics(output_dir: Path) -> tuple[list[dict], list[dict]]:
     lines = [json.loads(line) for line in (Path(output_dir) / "metrics.jsonl").read_text().splitlines()]
-    return [m for m in lines if "async/lag" in m], sorted((m for m in lines if "eval/win_rate" in m), key=lambda m: m["step"])
+    return [m for m in lines if "async/lag" in m], sorted(
+        (m for m in lines if "eval/win_rate" in m), key=lambda m: m["step"]
+    )
 
 
 # A whole run small enough for the tests: 256 episodes in micro-batches of 8 prompts, evaluated every 4 steps.
 SMALL_RUN = ["--total_episodes", "256", "--local_micro_batch_size", "8", "--eval_freq", "4", "--num_eval_prompts", "32"]
 COMMON_STEP_KEYS = (
-    "episode", "lr", "objective/scores", "objective/kl", "objective/entropy", "objective/non_score_reward", "objective/rlhf_reward",
-    "val/num_eos_tokens", "loss/policy", "async/lag", "async/version", "time/generation", "time/weight_sync", "time/generator_wait",
-    "time/wait_for_rollouts", "time/scoring", "time/reference", "time/update", "time/training", "time/step",
-    "throughput/episodes_per_second", "throughput/tokens_per_second", "timeline/step_start", "timeline/training_start",
-    "timeline/generation_start", "timeline/weight_sync_start", "flops/scoring", "flops/reference", "flops/update",
+    "episode",
+    "lr",
+    "objective/scores",
+    "objective/kl",
+    "objective/entropy",
+    "objective/non_score_reward",
+    "objective/rlhf_reward",
+    "val/num_eos_tokens",
+    "loss/policy",
+    "async/lag",
+    "async/version",
+    "time/generation",
+    "time/weight_sync",
+    "time/generator_wait",
+    "time/wait_for_rollouts",
+    "time/scoring",
+    "time/reference",
+    "time/update",
+    "time/training",
+    "time/step",
+    "throughput/episodes_per_second",
+    "throughput/tokens_per_second",
+    "timeline/step_start",
+    "timeline/training_start",
+    "timeline/generation_start",
+    "timeline/weight_sync_start",
+    "flops/scoring",
+    "flops/reference",
+    "flops/update",
 )
 POLICY_GRADIENT_KEYS = (
-    "policy/approxkl", "policy/clipfrac", "policy/ratio_mean", "policy/ratio_max", "policy/ratio_min", "policy/engine_logprob_diff",
-    "policy/engine_kl", "time/old_logprobs", "flops/old_logprobs",
+    "policy/approxkl",
+    "policy/clipfrac",
+    "policy/ratio_mean",
+    "policy/ratio_max",
+    "policy/ratio_min",
+    "policy/engine_logprob_diff",
+    "policy/engine_kl",
+    "time/old_logprobs",
+    "flops/old_logprobs",
 )
 STEP_KEYS = {  # what every training line of each script holds
-    "online_dpo_async.py": (*COMMON_STEP_KEYS, "logps/chosen", "logps/rejected", "rewards/accuracies", "rewards/margins", "val/tied_pairs"),
+    "online_dpo_async.py": (
+        *COMMON_STEP_KEYS,
+        "logps/chosen",
+        "logps/rejected",
+        "rewards/accuracies",
+        "rewards/margins",
+        "val/tied_pairs",
+    ),
     "rloo_async.py": (*COMMON_STEP_KEYS, *POLICY_GRADIENT_KEYS),
-    "ppo_async.py": (*COMMON_STEP_KEYS, *POLICY_GRADIENT_KEYS, "objective/kl_coef", "loss/value", "policy/entropy", "val/clipfrac",
-                     "val/value_error", "val/explained_variance"),
+    "ppo_async.py": (
+        *COMMON_STEP_KEYS,
+        *POLICY_GRADIENT_KEYS,
+        "objective/kl_coef",
+        "loss/value",
+        "policy/entropy",
+        "val/clipfrac",
+        "val/value_error",
+        "val/explained_variance",
+    ),
 }
 
 
@@ -127,7 +192,12 @@ def assert_default_run_learns(script: str, output_dir: Path) -> None:
     run_script([sys.executable, script, "--output_dir", str(output_dir)], timeout=900)
     print(f"{script} default run took {time.perf_counter() - start:.0f} s")
     train, evals = read_metrics(output_dir)
-    print("win rate", [round(e["eval/win_rate"], 3) for e in evals], "ref perplexity", [round(e["eval/ref_perplexity"], 3) for e in evals])
+    print(
+        "win rate",
+        [round(e["eval/win_rate"], 3) for e in evals],
+        "ref perplexity",
+        [round(e["eval/ref_perplexity"], 3) for e in evals],
+    )
     assert evals[-1]["eval/win_rate"] >= evals[0]["eval/win_rate"] + 0.10
     assert evals[-1]["eval/gold_score"] > evals[0]["eval/gold_score"]
     assert any((output_dir / "tensorboard").iterdir())
@@ -140,7 +210,9 @@ def training_lines_without_timings(output_dir: Path) -> tuple[list[dict], list[d
     return [strip(m) for m in train], [strip(m) for m in evals]
 
 
-def start_and_stop(argv: list[str], output_dir: Path, after_steps: int, sig: int, timeout: float = 300) -> tuple[int, str]:
+def start_and_stop(
+    argv: list[str], output_dir: Path, after_steps: int, sig: int, timeout: float = 300
+) -> tuple[int, str]:
     """Start a run and, once it has logged `after_steps` training steps, send `sig` to the trainer (SIGKILL:
     to the trainer and its engine at once, like a machine going away). Returns exit code and output."""
     import signal
@@ -153,7 +225,9 @@ def start_and_stop(argv: list[str], output_dir: Path, after_steps: int, sig: int
     try:
         metrics, deadline = Path(output_dir) / "metrics.jsonl", time.time() + timeout
         while not (metrics.exists() and metrics.read_text().count("async/lag") >= after_steps):
-            assert proc.poll() is None and time.time() < deadline, proc.stdout.read()[-4000:] if proc.poll() is not None else "timed out"
+            assert proc.poll() is None and time.time() < deadline, (
+                proc.stdout.read()[-4000:] if proc.poll() is not None else "timed out"
+            )
             time.sleep(0.05)
         family = [psutil.Process(proc.pid), *psutil.Process(proc.pid).children(recursive=True)]
         for process in family if sig == signal.SIGKILL else family[:1]:
@@ -170,7 +244,9 @@ def start_and_stop(argv: list[str], output_dir: Path, after_steps: int, sig: int
         proc.kill()
 
 
-def assert_resumed_run_matches(script: str, flags: list[str], tmp_path: Path, stop_after: int, sig: int) -> tuple[Path, Path]:
+def assert_resumed_run_matches(
+    script: str, flags: list[str], tmp_path: Path, stop_after: int, sig: int
+) -> tuple[Path, Path]:
     """A run stopped by `sig` after `stop_after` steps and resumed with --resume ends with the same
     metrics.jsonl (wall-clock figures aside) and the same final policy as an uninterrupted run.
     Returns the resumed run's folder and the uninterrupted one's."""
@@ -184,23 +260,32 @@ def assert_resumed_run_matches(script: str, flags: list[str], tmp_path: Path, st
     argv = [sys.executable, script, *flags, "--output_dir", str(interrupted)]
     code, output = start_and_stop(argv, interrupted, stop_after, sig)
     assert code == (-signal.SIGKILL if sig == signal.SIGKILL else 128 + sig), output[-4000:]
-    print(f"stopped with exit code {code}; checkpoints: {sorted(p.name for p in (interrupted / 'checkpoints').iterdir())}")
+    print(
+        f"stopped with exit code {code}; checkpoints: {sorted(p.name for p in (interrupted / 'checkpoints').iterdir())}"
+    )
     assert not (interrupted / "policy").exists(), "the run finished before it was stopped: stop it earlier"
     run_script(argv + ["--resume"])
     assert training_lines_without_timings(interrupted) == training_lines_without_timings(reference)
-    final, expected = load_file(interrupted / "policy" / "model.safetensors"), load_file(reference / "policy" / "model.safetensors")
+    final, expected = (
+        load_file(interrupted / "policy" / "model.safetensors"),
+        load_file(reference / "policy" / "model.safetensors"),
+    )
     assert all(torch.equal(final[k], expected[k]) for k in expected)
     return interrupted, reference
 
 
-def run_tracking_children(argv: list[str], env: dict | None = None, timeout: float = 300) -> tuple[int, str, list, float]:
+def run_tracking_children(
+    argv: list[str], env: dict | None = None, timeout: float = 300
+) -> tuple[int, str, list, float]:
     """Run a command until it exits, remembering every process it started; returns its exit code,
     output, those processes and the time it exited."""
     import time
 
     import psutil
 
-    proc = subprocess.Popen(argv, cwd=ROOT, env={**os.environ, **(env or {})}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    proc = subprocess.Popen(
+        argv, cwd=ROOT, env={**os.environ, **(env or {})}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
     parent, children, deadline = psutil.Process(proc.pid), {}, time.time() + timeout
     while proc.poll() is None and time.time() < deadline:
         try:

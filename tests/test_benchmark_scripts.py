@@ -22,9 +22,20 @@ REV = subprocess.run(["git", "rev-parse", "--short=8", "HEAD"], cwd=ROOT, captur
 
 def bash(script: str, *experiments: str, timeout: float = 60, **env) -> subprocess.CompletedProcess:
     """Run `bash benchmark/<script>.sh` with `python` resolving to this interpreter."""
-    env = {**os.environ, "PATH": f"{os.path.dirname(sys.executable)}:{os.environ['PATH']}", "HF_HUB_OFFLINE": "1", **env}
-    return subprocess.run(["bash", f"benchmark/{script}.sh", *experiments], cwd=ROOT, env=env, capture_output=True, text=True,
-                          timeout=timeout)
+    env = {
+        **os.environ,
+        "PATH": f"{os.path.dirname(sys.executable)}:{os.environ['PATH']}",
+        "HF_HUB_OFFLINE": "1",
+        **env,
+    }
+    return subprocess.run(
+        ["bash", f"benchmark/{script}.sh", *experiments],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
 
 
 @dataclasses.dataclass
@@ -47,7 +58,9 @@ class Command:
     @property
     def sizes(self):
         module = importlib.import_module(MODULES[self.script])
-        world_size = int(self.launcher[self.launcher.index("--num_processes") + 1]) if "--num_processes" in self.launcher else 1
+        world_size = (
+            int(self.launcher[self.launcher.index("--num_processes") + 1]) if "--num_processes" in self.launcher else 1
+        )
         return module.compute_sizes(self.args, world_size)
 
 
@@ -66,7 +79,14 @@ def dry_run(script: str, *experiments: str, **env) -> list[Command]:
 
 def check_names_and_launch(commands: list[Command], bench: str, num_processes: int, runs_dir: str = "runs"):
     for c in commands:
-        assert c.launcher == ["accelerate", "launch", "--config_file", "configs/deepspeed_zero2.yaml", "--num_processes", str(num_processes)]
+        assert c.launcher == [
+            "accelerate",
+            "launch",
+            "--config_file",
+            "configs/deepspeed_zero2.yaml",
+            "--num_processes",
+            str(num_processes),
+        ]
         name = c.value("--exp_name")
         assert name.split("__")[-1].removesuffix("-dirty") == REV  # the run name carries the git revision
         assert c.value("--output_dir") == f"{runs_dir}/{bench}/{name}"
@@ -77,7 +97,11 @@ def test_the_accelerate_config_is_zero2_with_bf16():
     from accelerate.commands.config.config_args import load_config_from_file
 
     config = load_config_from_file(str(ROOT / "configs" / "deepspeed_zero2.yaml"))
-    assert config.distributed_type == "DEEPSPEED" and config.deepspeed_config["zero_stage"] == 2 and config.mixed_precision == "bf16"
+    assert (
+        config.distributed_type == "DEEPSPEED"
+        and config.deepspeed_config["zero_stage"] == 2
+        and config.mixed_precision == "bf16"
+    )
 
 
 # ------------------------------------------------------------------------------------- GPU commands
@@ -95,18 +119,31 @@ def test_tldr_commands_are_table_4_and_the_figures_sweeps():
             method, k = {"sigmoid": "online_dpo", "best_of_k_sft": "best_of_2"}[a.loss_type], a.num_samples
         policy = a.sft_model_path.removeprefix("mnoukhov/pythia").removesuffix("-sft-tldr")
         rm = a.reward_model_path.removeprefix("mnoukhov/pythia").removesuffix("-rm-tldr6.9b")
-        assert a.sft_model_path == f"mnoukhov/pythia{policy}-sft-tldr" and a.reward_model_path == f"mnoukhov/pythia{rm}-rm-tldr6.9b"
+        assert (
+            a.sft_model_path == f"mnoukhov/pythia{policy}-sft-tldr"
+            and a.reward_model_path == f"mnoukhov/pythia{rm}-rm-tldr6.9b"
+        )
         # table 4
-        assert a.task == "tldr" and a.dataset_name == "vwxyzjn/summarize_from_feedback_tldr_3_filtered_oai_preprocessing_1706381144"
+        assert (
+            a.task == "tldr"
+            and a.dataset_name == "vwxyzjn/summarize_from_feedback_tldr_3_filtered_oai_preprocessing_1706381144"
+        )
         assert a.gold_judge == "cleanrl/EleutherAI_pythia-6.9b-deduped__reward__tldr"
         assert (a.max_prompt_length, a.response_length, a.temperature, a.missing_eos_penalty) == (512, 53, 0.7, -1.0)
-        assert a.total_episodes == 131072 and a.lr_schedule == "linear" and a.vllm_dtype == "bfloat16" and a.save_freq == 0
+        assert (
+            a.total_episodes == 131072 and a.lr_schedule == "linear" and a.vllm_dtype == "bfloat16" and a.save_freq == 0
+        )
         # batch: a mini-batch is 512 episodes = 256 prompts x 2 (PPO: 512 x 1); online DPO with K = 4 keeps 256 prompts
         assert s.world_size == 4 and s.mini_batch_size == {1: 512, 2: 256, 4: 256}[k]
-        assert s.mini_batch_size % 4 == 0 and s.local_mini_batch_size == a.local_micro_batch_size * a.gradient_accumulation_steps
+        assert (
+            s.mini_batch_size % 4 == 0
+            and s.local_mini_batch_size == a.local_micro_batch_size * a.gradient_accumulation_steps
+        )
         assert s.episodes_per_step == s.mini_batch_size * k * a.num_mini_batches
         assert s.num_steps == 131072 // s.episodes_per_step and s.num_steps * s.episodes_per_step == 131072
-        assert s.num_steps * a.num_mini_batches == (256 if k <= 2 else 128)  # 256 updates; K = 4: half the steps (figure 8)
+        assert s.num_steps * a.num_mini_batches == (
+            256 if k <= 2 else 128
+        )  # 256 updates; K = 4: half the steps (figure 8)
         assert a.local_micro_batch_size == {"410m": 16, "1b": 8, "2.8b": 4}[policy]
         lr = {"online_dpo": 3e-6, "best_of_2": 1e-6, "rloo": 3e-6, "ppo": 3e-6}[method] / (2 if k == 4 else 1)
         assert a.learning_rate == pytest.approx(lr)
@@ -122,8 +159,11 @@ def test_tldr_commands_are_table_4_and_the_figures_sweeps():
         for size in scales:  # figure 5: the policy's and the reward model's scale
             assert ("online_dpo", size, "410m", n, 1, 2, 0) in runs and ("online_dpo", "410m", size, n, 1, 2, 0) in runs
     for size in scales:
-        assert {(size, async_level) for (m, p, r, n, t, k, async_level) in runs if (m, p, r, n, t, k) == ("online_dpo", size, size, 1, 1, 2)} == {
-            (size, 0), (size, 1)}  # figure 1
+        assert {
+            (size, async_level)
+            for (m, p, r, n, t, k, async_level) in runs
+            if (m, p, r, n, t, k) == ("online_dpo", size, size, 1, 1, 2)
+        } == {(size, 0), (size, 1)}  # figure 1
         assert all(("online_dpo", size, size, 1, t, 2, 1) in runs for t in (1, 2, 3))  # figure 7
         assert ("online_dpo", size, size, 1, 1, 4, 1) in runs  # figure 8
     assert len(runs) == len(commands) == 54
@@ -133,12 +173,27 @@ def test_no_robots_commands_are_table_7():
     commands = dry_run("no_robots", NO_ROBOTS_SFT="my/sft", NO_ROBOTS_RM="my/rm")
     check_names_and_launch(commands, "no_robots", 7)
     assert sorted((c.script, c.args.async_level) for c in commands) == [
-        ("online_dpo_async.py", 0), ("online_dpo_async.py", 1), ("ppo_async.py", 0), ("ppo_async.py", 1)]
+        ("online_dpo_async.py", 0),
+        ("online_dpo_async.py", 1),
+        ("ppo_async.py", 0),
+        ("ppo_async.py", 1),
+    ]
     for c in commands:
         a, s = c.args, c.sizes
-        assert (a.task, a.dataset_name, a.sft_model_path, a.reward_model_path) == ("no_robots", "HuggingFaceH4/no_robots", "my/sft", "my/rm")
-        assert (a.learning_rate, a.lr_schedule, a.temperature, a.max_prompt_length, a.response_length, a.missing_eos_penalty) == (
-            8e-7, "linear", 0.7, 512, 1024, -10.0)
+        assert (a.task, a.dataset_name, a.sft_model_path, a.reward_model_path) == (
+            "no_robots",
+            "HuggingFaceH4/no_robots",
+            "my/sft",
+            "my/rm",
+        )
+        assert (
+            a.learning_rate,
+            a.lr_schedule,
+            a.temperature,
+            a.max_prompt_length,
+            a.response_length,
+            a.missing_eos_penalty,
+        ) == (8e-7, "linear", 0.7, 512, 1024, -10.0)
         # 1 generation + 7 training GPUs (8 H100s); 252 episodes per step, the multiple of 7 x 2 nearest table 7's 256
         assert s.world_size == 7 and s.episodes_per_step == 252 and s.num_steps == 397 and a.total_episodes == 397 * 252
         assert abs(a.total_episodes - 100000) / 100000 < 0.001
@@ -152,15 +207,27 @@ def test_gsm8k_commands_are_table_10():
     commands = dry_run("gsm8k")
     check_names_and_launch(commands, "gsm8k", 3)
     assert sorted((c.script, c.args.async_level) for c in commands) == [
-        ("online_dpo_async.py", 0), ("online_dpo_async.py", 1), ("rloo_async.py", 0)]
+        ("online_dpo_async.py", 0),
+        ("online_dpo_async.py", 1),
+        ("rloo_async.py", 0),
+    ]
     for c in commands:
         a, s = c.args, c.sizes
-        assert (a.task, a.dataset_name, a.dataset_config, a.dataset_eval_split) == ("gsm8k", "openai/gsm8k", "main", "test")
+        assert (a.task, a.dataset_name, a.dataset_config, a.dataset_eval_split) == (
+            "gsm8k",
+            "openai/gsm8k",
+            "main",
+            "test",
+        )
         assert a.sft_model_path == "realtreetune/rho-1b-sft-GSM8K"
         assert (a.learning_rate, a.temperature, a.max_prompt_length, a.response_length) == (3e-6, 0.7, 512, 512)
         assert a.lr_schedule == "constant"
         # 1 generation + 3 training GPUs: 252 prompts = 6 x 14 accumulated x 3, 4 completions each
-        assert s.world_size == 3 and s.batch_size == 252 and (a.local_micro_batch_size, a.gradient_accumulation_steps) == (6, 14)
+        assert (
+            s.world_size == 3
+            and s.batch_size == 252
+            and (a.local_micro_batch_size, a.gradient_accumulation_steps) == (6, 14)
+        )
         assert a.total_episodes == 129024 * 4 == 516096 and s.num_steps == 512 == 129024 // 252
         if c.script == "online_dpo_async.py":
             assert (a.num_samples, a.beta, a.loss_type) == (4, 0.05, "sigmoid")
@@ -170,10 +237,15 @@ def test_gsm8k_commands_are_table_10():
 
 def test_experiments_are_chosen_by_name_and_bad_sizes_are_refused():
     k4 = dry_run("tldr", "k4")
-    assert [(c.args.num_samples, c.args.sft_model_path) for c in k4] == [(4, f"mnoukhov/pythia{s}-sft-tldr") for s in ("410m", "1b", "2.8b")]
+    assert [(c.args.num_samples, c.args.sft_model_path) for c in k4] == [
+        (4, f"mnoukhov/pythia{s}-sft-tldr") for s in ("410m", "1b", "2.8b")
+    ]
     assert len(dry_run("tldr", "k4", "epochs")) == 3 + 9
     proc = bash("tldr", "offpolicy", "nonsense", DRY_RUN="1")
-    assert proc.returncode == 2 and "unknown experiment 'nonsense'; tldr has: offpolicy scaling async epochs k4" in proc.stderr
+    assert (
+        proc.returncode == 2
+        and "unknown experiment 'nonsense'; tldr has: offpolicy scaling async epochs k4" in proc.stderr
+    )
     proc = bash("tldr", DRY_RUN="1", TRAIN_GPUS="3")  # 256 prompts do not divide over 3 training GPUs
     assert proc.returncode == 2 and "256 does not divide by 3" in proc.stderr and proc.stdout == ""
 
@@ -194,20 +266,38 @@ def finished_run(output_dir) -> tuple[dict, list[dict], list[dict]]:
 
 TINY_RUNS = {  # what each script's tiny mode runs: (script, distinguishing flags)
     "tldr": [
-        ("online_dpo_async.py", dict(loss_type="sigmoid", num_mini_batches=2, num_samples=2, async_level=0, learning_rate=3e-6)),
-        ("online_dpo_async.py", dict(loss_type="best_of_k_sft", num_mini_batches=2, num_samples=2, async_level=0, learning_rate=1e-6)),
+        (
+            "online_dpo_async.py",
+            dict(loss_type="sigmoid", num_mini_batches=2, num_samples=2, async_level=0, learning_rate=3e-6),
+        ),
+        (
+            "online_dpo_async.py",
+            dict(loss_type="best_of_k_sft", num_mini_batches=2, num_samples=2, async_level=0, learning_rate=1e-6),
+        ),
         ("rloo_async.py", dict(num_mini_batches=2, rloo_k=2, async_level=0)),
         ("ppo_async.py", dict(num_mini_batches=2, async_level=0)),
-        ("online_dpo_async.py", dict(num_mini_batches=1, num_ppo_epochs=2, num_samples=2, async_level=1, learning_rate=3e-6)),
-        ("online_dpo_async.py", dict(num_mini_batches=1, num_ppo_epochs=1, num_samples=4, async_level=1, learning_rate=1.5e-6)),
+        (
+            "online_dpo_async.py",
+            dict(num_mini_batches=1, num_ppo_epochs=2, num_samples=2, async_level=1, learning_rate=3e-6),
+        ),
+        (
+            "online_dpo_async.py",
+            dict(num_mini_batches=1, num_ppo_epochs=1, num_samples=4, async_level=1, learning_rate=1.5e-6),
+        ),
     ],
     "no_robots": [
         ("online_dpo_async.py", dict(task="no_robots", beta=0.03, async_level=1, learning_rate=8e-7)),
         ("ppo_async.py", dict(task="no_robots", kl_coef=0.01, async_level=1, learning_rate=8e-7)),
     ],
     "gsm8k": [
-        ("online_dpo_async.py", dict(task="gsm8k", dataset_config="main", num_samples=4, beta=0.05, async_level=1, lr_schedule="constant")),
-        ("rloo_async.py", dict(task="gsm8k", dataset_config="main", rloo_k=4, kl_coef=0.05, async_level=0, lr_schedule="constant")),
+        (
+            "online_dpo_async.py",
+            dict(task="gsm8k", dataset_config="main", num_samples=4, beta=0.05, async_level=1, lr_schedule="constant"),
+        ),
+        (
+            "rloo_async.py",
+            dict(task="gsm8k", dataset_config="main", rloo_k=4, kl_coef=0.05, async_level=0, lr_schedule="constant"),
+        ),
     ],
 }
 
@@ -233,12 +323,25 @@ def test_tiny_mode_runs_every_command_to_the_end(bench, tmp_path):
         args, train, evals = finished_run(tmp_path / bench / c.value("--exp_name"))
         meant = dataclasses.asdict(c.args)  # what the script meant: every flag, as tyro reads the command line
         assert {key: args[key] for key in meant} == meant
-        assert args["git_revision"].startswith(c.value("--exp_name").split("__")[-1].removesuffix("-dirty"))  # the name's revision
-        assert c.script == script and {key: args[key] for key in expected} == pytest.approx(expected), c.value("--exp_name")
+        assert args["git_revision"].startswith(
+            c.value("--exp_name").split("__")[-1].removesuffix("-dirty")
+        )  # the name's revision
+        assert c.script == script and {key: args[key] for key in expected} == pytest.approx(expected), c.value(
+            "--exp_name"
+        )
     if bench == "tldr":  # the K = 4 run: half the learning rate of the K = 2 runs
-        lrs = {(a.num_samples, a.loss_type): a.learning_rate for a in (c.args for c in tiny if c.script == "online_dpo_async.py")}
+        lrs = {
+            (a.num_samples, a.loss_type): a.learning_rate
+            for a in (c.args for c in tiny if c.script == "online_dpo_async.py")
+        }
         assert lrs[(4, "sigmoid")] == lrs[(2, "sigmoid")] / 2
     if bench == "no_robots":  # prompts written with the chat template the tiny mode gave the tiny policy
-        rows = [json.loads(line) for line in (tmp_path / bench / tiny[0].value("--exp_name") / "eval_completions" / "step_000000.jsonl")
-                .read_text().splitlines()]
-        assert rows and all(row["prompt"].startswith("<s><|user|>\n") or row["prompt"].startswith("<s><|system|>\n") for row in rows)
+        rows = [
+            json.loads(line)
+            for line in (tmp_path / bench / tiny[0].value("--exp_name") / "eval_completions" / "step_000000.jsonl")
+            .read_text()
+            .splitlines()
+        ]
+        assert rows and all(
+            row["prompt"].startswith("<s><|user|>\n") or row["prompt"].startswith("<s><|system|>\n") for row in rows
+        )

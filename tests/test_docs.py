@@ -1,5 +1,6 @@
-"""Every command the README shows is run (with smaller sizes) or, for GPU commands, parsed; the
-flag list in the README and `--help` name every field of Args."""
+"""Every command the README and the docs/ pages show in a marked block is run (with smaller sizes) or, for
+GPU commands, parsed; the flag list in docs/flags.md and `--help` name every field of Args; the README stays
+short and every relative link of the README and docs/ resolves."""
 
 import dataclasses
 import importlib
@@ -14,13 +15,21 @@ from conftest import ROOT, SMALL_RUN, check_run, run_script, shared_run
 import online_dpo_async as dpo
 
 README = (ROOT / "README.md").read_text()
+DOC_FILES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+DOCS = {path: path.read_text() for path in DOC_FILES}
+README_MAX_BYTES = 20_000
 
 
 def block(marker: str) -> list[str]:
-    """Command lines of the fenced block right after `<!-- marker -->`, comments stripped."""
-    match = re.search(rf"<!-- {marker} -->\n```bash\n(.*?)```", README, re.S)
-    assert match, f"README lost its {marker} block"
-    return [line.split("  #")[0].strip() for line in match.group(1).strip().splitlines()]
+    """Command lines of the fenced block right after `<!-- marker -->`, comments stripped. The marker is looked
+    for in README.md and every docs/*.md: it must be there exactly once, right above its block, wherever the
+    block has moved (the tests that run the README's commands run the docs' commands too)."""
+    count = sum(text.count(f"<!-- {marker} -->") for text in DOCS.values())
+    matches = [m for text in DOCS.values() for m in re.finditer(rf"<!-- {marker} -->\n```bash\n(.*?)```", text, re.S)]
+    assert count == 1 and len(matches) == 1, (
+        f"<!-- {marker} --> must mark one bash block in README.md or docs/*.md: {count} markers, {len(matches)} blocks"
+    )
+    return [line.split("  #")[0].strip() for line in matches[0].group(1).strip().splitlines()]
 
 
 def to_argv(command: str) -> tuple[dict, list[str]]:
@@ -46,12 +55,31 @@ def test_quickstart_run_command_learns(tmp_path):
     run_script(argv + ["--output_dir", str(tmp_path)], timeout=900, env=env)
     print(f"default run took {time.perf_counter() - start:.0f} s")
     args, train, evals = check_run(tmp_path, "online_dpo_async.py")
-    print("win rate", [round(e["eval/win_rate"], 3) for e in evals], "ref perplexity", [round(e["eval/ref_perplexity"], 3) for e in evals])
+    print(
+        "win rate",
+        [round(e["eval/win_rate"], 3) for e in evals],
+        "ref perplexity",
+        [round(e["eval/ref_perplexity"], 3) for e in evals],
+    )
     assert evals[-1]["eval/win_rate"] >= evals[0]["eval/win_rate"] + 0.10
     assert evals[-1]["eval/gold_score"] > evals[0]["eval/gold_score"]
-    for key in ("episode", "lr", "objective/scores", "objective/kl", "objective/entropy", "objective/rlhf_reward", "val/num_eos_tokens",
-                "loss/policy", "time/generation", "time/training", "time/weight_sync", "time/wait_for_rollouts", "time/step",
-                "throughput/episodes_per_second", "throughput/tokens_per_second"):
+    for key in (
+        "episode",
+        "lr",
+        "objective/scores",
+        "objective/kl",
+        "objective/entropy",
+        "objective/rlhf_reward",
+        "val/num_eos_tokens",
+        "loss/policy",
+        "time/generation",
+        "time/training",
+        "time/weight_sync",
+        "time/wait_for_rollouts",
+        "time/step",
+        "throughput/episodes_per_second",
+        "throughput/tokens_per_second",
+    ):
         assert key in train[-1], key
     assert train[-1]["episode"] == dpo.Args.total_episodes
     assert any((tmp_path / "tensorboard").iterdir())
@@ -62,7 +90,7 @@ def test_quickstart_run_command_learns(tmp_path):
 def test_cpu_example_commands_run(command, tmp_path):
     """Each CPU example with SMALL_RUN's sizes (the run tests of rloo_async.py and ppo_async.py share the runs of their plain examples).
     The two-process one runs as shown, without --output_dir (from an empty folder): both processes must write
-    to the one runs/<run name> folder, which a checkpoint shows (each process writes its RNG state there)."""
+    to the one runs/<run name> folder, which a checkpoint shows (each process writes its RNG states there)."""
     env, argv = to_argv(command)
     script = next(word for word in argv if word.endswith("_async.py"))
     if "cpu_2proc" not in command:
@@ -73,7 +101,10 @@ def test_cpu_example_commands_run(command, tmp_path):
     (run,) = (tmp_path / "runs").iterdir()
     args, _, _ = check_run(run, script)
     assert args["world_size"] == 2 and args["batch_size"] == 16
-    assert sorted(p.name for p in (run / "checkpoints" / "step_000004").glob("rng_*.json")) == ["rng_0.json", "rng_1.json"]
+    assert sorted(p.name for p in (run / "checkpoints" / "step_000004").glob("random_states_*.pkl")) == [
+        "random_states_0.pkl",
+        "random_states_1.pkl",
+    ]
 
 
 def test_every_training_process_gets_rank_0s_run_name(tmp_path):
@@ -90,14 +121,19 @@ for name in ("online_dpo_async", "rloo_async", "ppo_async"):
         module.time = types.SimpleNamespace(time=lambda: time.time() + 1)
     print(f"{{name}} rank {{accelerator.process_index}}: {{module.name_run(module.Args())}}", flush=True)
 """)
-    proc = run_script([sys.executable, "-m", "accelerate.commands.launch", "--config_file", "configs/cpu_2proc.yaml", str(probe)],
-                      env={"ACCELERATE_USE_CPU": "1"}, timeout=300)
+    proc = run_script(
+        [sys.executable, "-m", "accelerate.commands.launch", "--config_file", "configs/cpu_2proc.yaml", str(probe)],
+        env={"ACCELERATE_USE_CPU": "1"},
+        timeout=300,
+    )
     names = {}
     for line in proc.stdout.splitlines():
         if " rank " in line:
             script, rest = line.split(" rank ")
             names.setdefault(script, set()).add(rest.split(": ")[1])
-    assert sorted(names) == ["online_dpo_async", "ppo_async", "rloo_async"] and all(len(n) == 1 for n in names.values()), proc.stdout
+    assert sorted(names) == ["online_dpo_async", "ppo_async", "rloo_async"] and all(
+        len(n) == 1 for n in names.values()
+    ), proc.stdout
 
 
 def test_gpu_commands_parse():
@@ -108,7 +144,10 @@ def test_gpu_commands_parse():
     match = re.search(r"## GPUs\n\n```bash\n(.*?)```", README, re.S)
     lines = match.group(1).splitlines()
     one_gpu = shlex.split(lines[1].split("  #")[0].replace(" ...", ""))
-    assert one_gpu[:2] == ["python", "online_dpo_async.py"] and tyro.cli(dpo.Args, args=one_gpu[2:]).vllm_placement == "auto"
+    assert (
+        one_gpu[:2] == ["python", "online_dpo_async.py"]
+        and tyro.cli(dpo.Args, args=one_gpu[2:]).vllm_placement == "auto"
+    )
     # auto: one GPU is shared with the one training process; 8 GPUs give 7 training processes and the engine its own
     assert dpo.engine_placement("auto", ["0"], 1, None).shared
     assert not dpo.engine_placement("auto", [str(i) for i in range(8)], 7, None).shared
@@ -126,7 +165,81 @@ def test_gpu_commands_parse():
 def test_every_flag_is_documented_in_help_and_readme(script):
     module = importlib.import_module(script.removesuffix(".py"))
     proc = run_script([sys.executable, script, "--help"], timeout=120)
-    flags_section = README[README.index("## Flags") : README.index("### Batch sizes")]
+    flags = (ROOT / "docs" / "flags.md").read_text()
+    flags_section = flags[: flags.index("## Batch sizes")]
     for field in dataclasses.fields(module.Args):
         assert re.search(rf"--{field.name}(?!\w)", proc.stdout), f"{script} --help misses --{field.name}"
-        assert f"`--{field.name}`" in flags_section, f"README flag list misses --{field.name} of {script}"
+        assert f"`--{field.name}`" in flags_section, f"docs/flags.md flag list misses --{field.name} of {script}"
+
+
+def test_readme_size_is_at_most_20000_bytes():
+    size = len((ROOT / "README.md").read_bytes())
+    assert size <= README_MAX_BYTES, f"README.md is {size} bytes, over {README_MAX_BYTES}: move details to a docs/ page"
+
+
+def heading_anchors(text: str) -> set[str]:
+    """The anchors GitHub gives a page's headings: lower case, punctuation dropped, spaces to hyphens, -1, -2, ... for repeats."""
+    anchors, seen = set(), {}
+    for heading in re.findall(r"^#{1,6} +(.+?) *#*$", strip_code_blocks(text), re.M):
+        slug = re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+        anchors.add(slug if slug not in seen else f"{slug}-{seen[slug]}")
+        seen[slug] = seen.get(slug, 0) + 1
+    return anchors
+
+
+def strip_code_blocks(text: str) -> str:
+    return re.sub(r"^```.*?^```", "", text, flags=re.S | re.M)
+
+
+def test_every_relative_link_resolves():
+    """Links and images of README.md and docs/*.md that are not URLs point at files that exist, and an
+    #anchor at a heading of the page it names."""
+    assert len(DOC_FILES) > 1, "docs/ holds no page"
+    broken = []
+    for path, text in DOCS.items():
+        for target in re.findall(r"\]\(([^()\s]+)\)", strip_code_blocks(text)):
+            if re.match(r"[a-z]+:", target):
+                continue
+            file, _, anchor = target.partition("#")
+            linked = (path.parent / file).resolve() if file else path
+            if not linked.exists():
+                broken.append(f"{path.relative_to(ROOT)}: {target} (no such file)")
+            elif anchor and linked.suffix == ".md" and anchor not in heading_anchors(linked.read_text()):
+                broken.append(f"{path.relative_to(ROOT)}: {target} (no such heading)")
+    assert not broken, "\n".join(broken)
+
+
+def docs_commands() -> list[str]:
+    """Every command line of the docs/ pages' bash blocks (continuation lines joined), comments stripped."""
+    commands = []
+    for path in sorted((ROOT / "docs").glob("*.md")):
+        for body in re.findall(r"```bash\n(.*?)```", path.read_text(), re.S):
+            for line in body.replace("\\\n", " ").strip().splitlines():
+                commands.append(line.split("  #")[0].strip())
+    return commands
+
+
+@pytest.mark.parametrize("command", docs_commands())
+def test_docs_commands_run_dry_or_name_flags_their_script_has(command, tmp_path):
+    """A docs page's command that cannot run here whole: a benchmark shell script runs with DRY_RUN=1 (it prints its
+    GPU commands, which tests/test_benchmark_scripts.py checks further), a Python one with --dry_run where it has
+    one; any other names a script that exists and flags its --help lists."""
+    if command.startswith("pip install"):
+        assert all((ROOT / word).is_file() for word in command.split() if word.endswith(".txt"))
+        return
+    env, argv = to_argv(command)
+    if argv[0] == "bash":
+        run_script(argv, env={**env, "DRY_RUN": "1"}, timeout=120)
+        return
+    script = next(word for word in argv if word.endswith(".py"))
+    assert (ROOT / script).is_file(), script
+    if "--dry_run" in argv:
+        argv = [str(tmp_path / "out") if previous == "--out_dir" else word for previous, word in zip(["", *argv], argv)]
+        run_script(argv, env=env, timeout=300)
+        return
+    ours = argv[argv.index(script) + 1 :]
+    ours = ours[: ours.index("--")] if "--" in ours else ours  # after "--": the training script's flags
+    flags = [word.split("=")[0] for word in ours if word.startswith("--")]
+    help_text = run_script([sys.executable, script, "--help"], timeout=120).stdout if flags else ""
+    for flag in flags:
+        assert flag in help_text, f"{script} --help does not list {flag}"

@@ -18,7 +18,15 @@ def engine(tokenizer, tmp_path_factory):
     from vllm import LLM
 
     path = save_random_policy(tokenizer, tmp_path_factory.mktemp("policy_a"), seed=0)
-    llm = LLM(model=str(path), dtype="float32", max_model_len=128, enforce_eager=True, seed=0, block_size=BLOCK_SIZE, enable_prefix_caching=True)
+    llm = LLM(
+        model=str(path),
+        dtype="float32",
+        max_model_len=128,
+        enforce_eager=True,
+        seed=0,
+        block_size=BLOCK_SIZE,
+        enable_prefix_caching=True,
+    )
     yield llm
     llm.llm_engine.engine_core.shutdown()
 
@@ -41,19 +49,29 @@ def greedy_with_engine(llm, prompts: list[list[int]], steps: int):
 
     params = SamplingParams(temperature=0.0, max_tokens=steps, logprobs=0, ignore_eos=True)
     outputs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
-    return [(list(o.outputs[0].token_ids), [next(iter(lp.values())).logprob for lp in o.outputs[0].logprobs]) for o in outputs]
+    return [
+        (list(o.outputs[0].token_ids), [next(iter(lp.values())).logprob for lp in o.outputs[0].logprobs])
+        for o in outputs
+    ]
 
 
 def test_engine_after_a_weight_push_matches_the_trainer_on_long_prompts(engine, tokenizer, tmp_path):
     from transformers import AutoModelForCausalLM
 
     g = torch.Generator().manual_seed(0)
-    prompts = [[tokenizer.bos_token_id] + torch.randint(4, len(tokenizer), (PROMPT_LENGTH,), generator=g).tolist() for _ in range(3)]
+    prompts = [
+        [tokenizer.bos_token_id] + torch.randint(4, len(tokenizer), (PROMPT_LENGTH,), generator=g).tolist()
+        for _ in range(3)
+    ]
     greedy_with_engine(engine, prompts, 8)  # fills the prefix cache with the old weights' KV
-    new_policy = AutoModelForCausalLM.from_pretrained(save_random_policy(tokenizer, tmp_path / "policy_b", seed=1)).eval()
+    new_policy = AutoModelForCausalLM.from_pretrained(
+        save_random_policy(tokenizer, tmp_path / "policy_b", seed=1)
+    ).eval()
     weights_dir = tmp_path / "push"
     weights_dir.mkdir()
-    snapshot = dpo.snapshot_weights(new_policy.state_dict(), dpo.checkpoint_names(new_policy), torch.float32, torch.device("cpu"))
+    snapshot = dpo.snapshot_weights(
+        new_policy.state_dict(), dpo.checkpoint_names(new_policy), torch.float32, torch.device("cpu")
+    )
     dpo.push_weights(engine, dpo.Weights(1, *snapshot), str(weights_dir), trainer_gpu=0)
     for prompt, (tokens, logprobs) in zip(prompts, greedy_with_engine(engine, prompts, 8)):
         expected_tokens, expected_logprobs = greedy_with_transformers(new_policy, prompt, 8)
@@ -62,20 +80,31 @@ def test_engine_after_a_weight_push_matches_the_trainer_on_long_prompts(engine, 
 
     # Why the cache reset matters: reload the first policy without it and the cached prefix KV of
     # policy b leaks into generations that should be policy a's.
-    old_policy = AutoModelForCausalLM.from_pretrained(save_random_policy(tokenizer, tmp_path / "policy_a", seed=0)).eval()
+    old_policy = AutoModelForCausalLM.from_pretrained(
+        save_random_policy(tokenizer, tmp_path / "policy_a", seed=0)
+    ).eval()
     from safetensors.torch import save_file
 
-    save_file({k: v.detach().clone().contiguous() for k, v in old_policy.state_dict().items()}, str(weights_dir / "model.safetensors"))
+    save_file(
+        {k: v.detach().clone().contiguous() for k, v in old_policy.state_dict().items()},
+        str(weights_dir / "model.safetensors"),
+    )
     engine.collective_rpc("reload_weights", kwargs={"weights_path": str(weights_dir)})
     stale = greedy_with_engine(engine, prompts, 8)
-    assert any(logprobs != pytest.approx(greedy_with_transformers(old_policy, p, 8)[1], abs=1e-4) for p, (_, logprobs) in zip(prompts, stale))
+    assert any(
+        logprobs != pytest.approx(greedy_with_transformers(old_policy, p, 8)[1], abs=1e-4)
+        for p, (_, logprobs) in zip(prompts, stale)
+    )
     engine.reset_prefix_cache()
 
 
 def test_generated_completions_stop_at_eos_and_are_reproducible(engine, tokenizer):
     prompts = [[tokenizer.bos_token_id, 7, 8, 9]] * 2
-    first = dpo.generate(engine, prompts, n=3, temperature=1.0, max_tokens=10, eos_token_id=tokenizer.eos_token_id, seeds=[11, 12])
-    again = dpo.generate(engine, prompts, n=3, temperature=1.0, max_tokens=10, eos_token_id=tokenizer.eos_token_id, seeds=[11, 12])
+    first, logprobs = dpo.generate(
+        engine, prompts, n=3, temperature=1.0, max_tokens=10, eos_token_id=tokenizer.eos_token_id, seeds=[11, 12]
+    )
+    again, again_logprobs = dpo.generate(engine, prompts, 3, 1.0, 10, tokenizer.eos_token_id, [11, 12], logprobs=True)
+    assert logprobs is None and [len(lp) for lp in again_logprobs] == [len(c) for c in again]
     assert len(first) == 6 and first == again
     assert len({tuple(c) for c in first[:3]}) > 1  # the n samples of one prompt differ
     assert first[:3] != first[3:]  # so do prompts with different seeds
@@ -86,20 +115,29 @@ def test_generated_completions_stop_at_eos_and_are_reproducible(engine, tokenize
 def test_a_failure_in_the_generation_thread_surfaces_in_the_trainer(engine, tokenizer):
     """Fault injected with a real engine error: a prompt token id outside the vocabulary."""
     args = dpo.Args(num_samples=2, response_length=4)
-    weights_queue, rollout_queue, eval_queue = queue.Queue(), queue.Queue(), queue.Queue()
-    stop, error = threading.Event(), []
+    channels = dpo.Channels(queue.Queue(), queue.Queue(), queue.Queue(), threading.Event(), [])
     bad_prompts = [[tokenizer.bos_token_id, 10_000]] * 4
     thread = threading.Thread(
         target=dpo.generation_thread,
-        args=(engine, dpo.generation_schedule(2, 1, []), bad_prompts, [], args, 2, tokenizer.eos_token_id,
-              weights_queue, rollout_queue, eval_queue, stop, error, "unused", 0),
+        args=(
+            engine,
+            dpo.generation_schedule(2, 1, []),
+            bad_prompts,
+            [],
+            args,
+            2,
+            2,
+            tokenizer.eos_token_id,
+            channels,
+            None,
+        ),
         daemon=True,
     )
     start = time.perf_counter()
     thread.start()
     with pytest.raises(RuntimeError, match="generation thread failed") as raised:
-        dpo.get_or_raise(rollout_queue, stop, error)
+        dpo.get_or_raise(channels.rollouts, channels)
     assert time.perf_counter() - start < 10
-    assert raised.value.__cause__ is error[0]
+    assert raised.value.__cause__ is channels.error[0]
     thread.join(timeout=5)
     assert not thread.is_alive()

@@ -19,9 +19,18 @@ def pythia_160m_like(tokenizer, path):
     from transformers import AutoModelForCausalLM, GPTNeoXConfig
 
     torch.manual_seed(0)
-    config = GPTNeoXConfig(vocab_size=len(tokenizer), hidden_size=768, num_hidden_layers=12, num_attention_heads=12, intermediate_size=3072,
-                           max_position_embeddings=2048, tie_word_embeddings=False, bos_token_id=tokenizer.bos_token_id,
-                           eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+    config = GPTNeoXConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=768,
+        num_hidden_layers=12,
+        num_attention_heads=12,
+        intermediate_size=3072,
+        max_position_embeddings=2048,
+        tie_word_embeddings=False,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
     AutoModelForCausalLM.from_config(config).save_pretrained(path)
     tokenizer.save_pretrained(path)
     return path
@@ -37,7 +46,10 @@ def test_ipc_push_into_a_cuda_graph_engine_matches_the_trainer(arch, tokenizer, 
 
     dpo = importlib.import_module("online_dpo_async")
     if arch == "llama":
-        first, second = save_random_policy(tokenizer, tmp_path / "a", seed=0), save_random_policy(tokenizer, tmp_path / "b", seed=1)
+        first, second = (
+            save_random_policy(tokenizer, tmp_path / "a", seed=0),
+            save_random_policy(tokenizer, tmp_path / "b", seed=1),
+        )
     else:
         first = pythia_160m_like(tokenizer, tmp_path / "a")
         torch.manual_seed(1)
@@ -49,11 +61,18 @@ def test_ipc_push_into_a_cuda_graph_engine_matches_the_trainer(arch, tokenizer, 
     llm = dpo.make_engine(args, placement, "bfloat16")
     try:
         g = torch.Generator().manual_seed(0)
-        prompts = [[tokenizer.bos_token_id] + torch.randint(4, len(tokenizer), (PROMPT_LENGTH,), generator=g).tolist() for _ in range(4)]
+        prompts = [
+            [tokenizer.bos_token_id] + torch.randint(4, len(tokenizer), (PROMPT_LENGTH,), generator=g).tolist()
+            for _ in range(4)
+        ]
         params = SamplingParams(temperature=0.0, max_tokens=8, logprobs=0, ignore_eos=True)
-        llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)  # graphs and prefix cache warm
+        llm.generate(
+            [TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False
+        )  # graphs and prefix cache warm
         policy = AutoModelForCausalLM.from_pretrained(second, dtype=torch.float32).cuda().eval()
-        flat, layout = dpo.snapshot_weights(policy.state_dict(), dpo.checkpoint_names(policy), torch.bfloat16, torch.device("cuda"))
+        flat, layout = dpo.snapshot_weights(
+            policy.state_dict(), dpo.checkpoint_names(policy), torch.bfloat16, torch.device("cuda")
+        )
         dpo.push_weights(llm, dpo.Weights(1, flat, layout), "", placement.trainer_gpu)
         outputs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
         bf16 = AutoModelForCausalLM.from_pretrained(second, dtype=torch.bfloat16).cuda().eval()
@@ -76,4 +95,3 @@ def test_default_run_learns_on_one_gpu(script, tmp_path):
     _, evals = read_metrics(tmp_path)
     assert evals[-1]["eval/win_rate"] >= evals[0]["eval/win_rate"] + 0.10, [e["eval/win_rate"] for e in evals]
     assert (tmp_path / "policy" / "model.safetensors").exists()
-

@@ -41,7 +41,10 @@ def test_placement_n_plus_one_gpus_gives_the_engine_its_own(algo):
 def test_placement_can_be_forced(algo):
     assert algo.engine_placement("shared", ["0", "1"], 1, None) == algo.Placement("0", True, 0, 0.3)
     assert algo.engine_placement("separate", ["0", "1"], 1, 0.5) == algo.Placement("1,0", False, 1, 0.5)
-    with pytest.raises(algo.UsageError, match=r"--vllm_placement separate: 2 training process\(es\) and the engine need 3 GPUs, 2 are visible"):
+    with pytest.raises(
+        algo.UsageError,
+        match=r"--vllm_placement separate: 2 training process\(es\) and the engine need 3 GPUs, 2 are visible",
+    ):
         algo.engine_placement("separate", ["0", "1"], 2, None)
     with pytest.raises(algo.UsageError, match=r"--vllm_gpu_memory_utilization must be in \(0, 1\], got 1.5"):
         algo.engine_placement("auto", ["0"], 1, 1.5)
@@ -53,7 +56,9 @@ def test_shared_gpu_that_cannot_hold_the_engine_names_the_flag_and_a_value_that_
     with pytest.raises(algo.UsageError) as raised:
         algo.check_engine_fits(0.5, free=30 * gib, total=80 * gib)
     message = str(raised.value)
-    assert "\n" not in message and message.startswith("--vllm_gpu_memory_utilization 0.5: the engine would take 40.0 GiB")
+    assert "\n" not in message and message.startswith(
+        "--vllm_gpu_memory_utilization 0.5: the engine would take 40.0 GiB"
+    )
     assert "30.0 GiB free" in message and "lower it to at most 0.32" in message  # 30/80 = 0.375, less 0.05 of room
 
 
@@ -115,7 +120,9 @@ def slow_response_logprobs(model, q_ids, q_mask, r_ids, r_mask, temperature):
     ids, mask = torch.cat([q_ids, r_ids], 1), torch.cat([q_mask, r_mask], 1)
     logits = model(input_ids=ids, attention_mask=mask, position_ids=(mask.cumsum(1) - 1).clamp(min=0)).logits.float()
     logp = (logits / temperature).log_softmax(-1)
-    out = torch.stack([logp[:, q_ids.shape[1] - 1 + t].gather(1, r_ids[:, t : t + 1]).squeeze(1) for t in range(r_ids.shape[1])], 1)
+    out = torch.stack(
+        [logp[:, q_ids.shape[1] - 1 + t].gather(1, r_ids[:, t : t + 1]).squeeze(1) for t in range(r_ids.shape[1])], 1
+    )
     return out * r_mask
 
 
@@ -126,7 +133,9 @@ def test_response_only_logits_give_the_logprobs_of_all_logits(algo, tokenizer, a
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(small_config(tokenizer, arch)).eval()
     q_ids, q_mask = algo.left_pad([[1, 5, 6, 7, 8], [1, 9], [1, 4, 4, 4, 4, 4, 4]], 9, tokenizer.pad_token_id)
-    r_ids, r_mask, _ = algo.truncate_responses([[5, 6, tokenizer.eos_token_id], [7] * 6, [8, 9]], 6, tokenizer.eos_token_id, tokenizer.pad_token_id)
+    r_ids, r_mask, _ = algo.truncate_responses(
+        [[5, 6, tokenizer.eos_token_id], [7] * 6, [8, 9]], 6, tokenizer.eos_token_id, tokenizer.pad_token_id
+    )
     with torch.no_grad():
         fast = algo.response_logprobs(model, q_ids, q_mask, r_ids, r_mask, 0.7)
         slow = slow_response_logprobs(model, q_ids, q_mask, r_ids, r_mask, 0.7)
@@ -163,8 +172,21 @@ def test_bf16_run_on_a_cpu_trains_with_autocast_and_gradient_checkpointing(tmp_p
     the snapshot pushed in the engine's float32, and gradient checkpointing. It trains, and at step 0 (the reference
     is the policy, both under the same autocast) the KL estimate is exactly 0."""
     out = tmp_path / "bf16"
-    flags = ["--total_episodes", "128", "--local_micro_batch_size", "8", "--eval_freq", "0", "--num_eval_prompts", "32",
-             "--dtype", "bfloat16", "--vllm_dtype", "float32", "--gradient_checkpointing"]
+    flags = [
+        "--total_episodes",
+        "128",
+        "--local_micro_batch_size",
+        "8",
+        "--eval_freq",
+        "0",
+        "--num_eval_prompts",
+        "32",
+        "--dtype",
+        "bfloat16",
+        "--vllm_dtype",
+        "float32",
+        "--gradient_checkpointing",
+    ]
     run_script([sys.executable, "online_dpo_async.py", *flags, "--output_dir", str(out)])
     train, _ = read_metrics(out)
     assert [m["step"] for m in train] == list(range(8))  # 128 episodes of 8 prompts x 2 samples

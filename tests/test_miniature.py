@@ -61,15 +61,96 @@ def test_plan_flags_by_hand():
     runs = by_name(miniature.make_plan(**PLAN_ARGS))
     # (file, N, samples flag and K, async, lr, steps, eval_freq, algorithm flag)
     expected = {
-        "dpo_n1_sync_s1": ("online_dpo_async.py", 1, ("num_samples", "2"), 0, "0.0001", 96, 32, ("loss_type", "sigmoid")),
-        "dpo_n2_sync_s1": ("online_dpo_async.py", 2, ("num_samples", "2"), 0, "0.0001", 48, 16, ("loss_type", "sigmoid")),
-        "dpo_n4_sync_s1": ("online_dpo_async.py", 4, ("num_samples", "2"), 0, "0.0001", 24, 8, ("loss_type", "sigmoid")),
-        "dpo_n8_sync_s1": ("online_dpo_async.py", 8, ("num_samples", "2"), 0, "0.0001", 12, 4, ("loss_type", "sigmoid")),
-        "dpo_n16_sync_s2": ("online_dpo_async.py", 16, ("num_samples", "2"), 0, "0.0001", 6, 2, ("loss_type", "sigmoid")),
-        "dpo_n1_async_s2": ("online_dpo_async.py", 1, ("num_samples", "2"), 1, "0.0001", 96, 32, ("loss_type", "sigmoid")),
-        "dpo_n1_async_k4_s1": ("online_dpo_async.py", 1, ("num_samples", "4"), 1, "5e-05", 48, 16, ("loss_type", "sigmoid")),
-        "bo2_n4_sync_s1": ("online_dpo_async.py", 4, ("num_samples", "2"), 0, "0.0001", 24, 8, ("loss_type", "best_of_k_sft")),
-        "bo2_n16_sync_s2": ("online_dpo_async.py", 16, ("num_samples", "2"), 0, "0.0001", 6, 2, ("loss_type", "best_of_k_sft")),
+        "dpo_n1_sync_s1": (
+            "online_dpo_async.py",
+            1,
+            ("num_samples", "2"),
+            0,
+            "0.0001",
+            96,
+            32,
+            ("loss_type", "sigmoid"),
+        ),
+        "dpo_n2_sync_s1": (
+            "online_dpo_async.py",
+            2,
+            ("num_samples", "2"),
+            0,
+            "0.0001",
+            48,
+            16,
+            ("loss_type", "sigmoid"),
+        ),
+        "dpo_n4_sync_s1": (
+            "online_dpo_async.py",
+            4,
+            ("num_samples", "2"),
+            0,
+            "0.0001",
+            24,
+            8,
+            ("loss_type", "sigmoid"),
+        ),
+        "dpo_n8_sync_s1": (
+            "online_dpo_async.py",
+            8,
+            ("num_samples", "2"),
+            0,
+            "0.0001",
+            12,
+            4,
+            ("loss_type", "sigmoid"),
+        ),
+        "dpo_n16_sync_s2": (
+            "online_dpo_async.py",
+            16,
+            ("num_samples", "2"),
+            0,
+            "0.0001",
+            6,
+            2,
+            ("loss_type", "sigmoid"),
+        ),
+        "dpo_n1_async_s2": (
+            "online_dpo_async.py",
+            1,
+            ("num_samples", "2"),
+            1,
+            "0.0001",
+            96,
+            32,
+            ("loss_type", "sigmoid"),
+        ),
+        "dpo_n1_async_k4_s1": (
+            "online_dpo_async.py",
+            1,
+            ("num_samples", "4"),
+            1,
+            "5e-05",
+            48,
+            16,
+            ("loss_type", "sigmoid"),
+        ),
+        "bo2_n4_sync_s1": (
+            "online_dpo_async.py",
+            4,
+            ("num_samples", "2"),
+            0,
+            "0.0001",
+            24,
+            8,
+            ("loss_type", "best_of_k_sft"),
+        ),
+        "bo2_n16_sync_s2": (
+            "online_dpo_async.py",
+            16,
+            ("num_samples", "2"),
+            0,
+            "0.0001",
+            6,
+            2,
+            ("loss_type", "best_of_k_sft"),
+        ),
         "rloo_n1_sync_s1": ("rloo_async.py", 1, ("rloo_k", "2"), 0, "0.0001", 96, 32, ("kl_coef", "0.05")),
         "rloo_n8_sync_s2": ("rloo_async.py", 8, ("rloo_k", "2"), 0, "0.0001", 12, 4, ("kl_coef", "0.05")),
         "rloo_n1_async_s1": ("rloo_async.py", 1, ("rloo_k", "2"), 1, "0.0001", 96, 32, ("kl_coef", "0.05")),
@@ -132,16 +213,28 @@ def test_plan_spells_out_every_flag_that_defines_a_run(script):
     given = {k.removeprefix("no_") for k in flag_dict(run.flags)}
     assert given == {f.name for f in dataclasses.fields(module.Args)} - not_defining - gpu_flags
     parsed, default = vars(tyro.cli(module.Args, args=run.flags)), vars(module.Args())
-    for path in ("dataset_name", "sft_model_path", "reward_model_path"):  # relative to the repository root, where runs start
+    for path in (
+        "dataset_name",
+        "sft_model_path",
+        "reward_model_path",
+    ):  # relative to the repository root, where runs start
         parsed[path] = str(ROOT / parsed[path])
-    on_purpose = {"exp_name", "total_episodes", "async_level", "eval_freq", "num_eval_prompts"}  # seed 1, N = 1, lr 1e-4: the defaults
+    on_purpose = {
+        "exp_name",
+        "total_episodes",
+        "async_level",
+        "eval_freq",
+        "num_eval_prompts",
+    }  # seed 1, N = 1, lr 1e-4: the defaults
     # spelled out as the reproduction ran, where the defaults now say auto (float32 on a CPU) and None (unused on a CPU)
     resolved_on_cpu = {"vllm_dtype", "vllm_gpu_memory_utilization"}
     assert {k for k in default if parsed[k] != default[k]} - resolved_on_cpu == on_purpose
 
 
 def test_plan_bad_sizes_name_the_flag():
-    with pytest.raises(SystemExit, match="--episodes 6000 must be a multiple of 1024, so that every run has whole steps"):
+    with pytest.raises(
+        SystemExit, match="--episodes 6000 must be a multiple of 1024, so that every run has whole steps"
+    ):
         miniature.make_plan(**{**PLAN_ARGS, "episodes": 6000})
     with pytest.raises(SystemExit, match="--num_evals 4 does not divide the 6 steps"):
         miniature.make_plan(**{**PLAN_ARGS, "num_evals": 4})
@@ -151,12 +244,16 @@ def test_time_estimate_by_hand():
     """start + episodes x (A + B / batches per step, K = 4 counting as 2) + evaluations (step 0 and 3 more)."""
     runs = by_name(miniature.make_plan(**PLAN_ARGS))
     assert miniature.estimate_s(runs["dpo_n1_sync_s1"], 3) == pytest.approx(22 + 6144 * (0.0035 + 0.0042) + 4 * 1.2)
-    assert miniature.estimate_s(runs["dpo_n1_async_k4_s1"], 3) == pytest.approx(22 + 6144 * (0.0035 + 0.0042 / 2) + 4 * 1.2)
+    assert miniature.estimate_s(runs["dpo_n1_async_k4_s1"], 3) == pytest.approx(
+        22 + 6144 * (0.0035 + 0.0042 / 2) + 4 * 1.2
+    )
     assert miniature.estimate_s(runs["ppo_n4_sync_s2"], 3) == pytest.approx(22 + 6144 * (0.0057 + 0.0050 / 4) + 4 * 1.2)
 
 
 def test_dry_run_prints_the_plan_and_its_estimate(tmp_path):
-    proc = run_script([sys.executable, "benchmark/miniature.py", "--out_dir", str(tmp_path / "m"), "--dry_run"], timeout=60)
+    proc = run_script(
+        [sys.executable, "benchmark/miniature.py", "--out_dir", str(tmp_path / "m"), "--dry_run"], timeout=60
+    )
     total = sum(miniature.estimate_s(run, 3) for run in miniature.make_plan(**PLAN_ARGS))
     assert f"48 runs, 0 done; estimated time of the 48 left: {total / 60:.0f} min on 2 quiet CPU cores" in proc.stdout
     assert total < 90 * 60 / 1.5  # the plan fits 90 minutes with room for a busier machine
@@ -177,7 +274,9 @@ sys.exit(int(argv[argv.index("--seed") + 1]) - 1)  # seed 1 succeeds, seed 2 fai
 def fake_run(tmp_path: Path, seed: int = 1):
     script = tmp_path / "fake_script.py"
     script.write_text(FAKE_SCRIPT)
-    run = miniature.make_run("dpo", 1, 0, seed, episodes=64, learning_rate=1e-4, micro_batch=32, num_evals=1, eval_prompts=16)
+    run = miniature.make_run(
+        "dpo", 1, 0, seed, episodes=64, learning_rate=1e-4, micro_batch=32, num_evals=1, eval_prompts=16
+    )
     return dataclasses.replace(run, script=str(script))
 
 
@@ -223,15 +322,40 @@ def test_main_skips_finished_runs(tmp_path, monkeypatch):
 # ---------------------------------------------------------------------------------------------
 # The plots and the table on hand-written runs
 # ---------------------------------------------------------------------------------------------
-def write_run(runs_dir: Path, method: str, n: int, k: int, async_level: int, seed: int, evals: list[tuple], train: list[tuple],
-              perplexity_key: str | None = "eval/ref_ppl") -> None:
+def write_run(
+    runs_dir: Path,
+    method: str,
+    n: int,
+    k: int,
+    async_level: int,
+    seed: int,
+    evals: list[tuple],
+    train: list[tuple],
+    perplexity_key: str | None = "eval/ref_ppl",
+) -> None:
     """evals: (step, episode, win rate, perplexity); train: (step, objective/kl, step start, step time)."""
     folder = runs_dir / f"{method}_n{n}_{'async' if async_level else 'sync'}_k{k}_s{seed}"
     folder.mkdir(parents=True)
-    meta = {"name": folder.name, "method": method, "num_mini_batches": n, "num_samples": k, "async_level": async_level, "seed": seed}
+    meta = {
+        "name": folder.name,
+        "method": method,
+        "num_mini_batches": n,
+        "num_samples": k,
+        "async_level": async_level,
+        "seed": seed,
+    }
     (folder / "miniature.json").write_text(json.dumps(meta))
-    lines = [{"step": s, "episode": 64 * (s + 1), "async/lag": 0, "objective/kl": kl, "timeline/step_start": t0, "time/step": dt}
-             for s, kl, t0, dt in train]
+    lines = [
+        {
+            "step": s,
+            "episode": 64 * (s + 1),
+            "async/lag": 0,
+            "objective/kl": kl,
+            "timeline/step_start": t0,
+            "time/step": dt,
+        }
+        for s, kl, t0, dt in train
+    ]
     for step, episode, win, ppl in evals:
         line = {"step": step, "episode": episode, "eval/win_rate": win}
         if perplexity_key:
@@ -242,9 +366,29 @@ def write_run(runs_dir: Path, method: str, n: int, k: int, async_level: int, see
 
 def hand_written_runs(runs_dir: Path, perplexity_key: str | None = "eval/ref_ppl") -> None:
     train = [(0, 0.0, 0.5, 1.0), (1, 0.2, 1.5, 1.0), (2, 0.4, 2.5, 1.5), (3, 0.6, 4.0, 1.0)]
-    write_run(runs_dir, "dpo", 1, 2, 0, 1, [(0, 0, 0.40, 1.20), (2, 128, 0.50, 1.25), (4, 256, 0.60, 1.30)], train, perplexity_key)
+    write_run(
+        runs_dir,
+        "dpo",
+        1,
+        2,
+        0,
+        1,
+        [(0, 0, 0.40, 1.20), (2, 128, 0.50, 1.25), (4, 256, 0.60, 1.30)],
+        train,
+        perplexity_key,
+    )
     train2 = [(0, 0.0, 0.5, 2.0), (1, 0.4, 2.5, 2.0), (2, 0.8, 4.5, 2.0), (3, 1.0, 6.5, 2.0)]
-    write_run(runs_dir, "dpo", 1, 2, 0, 2, [(0, 0, 0.42, 1.22), (2, 128, 0.56, 1.27), (4, 256, 0.70, 1.40)], train2, perplexity_key)
+    write_run(
+        runs_dir,
+        "dpo",
+        1,
+        2,
+        0,
+        2,
+        [(0, 0, 0.42, 1.22), (2, 128, 0.56, 1.27), (4, 256, 0.70, 1.40)],
+        train2,
+        perplexity_key,
+    )
     write_run(runs_dir, "dpo", 1, 2, 1, 1, [(0, 0, 0.40, 1.20), (4, 256, 0.58, 1.33)], train, perplexity_key)
     write_run(runs_dir, "ppo", 2, 1, 0, 1, [(0, 0, 0.41, 1.21), (2, 128, 0.52, 1.24)], train[:2], perplexity_key)
     (runs_dir / "unfinished").mkdir()  # no miniature.json: ignored
@@ -252,7 +396,11 @@ def hand_written_runs(runs_dir: Path, perplexity_key: str | None = "eval/ref_ppl
 
 
 def table_rows(text: str) -> list[list[str]]:
-    return [[c.strip() for c in line.strip("|").split("|")] for line in text.splitlines() if line.startswith("| ") and "---" not in line][1:]
+    return [
+        [c.strip() for c in line.strip("|").split("|")]
+        for line in text.splitlines()
+        if line.startswith("| ") and "---" not in line
+    ][1:]
 
 
 def test_table_against_hand_computation(tmp_path):
@@ -283,7 +431,10 @@ def test_table_falls_back_to_objective_kl_and_says_so(tmp_path):
     hand_written_runs(runs_dir, perplexity_key=None)
     plot_miniature.main([str(runs_dir), "--out", str(out)])
     text = (out / "results.md").read_text()
-    assert "mean objective/kl, last quarter of steps" in text and "reference perplexity not logged, under one name, by every run" in text
+    assert (
+        "mean objective/kl, last quarter of steps" in text
+        and "reference perplexity not logged, under one name, by every run" in text
+    )
     # last quarter of 4 steps = the last step: seed 1 0.6, seed 2 1.0 -> 0.800; ppo: 2 steps -> last one, 0.2
     rows = table_rows(text)
     assert [r[7] for r in rows] == ["0.800", "0.600", "0.200"]
@@ -291,8 +442,15 @@ def test_table_falls_back_to_objective_kl_and_says_so(tmp_path):
 
 def test_perplexity_key_newer_name_first_and_never_mixed(tmp_path):
     line = lambda **keys: {"evals": [{"step": 1, "eval/win_rate": 0.5, **keys}]}  # noqa: E731
-    both, old, new = line(**{"eval/ref_ppl": 9.9, "eval/ref_perplexity": 1.3}), line(**{"eval/ref_ppl": 1.2}), line(**{"eval/ref_perplexity": 1.3})
-    assert plot_miniature.perplexity_key([both]) == "eval/ref_perplexity" and plot_miniature.kl_proxy(both, "eval/ref_perplexity") == 1.3
+    both, old, new = (
+        line(**{"eval/ref_ppl": 9.9, "eval/ref_perplexity": 1.3}),
+        line(**{"eval/ref_ppl": 1.2}),
+        line(**{"eval/ref_perplexity": 1.3}),
+    )
+    assert (
+        plot_miniature.perplexity_key([both]) == "eval/ref_perplexity"
+        and plot_miniature.kl_proxy(both, "eval/ref_perplexity") == 1.3
+    )
     assert plot_miniature.perplexity_key([both, old]) == "eval/ref_ppl"
     assert plot_miniature.perplexity_key([old, new]) is None  # two different averages: fall back to objective/kl
 
@@ -316,7 +474,9 @@ def test_copy_runs_keeps_the_table_and_drops_local_paths(tmp_path):
     record = runs_dir / "dpo_n1_sync_k2_s1" / "miniature.json"
     record.write_text(json.dumps({**json.loads(record.read_text()), "argv": ["/somewhere/python", "x.py"]}))
     plot_miniature.main([str(runs_dir), "--out", str(out), "--copy_runs"])
-    assert sorted(p.name for p in (out / "runs").iterdir()) == sorted(p.name for p in runs_dir.iterdir() if p.name != "unfinished")
+    assert sorted(p.name for p in (out / "runs").iterdir()) == sorted(
+        p.name for p in runs_dir.iterdir() if p.name != "unfinished"
+    )
     copied = json.loads((out / "runs" / "dpo_n1_sync_k2_s1" / "miniature.json").read_text())
     assert "argv" not in copied and copied["seed"] == 1
     plot_miniature.main([str(out / "runs"), "--out", str(tmp_path / "again")])
@@ -335,27 +495,44 @@ def test_committed_results_are_the_table_of_the_committed_runs():
     records = {f.name: json.loads((f / "miniature.json").read_text()) for f in (results / "runs").iterdir()}
     assert sorted(records) == sorted(plan)
     for name, record in records.items():
-        assert record["flags"] == plan[name].flags and record["script"] == plan[name].script and "argv" not in record, name
+        assert record["flags"] == plan[name].flags and record["script"] == plan[name].script and "argv" not in record, (
+            name
+        )
 
 
 def test_readme_k4_commands_are_the_runs_the_readme_describes(tmp_path, capsys):
-    """The README's two extra K = 4 runs: the full learning rate (1e-4, 48 steps) and the full steps
-    (5e-5, 96 steps of 12288 episodes), seed 1, otherwise the plan's K = 4 run."""
-    lines = [line for line in (ROOT / "README.md").read_text().splitlines() if "--out_dir runs/k4_full" in line and line.startswith("python ")]
-    expected = [miniature.make_run("dpo", 1, 1, 1, 6144, 1e-4, 32, 3, 512, num_samples=4),
-                miniature.make_run("dpo", 1, 1, 1, 12288, 5e-5, 32, 3, 512, num_samples=4)]
+    """The two extra K = 4 runs that docs/reproducing.md describes: the full learning rate (1e-4, 48 steps) and
+    the full steps (5e-5, 96 steps of 12288 episodes), seed 1, otherwise the plan's K = 4 run."""
+    page = (ROOT / "docs" / "reproducing.md").read_text()
+    lines = [line for line in page.splitlines() if "--out_dir runs/k4_full" in line and line.startswith("python ")]
+    expected = [
+        miniature.make_run("dpo", 1, 1, 1, 6144, 1e-4, 32, 3, 512, num_samples=4),
+        miniature.make_run("dpo", 1, 1, 1, 12288, 5e-5, 32, 3, 512, num_samples=4),
+    ]
     assert len(lines) == len(expected)
     for line, run in zip(lines, expected):
         argv = shlex.split(line.split("#")[0])[2:]
         argv[argv.index("--out_dir") + 1] = str(tmp_path)
         assert miniature.main([*argv, "--dry_run"]) == 0
         printed = shlex.split(capsys.readouterr().out.strip().splitlines()[-1])
-        assert printed[2 : printed.index("--output_dir")] == run.flags and run.num_steps == {6144: 48, 12288: 96}[run.total_episodes]
+        assert (
+            printed[2 : printed.index("--output_dir")] == run.flags
+            and run.num_steps == {6144: 48, 12288: 96}[run.total_episodes]
+        )
 
 
 def test_plot_bad_input_is_one_line(tmp_path):
-    proc = subprocess.run([sys.executable, "benchmark/plot_miniature.py", str(tmp_path)], cwd=ROOT, capture_output=True, text=True, timeout=60)
-    assert proc.returncode != 0 and proc.stderr.strip() == f"error: runs_dir {tmp_path} holds no finished run (no <run>/miniature.json)"
+    proc = subprocess.run(
+        [sys.executable, "benchmark/plot_miniature.py", str(tmp_path)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert (
+        proc.returncode != 0
+        and proc.stderr.strip() == f"error: runs_dir {tmp_path} holds no finished run (no <run>/miniature.json)"
+    )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -365,8 +542,12 @@ def test_smoke_mode_end_to_end(tmp_path):
     """Two runs of the smoke plan through the real algorithm files (about a minute on 2 quiet cores), then a re-run that skips them."""
     out = tmp_path / "mini"
     only = "dpo_n1_async_k4_s1,ppo_n16_sync_s1"  # two files, sync and async, N = 16 and K = 4 with its halved lr
-    run_script([sys.executable, "benchmark/miniature.py", "--out_dir", str(out), "--smoke", "--only", only], timeout=600)
-    smoke = by_name(miniature.make_plan(seeds=[1], episodes=32, learning_rate=1e-4, micro_batch=1, num_evals=1, eval_prompts=16))
+    run_script(
+        [sys.executable, "benchmark/miniature.py", "--out_dir", str(out), "--smoke", "--only", only], timeout=600
+    )
+    smoke = by_name(
+        miniature.make_plan(seeds=[1], episodes=32, learning_rate=1e-4, micro_batch=1, num_evals=1, eval_prompts=16)
+    )
     for name in only.split(","):
         args = json.loads((out / name / "args.json").read_text())
         marker = json.loads((out / name / "miniature.json").read_text())
@@ -375,7 +556,12 @@ def test_smoke_mode_end_to_end(tmp_path):
     assert json.loads((out / "dpo_n1_async_k4_s1" / "args.json").read_text())["learning_rate"] == 5e-5
     rows = table_rows((out / "plots" / "results.md").read_text())
     assert [r[:4] for r in rows] == [["online DPO", "1", "4", "1"], ["PPO", "16", "1", "0"]]
-    assert all((out / "plots" / f).stat().st_size > 0 for f in ("win_rate_vs_kl.png", "win_rate_vs_time.png", "learning_curves.png"))
+    assert all(
+        (out / "plots" / f).stat().st_size > 0
+        for f in ("win_rate_vs_kl.png", "win_rate_vs_time.png", "learning_curves.png")
+    )
     # a second invocation skips both
-    proc = run_script([sys.executable, "benchmark/miniature.py", "--out_dir", str(out), "--smoke", "--only", only], timeout=120)
+    proc = run_script(
+        [sys.executable, "benchmark/miniature.py", "--out_dir", str(out), "--smoke", "--only", only], timeout=120
+    )
     assert "2 runs, 2 done" in proc.stdout and "] /" not in proc.stdout

@@ -32,7 +32,7 @@ def test_best_and_worst_of_four_with_ties_are_deterministic():
 
 
 def test_tied_pairs_add_nothing_to_the_loss_but_count_in_its_denominator():
-    """Kept on purpose (README, `val/tied_pairs`): sum over the untied pairs / all pairs of the micro-batch, so
+    """Kept on purpose (docs/algorithms.md, "Tied pairs and the DPO denominator"): sum over the untied pairs / all pairs of the micro-batch, so
     the gradient is the untied-only mean's times untied / all."""
     logps_c = torch.tensor([-1.0, -3.0, -2.0, -0.5, -4.0], requires_grad=True)
     logps_r = torch.tensor([-2.0, -1.0, -2.0, -1.5, -1.0], requires_grad=True)
@@ -63,7 +63,9 @@ def test_win_rate_counts_ties_as_one_half():
 
 # ------------------------------------------------------------------------------ responses
 def test_truncation_after_first_eos_and_masks():
-    ids, mask, eos = dpo.truncate_responses([[5, 6, 2, 7, 8], [5, 6, 7], [2], [5, 6, 7, 8, 9, 10]], 5, eos_token_id=2, pad_token_id=0)
+    ids, mask, eos = dpo.truncate_responses(
+        [[5, 6, 2, 7, 8], [5, 6, 7], [2], [5, 6, 7, 8, 9, 10]], 5, eos_token_id=2, pad_token_id=0
+    )
     assert ids.tolist() == [[5, 6, 2, 0, 0], [5, 6, 7, 0, 0], [2, 0, 0, 0, 0], [5, 6, 7, 8, 9]]
     assert mask.tolist() == [[1, 1, 1, 0, 0], [1, 1, 1, 0, 0], [1, 0, 0, 0, 0], [1, 1, 1, 1, 1]]
     assert eos.tolist() == [True, False, True, False]
@@ -112,7 +114,9 @@ def test_logprobs_divide_by_temperature_and_ignore_padding(policy, tokenizer):
     assert expected != pytest.approx(slow_logprobs(policy, query, response, temperature=1.0), abs=1e-3)
     for prompt_length, response_length in [(4, 3), (9, 6), (16, 12)]:
         q_ids, q_mask = dpo.left_pad([query], prompt_length, tokenizer.pad_token_id)
-        r_ids, r_mask, _ = dpo.truncate_responses([response], response_length, tokenizer.eos_token_id, tokenizer.pad_token_id)
+        r_ids, r_mask, _ = dpo.truncate_responses(
+            [response], response_length, tokenizer.eos_token_id, tokenizer.pad_token_id
+        )
         with torch.no_grad():
             got = dpo.response_logprobs(policy, q_ids, q_mask, r_ids, r_mask, temperature=0.7)[0]
         assert got[:3].tolist() == pytest.approx(expected, abs=1e-5)
@@ -134,8 +138,10 @@ def test_reward_is_read_at_the_last_real_token_whatever_the_padding(reward_model
         expected = reward_model.score(hidden[0, -1]).item()
     for prompt_length, response_length in [(4, 3), (10, 8)]:
         q_ids, q_mask = dpo.left_pad([query], prompt_length, tokenizer.pad_token_id)
-        r_ids, r_mask, eos = dpo.truncate_responses([response], response_length, tokenizer.eos_token_id, tokenizer.pad_token_id)
-        got = dpo.score_completions(reward_model, tokenizer, tokenizer, q_ids, q_mask, r_ids, r_mask, eos, batch_size=4)
+        r_ids, r_mask, eos = dpo.truncate_responses(
+            [response], response_length, tokenizer.eos_token_id, tokenizer.pad_token_id
+        )
+        got = dpo.score_completions(reward_model, tokenizer, tokenizer, q_ids, q_mask, r_ids, r_mask, eos, bs=4)
         assert got.item() == pytest.approx(expected, abs=1e-5)
 
 
@@ -155,8 +161,11 @@ def permuted_tokenizer(tokenizer, tmp_path, seed=0):
         special["ids"] = [mapping[i] for i in special["ids"]]
     (tmp_path / "tokenizer.json").write_text(json.dumps(spec))
     other = PreTrainedTokenizerFast(
-        tokenizer_file=str(tmp_path / "tokenizer.json"), bos_token=tokenizer.bos_token, eos_token=tokenizer.eos_token,
-        pad_token=tokenizer.pad_token, unk_token=tokenizer.unk_token,
+        tokenizer_file=str(tmp_path / "tokenizer.json"),
+        bos_token=tokenizer.bos_token,
+        eos_token=tokenizer.eos_token,
+        pad_token=tokenizer.pad_token,
+        unk_token=tokenizer.unk_token,
     )
     return other, mapping
 
@@ -167,16 +176,23 @@ def test_reward_model_with_another_tokenizer_goes_through_text(reward_model, tok
     other_model.load_state_dict(reward_model.state_dict())
     with torch.no_grad():
         old_rows = torch.tensor(sorted(mapping))
-        other_model.model.embed_tokens.weight[torch.tensor([mapping[i] for i in sorted(mapping)])] = reward_model.model.embed_tokens.weight[old_rows]
+        other_model.model.embed_tokens.weight[torch.tensor([mapping[i] for i in sorted(mapping)])] = (
+            reward_model.model.embed_tokens.weight[old_rows]
+        )
     words = [t for t in tokenizer.get_vocab() if t.isalpha()][:6]
-    queries = [tokenizer(f"sort: {words[0]} {words[1]} ->").input_ids, tokenizer(f"sort: {words[2]} {words[3]} {words[4]} ->").input_ids]
+    queries = [
+        tokenizer(f"sort: {words[0]} {words[1]} ->").input_ids,
+        tokenizer(f"sort: {words[2]} {words[3]} {words[4]} ->").input_ids,
+    ]
     body = [tokenizer.convert_tokens_to_ids(w) for w in words]
     responses = [[body[1], body[0], tokenizer.eos_token_id], [body[2], body[3]]]  # the second has no EOS
     q_ids, q_mask = dpo.left_pad(queries, 12, tokenizer.pad_token_id)
     r_ids, r_mask, eos = dpo.truncate_responses(responses, 5, tokenizer.eos_token_id, tokenizer.pad_token_id)
     assert not dpo.same_tokenizer(other_tokenizer, tokenizer)
-    direct = dpo.score_completions(reward_model, tokenizer, tokenizer, q_ids, q_mask, r_ids, r_mask, eos, batch_size=8)
-    through_text = dpo.score_completions(other_model, other_tokenizer, tokenizer, q_ids, q_mask, r_ids, r_mask, eos, batch_size=8)
+    direct = dpo.score_completions(reward_model, tokenizer, tokenizer, q_ids, q_mask, r_ids, r_mask, eos, bs=8)
+    through_text = dpo.score_completions(
+        other_model, other_tokenizer, tokenizer, q_ids, q_mask, r_ids, r_mask, eos, bs=8
+    )
     assert through_text.tolist() == pytest.approx(direct.tolist(), abs=1e-5)
 
 
@@ -194,12 +210,26 @@ def test_dropout_is_disabled(tokenizer, arch):
 
 # ------------------------------------------------------------------------------ sizes, data order, schedule
 def test_derived_sizes_and_indivisible_errors():
-    args = dpo.Args(total_episodes=128, local_micro_batch_size=4, gradient_accumulation_steps=2, num_mini_batches=2, num_samples=2, num_ppo_epochs=3)
+    args = dpo.Args(
+        total_episodes=128,
+        local_micro_batch_size=4,
+        gradient_accumulation_steps=2,
+        num_mini_batches=2,
+        num_samples=2,
+        num_ppo_epochs=3,
+    )
     sizes = dpo.compute_sizes(args, world_size=2)
-    assert (sizes.local_mini_batch_size, sizes.mini_batch_size, sizes.local_batch_size, sizes.batch_size) == (8, 16, 16, 32)
+    assert (sizes.local_mini_batch_size, sizes.mini_batch_size, sizes.local_batch_size, sizes.batch_size) == (
+        8,
+        16,
+        16,
+        32,
+    )
     assert (sizes.episodes_per_step, sizes.num_steps, sizes.num_updates) == (64, 2, 12)
     with pytest.raises(ValueError, match="--total_episodes 100 .* 64"):
-        dpo.compute_sizes(dpo.Args(total_episodes=100, local_micro_batch_size=4, gradient_accumulation_steps=2, num_mini_batches=2), 2)
+        dpo.compute_sizes(
+            dpo.Args(total_episodes=100, local_micro_batch_size=4, gradient_accumulation_steps=2, num_mini_batches=2), 2
+        )
     with pytest.raises(ValueError, match="--async_level"):
         dpo.compute_sizes(dpo.Args(async_level=-1), 1)
     with pytest.raises(ValueError, match="--num_samples"):
@@ -256,9 +286,11 @@ def write_rows(path, rows):
 def test_prompts_load_from_a_folder_a_file_or_parquet_and_long_ones_are_dropped(tokenizer, tmp_path, capsys):
     import datasets
 
-    rows = [{"query": "sort: fox ant ->", "reference_response": "ant fox </s>"},
-            {"query": "sort: " + " ".join(["fox"] * 30) + " ->", "reference_response": "fox </s>"},
-            {"query": "sort: cat ->", "reference_response": "cat </s>"}]
+    rows = [
+        {"query": "sort: fox ant ->", "reference_response": "ant fox </s>"},
+        {"query": "sort: " + " ".join(["fox"] * 30) + " ->", "reference_response": "fox </s>"},
+        {"query": "sort: cat ->", "reference_response": "cat </s>"},
+    ]
     (tmp_path / "folder").mkdir()
     write_rows(tmp_path / "folder" / "train.jsonl", rows)
     write_rows(tmp_path / "single.jsonl", rows)
@@ -273,5 +305,7 @@ def test_prompts_load_from_a_folder_a_file_or_parquet_and_long_ones_are_dropped(
 
 def test_a_dataset_without_the_needed_columns_is_a_clear_error(tokenizer, tmp_path):
     write_rows(tmp_path / "bad.jsonl", [{"prompt": "sort: fox ant ->"}])
-    with pytest.raises(ValueError, match=r"--dataset_name .*bad.jsonl .* lacks column\(s\) \['query', 'reference_response'\]"):
+    with pytest.raises(
+        ValueError, match=r"--dataset_name .*bad.jsonl .* lacks column\(s\) \['query', 'reference_response'\]"
+    ):
         dpo.load_prompts(str(tmp_path / "bad.jsonl"), "train", tokenizer, max_prompt_length=12)

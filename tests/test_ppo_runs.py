@@ -27,8 +27,24 @@ def test_async_1_keeps_the_lag_invariant_and_the_on_policy_ratio():
 
 
 def test_engine_logprobs_with_truncated_importance_weights_at_async_2(tmp_path):
-    run_script([PYTHON, "ppo_async.py", "--old_logprobs", "engine", "--async_level", "2", "--num_mini_batches", "2",
-                "--adaptive_kl", "--kl_target", "0.1", *SMALL_RUN, "--output_dir", str(tmp_path)])
+    run_script(
+        [
+            PYTHON,
+            "ppo_async.py",
+            "--old_logprobs",
+            "engine",
+            "--async_level",
+            "2",
+            "--num_mini_batches",
+            "2",
+            "--adaptive_kl",
+            "--kl_target",
+            "0.1",
+            *SMALL_RUN,
+            "--output_dir",
+            str(tmp_path),
+        ]
+    )
     args, train, _ = check_run(tmp_path, "ppo_async.py")
     assert args["old_logprobs"] == "engine" and args["num_steps"] == 16
     diffs = [m["policy/engine_logprob_diff"] for m in train]
@@ -45,7 +61,9 @@ def test_engine_logprobs_with_truncated_importance_weights_at_async_2(tmp_path):
     coef = args["kl_coef"]
     for m in train:
         assert m["objective/kl_coef"] == coef or abs(m["objective/kl_coef"] - coef) < 1e-12
-        coef = ppo.adaptive_kl_coef(coef, m["objective/kl"], args["kl_target"], args["episodes_per_step"], args["kl_horizon"])
+        coef = ppo.adaptive_kl_coef(
+            coef, m["objective/kl"], args["kl_target"], args["episodes_per_step"], args["kl_horizon"]
+        )
 
 
 def test_default_run_learns(tmp_path):

@@ -133,7 +133,9 @@ def test_truncated_importance_weights_are_per_token_and_multiply_the_token_losse
 def test_per_token_kl_reward_puts_the_score_on_the_eos_or_the_last_token(tokenizer):
     eos = tokenizer.eos_token_id
     # cut at its EOS (position 2), EOS first (position 0), no EOS within response_length 4 (truncated)
-    _, mask, contain_eos = ppo.truncate_responses([[4, 5, eos, 6], [eos, 7, 8], [4, 5, 6, 7, 8]], 4, eos_token_id=eos, pad_token_id=0)
+    _, mask, contain_eos = ppo.truncate_responses(
+        [[4, 5, eos, 6], [eos, 7, 8], [4, 5, 6, 7, 8]], 4, eos_token_id=eos, pad_token_id=0
+    )
     assert mask.tolist() == [[1, 1, 1, 0], [1, 0, 0, 0], [1, 1, 1, 1]] and contain_eos.tolist() == [True, True, False]
     logprobs = torch.tensor([[-1.0, -2.0, -0.5, -9.0], [-0.3, -5.0, -5.0, -5.0], [-1.0, -1.0, -1.0, -1.0]])
     ref_logprobs = torch.tensor([[-1.5, -1.0, -0.5, 0.0], [-0.1, 0.0, 0.0, 0.0], [-2.0, -1.0, -0.5, -1.0]])
@@ -153,7 +155,10 @@ def test_a_completion_of_zero_tokens_is_refused_rather_than_losing_its_score(tok
     ids, mask, contain_eos = ppo.truncate_responses([[eos, 7], [], [4, 5]], 3, eos_token_id=eos, pad_token_id=0)
     assert mask.tolist() == [[1, 0, 0], [0, 0, 0], [1, 1, 0]] and contain_eos.tolist() == [True, False, False]
     scores, zeros = torch.tensor([2.0, 5.0, -1.0]), torch.zeros(3, 3)
-    with pytest.raises(RuntimeError, match=r"^completion\(s\) \[1\] of the batch have zero tokens: there is no token to give the score to"):
+    with pytest.raises(
+        RuntimeError,
+        match=r"^completion\(s\) \[1\] of the batch have zero tokens: there is no token to give the score to",
+    ):
         ppo.per_token_rewards(scores, zeros, zeros, mask, kl_coef=0.1)
     # why: a score put on a masked slot is gone after GAE, whatever its value
     rewards = torch.tensor([[0.0, 0.0, 0.0], [5.0, 0.0, 0.0], [0.0, -1.0, 0.0]])
@@ -198,7 +203,12 @@ def test_values_are_read_before_each_response_token_and_padding_does_not_change_
         values = ppo.response_values(value_model, q_ids, q_mask, r_ids, r_mask)
         padded = ppo.response_values(value_model, q2, q2_mask, r2, r2_mask)
         # V(s_t) is the reward-model reading of query + y_<t
-        expected = [ppo.get_reward(value_model, torch.tensor([prompt + response[:t]]), torch.ones(1, 4 + t, dtype=torch.long)).item() for t in range(3)]
+        expected = [
+            ppo.get_reward(
+                value_model, torch.tensor([prompt + response[:t]]), torch.ones(1, 4 + t, dtype=torch.long)
+            ).item()
+            for t in range(3)
+        ]
     assert values[0].tolist() == pytest.approx(expected, abs=1e-5)
     torch.testing.assert_close(padded[:, :3], values, atol=1e-5, rtol=0)
     assert padded[0, 3:].tolist() == [0.0, 0.0, 0.0]
@@ -211,16 +221,23 @@ def test_first_on_policy_minibatch_ratio_is_exactly_one(tokenizer):
     from transformers import LlamaForCausalLM, LlamaForSequenceClassification
 
     torch.manual_seed(0)
-    model = ppo.PolicyAndValue(LlamaForCausalLM(small_config(tokenizer)), LlamaForSequenceClassification(small_config(tokenizer, num_labels=1))).train()
+    model = ppo.PolicyAndValue(
+        LlamaForCausalLM(small_config(tokenizer)), LlamaForSequenceClassification(small_config(tokenizer, num_labels=1))
+    ).train()
     ppo.disable_dropout(model)
     g = torch.Generator().manual_seed(0)
     eos = tokenizer.eos_token_id
-    prompts = [[tokenizer.bos_token_id] + torch.randint(4, len(tokenizer), (n,), generator=g).tolist() for n in (3, 6, 9, 2, 5, 7)]
+    prompts = [
+        [tokenizer.bos_token_id] + torch.randint(4, len(tokenizer), (n,), generator=g).tolist()
+        for n in (3, 6, 9, 2, 5, 7)
+    ]
     responses = [torch.randint(4, len(tokenizer), (n,), generator=g).tolist() + [eos, 7] for n in (1, 4, 2, 6, 3, 9)]
     q_ids, q_mask = ppo.left_pad(prompts, 12, tokenizer.pad_token_id)
     r_ids, r_mask, _ = ppo.truncate_responses(responses, 8, eos, tokenizer.pad_token_id)
     with torch.no_grad():
-        old = [model(q_ids[i : i + 4], q_mask[i : i + 4], r_ids[i : i + 4], r_mask[i : i + 4], 0.7) for i in range(0, 6, 4)]
+        old = [
+            model(q_ids[i : i + 4], q_mask[i : i + 4], r_ids[i : i + 4], r_mask[i : i + 4], 0.7) for i in range(0, 6, 4)
+        ]
     old_logprobs, old_values = torch.cat([o[0] for o in old]), torch.cat([o[2] for o in old])
     scores = torch.tensor([1.0, -2.0, 0.5, 3.0, -1.0, 0.0])
     rewards, _ = ppo.per_token_rewards(scores, old_logprobs, old_logprobs - 0.1, r_mask, 0.05)
@@ -255,11 +272,29 @@ def test_policy_state_dict_has_the_plain_causal_lm_names(tokenizer):
     assert all(torch.equal(got[k], v) for k, v in policy.state_dict().items())
 
 
+def test_the_value_model_needs_the_policy_s_tokenizer(tokenizer):
+    """The value model starts from the reward model and reads the policy's token ids: another tokenizer is refused."""
+    from transformers import AutoTokenizer
+
+    other = AutoTokenizer.from_pretrained(tokenizer.name_or_path, padding_side="left")
+    other.add_tokens(["<another>"])
+    args, same = ppo.Args(), AutoTokenizer.from_pretrained(tokenizer.name_or_path)
+    for reward_tokenizer in (same, None):  # None: gsm8k, no reward model
+        ppo.check_value_model(ppo.Inputs(None, None, None, tokenizer, reward_tokenizer, None, None), args)
+    with pytest.raises(ppo.UsageError, match="its tokenizer must be the policy's"):
+        ppo.check_value_model(ppo.Inputs(None, None, None, tokenizer, other, None, None), args)
+
+
 # ------------------------------------------------------------------------------ sizes
 def test_sizes_count_prompts_one_completion_each():
     args = ppo.Args(total_episodes=512, local_micro_batch_size=4, gradient_accumulation_steps=2, num_mini_batches=2)
     sizes = ppo.compute_sizes(args, world_size=1)
-    assert (sizes.local_mini_batch_size, sizes.local_batch_size, sizes.episodes_per_step, sizes.num_steps) == (8, 16, 16, 32)
+    assert (sizes.local_mini_batch_size, sizes.local_batch_size, sizes.episodes_per_step, sizes.num_steps) == (
+        8,
+        16,
+        16,
+        32,
+    )
     with pytest.raises(ValueError, match="change --total_episodes"):
         ppo.compute_sizes(ppo.Args(total_episodes=100), 1)
     with pytest.raises(ValueError, match="--cliprange_value"):

@@ -22,8 +22,21 @@ def test_async_1_keeps_the_lag_invariant_and_the_on_policy_ratio():
 
 
 def test_engine_logprobs_with_truncated_importance_weights_at_async_2(tmp_path):
-    run_script([PYTHON, "rloo_async.py", "--old_logprobs", "engine", "--async_level", "2", "--num_mini_batches", "2",
-                *SMALL_RUN, "--output_dir", str(tmp_path)])
+    run_script(
+        [
+            PYTHON,
+            "rloo_async.py",
+            "--old_logprobs",
+            "engine",
+            "--async_level",
+            "2",
+            "--num_mini_batches",
+            "2",
+            *SMALL_RUN,
+            "--output_dir",
+            str(tmp_path),
+        ]
+    )
     args, train, _ = check_run(tmp_path, "rloo_async.py")
     assert args["old_logprobs"] == "engine" and args["num_steps"] == 8
     diffs = [m["policy/engine_logprob_diff"] for m in train]
@@ -48,17 +61,29 @@ def test_engine_logprobs_are_the_trainers_after_temperature(tokenizer):
     args = rloo.Args()
     llm = rloo.make_engine(args, rloo.engine_placement(args.vllm_placement, [], 1, None), "float32")
     try:
-        prompts = [tokenizer(q).input_ids for q in ("sort: fox ant cat ->", "sort: yak bee cow dog elk emu ->", "sort: ape asp ->")]
-        responses, logprobs = rloo.generate(llm, prompts, 4, args.temperature, args.response_length, tokenizer.eos_token_id, [0, 1, 2])
+        prompts = [
+            tokenizer(q).input_ids
+            for q in ("sort: fox ant cat ->", "sort: yak bee cow dog elk emu ->", "sort: ape asp ->")
+        ]
+        eos, seeds = tokenizer.eos_token_id, [0, 1, 2]
+        responses, logprobs = rloo.generate(
+            llm, prompts, 4, args.temperature, args.response_length, eos, seeds, logprobs=True
+        )
     finally:
         llm.llm_engine.engine_core.shutdown()
     policy = AutoModelForCausalLM.from_pretrained(args.sft_model_path).eval()
     q_ids, q_mask = rloo.left_pad(prompts, args.max_prompt_length, tokenizer.pad_token_id)
-    r_ids, r_mask, _ = rloo.truncate_responses(responses, args.response_length, tokenizer.eos_token_id, tokenizer.pad_token_id)
+    r_ids, r_mask, _ = rloo.truncate_responses(
+        responses, args.response_length, tokenizer.eos_token_id, tokenizer.pad_token_id
+    )
     engine = rloo.pad_logprobs(logprobs, args.response_length, r_mask)
     with torch.no_grad():
-        trainer = rloo.response_logprobs(policy, q_ids.repeat_interleave(4, 0), q_mask.repeat_interleave(4, 0), r_ids, r_mask, args.temperature)
-        raw = rloo.response_logprobs(policy, q_ids.repeat_interleave(4, 0), q_mask.repeat_interleave(4, 0), r_ids, r_mask, 1.0)
+        trainer = rloo.response_logprobs(
+            policy, q_ids.repeat_interleave(4, 0), q_mask.repeat_interleave(4, 0), r_ids, r_mask, args.temperature
+        )
+        raw = rloo.response_logprobs(
+            policy, q_ids.repeat_interleave(4, 0), q_mask.repeat_interleave(4, 0), r_ids, r_mask, 1.0
+        )
     assert [len(lp) for lp in logprobs] == [len(r) for r in responses]
     diff = (engine - trainer).abs().max().item()
     print(f"max |engine - trainer| per token: {diff:.2e}")

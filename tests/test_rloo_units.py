@@ -110,16 +110,16 @@ def test_first_on_policy_minibatch_ratio_is_exactly_one(tokenizer):
     model = LlamaForCausalLM(small_config(tokenizer)).train()
     rloo.disable_dropout(model)
     g = torch.Generator().manual_seed(0)
-    prompts = [[tokenizer.bos_token_id] + torch.randint(4, len(tokenizer), (n,), generator=g).tolist() for n in (3, 6, 9)]
+    prompts = [
+        [tokenizer.bos_token_id] + torch.randint(4, len(tokenizer), (n,), generator=g).tolist() for n in (3, 6, 9)
+    ]
     k, eos = 2, tokenizer.eos_token_id
     responses = [torch.randint(4, len(tokenizer), (n,), generator=g).tolist() + [eos, 7] for n in (1, 4, 2, 6, 3, 9)]
     q_ids, q_mask = rloo.left_pad(prompts, 12, tokenizer.pad_token_id)
     q_ids, q_mask = q_ids.repeat_interleave(k, 0), q_mask.repeat_interleave(k, 0)
-    r_ids, r_mask, _ = rloo.truncate_responses(responses, 8, eos, tokenizer.pad_token_id)
+    r_ids, r_mask, contain_eos = rloo.truncate_responses(responses, 8, eos, tokenizer.pad_token_id)
     # as the script does: old logprobs in no-grad forward batches, then a shuffled micro-batch of another size
-    with torch.no_grad():
-        old = torch.cat([rloo.response_logprobs(model, q_ids[i : i + 4], q_mask[i : i + 4], r_ids[i : i + 4], r_mask[i : i + 4], 0.7) for i in range(0, 6, 4)])
-    old_logps = old.sum(1)
+    old_logps = rloo.batch_logprobs(model, rloo.Batch(q_ids, q_mask, r_ids, r_mask, contain_eos), 0.7, 4).sum(1)
     advantages = rloo.rloo_advantages(torch.tensor([[1.0, -2.0], [0.5, 3.0], [-1.0, 0.0]])).flatten()
     idx = torch.tensor([4, 1, 5, 0, 3])
     logps = rloo.response_logprobs(model, q_ids[idx], q_mask[idx], r_ids[idx], r_mask[idx], 0.7).sum(1)
@@ -137,10 +137,17 @@ def test_first_on_policy_minibatch_ratio_is_exactly_one(tokenizer):
 
 # ------------------------------------------------------------------------------ sizes
 def test_sizes_count_prompts_and_episodes_count_completions():
-    args = rloo.Args(total_episodes=512, local_micro_batch_size=4, gradient_accumulation_steps=2, num_mini_batches=2, rloo_k=4)
+    args = rloo.Args(
+        total_episodes=512, local_micro_batch_size=4, gradient_accumulation_steps=2, num_mini_batches=2, rloo_k=4
+    )
     sizes = rloo.compute_sizes(args, world_size=1)
-    assert (sizes.local_mini_batch_size, sizes.local_batch_size, sizes.episodes_per_step, sizes.num_steps) == (8, 16, 64, 8)
+    assert (sizes.local_mini_batch_size, sizes.local_batch_size, sizes.episodes_per_step, sizes.num_steps) == (
+        8,
+        16,
+        64,
+        8,
+    )
     with pytest.raises(ValueError, match="--rloo_k must be >= 2"):
         rloo.compute_sizes(rloo.Args(rloo_k=1), 1)
-    with pytest.raises(ValueError, match="rloo_k 4; change --total_episodes"):
+    with pytest.raises(ValueError, match="x 4 completions per prompt; change --total_episodes"):
         rloo.compute_sizes(rloo.Args(total_episodes=100, rloo_k=4), 1)

@@ -47,19 +47,27 @@ def test_tldr_prompts_are_the_query_column_as_it_is(script, tokenizer):
     for split in ("train", "validation", "test"):
         rows = rows_of(FIXTURES / "tldr" / "data" / f"{split}.jsonl")
         prompts = script.load_prompts(str(FIXTURES / "tldr" / "data"), split, tokenizer, 512, task="tldr")
-        assert prompts.queries == [r["query"] for r in rows] and prompts.references == [r["reference_response"] for r in rows]
+        assert prompts.queries == [r["query"] for r in rows] and prompts.references == [
+            r["reference_response"] for r in rows
+        ]
         assert prompts.token_ids == [[tokenizer.bos_token_id, *word_ids(tokenizer, r["query"])] for r in rows]
     assert prompts.queries[0] == (
         "SUBREDDIT: r/dogs\n\nTITLE: Rescue dog will not walk past the mailbox at the end of our street\n\nPOST: We adopted her two weeks ago. "
         "Every walk she stops dead at the same mailbox and pulls to go home. Treats do not help. Is this something we train or wait out?\n\nTL;DR:"
     )
-    assert prompts.references[0] == " new rescue dog refuses to walk past one mailbox; train it or give her time?<|endoftext|>"
+    assert (
+        prompts.references[0]
+        == " new rescue dog refuses to walk past one mailbox; train it or give her time?<|endoftext|>"
+    )
 
 
 def test_no_robots_prompts_are_the_chat_template_before_the_last_answer_with_one_bos(script, chat_tokenizer):
     prompts = script.load_prompts(str(FIXTURES / "no_robots" / "data"), "train", chat_tokenizer, 512, task="no_robots")
     assert prompts.queries[0] == "<s>user: Write a haiku about the first frost on a vegetable garden.\nassistant:"
-    assert prompts.queries[1] == "<s>system: You are a patient tutor who explains science to children.\nuser: Why is the sky blue?\nassistant:"
+    assert (
+        prompts.queries[1]
+        == "<s>system: You are a patient tutor who explains science to children.\nuser: Why is the sky blue?\nassistant:"
+    )
     assert prompts.queries[2] == (  # several turns: everything before the final assistant turn
         "<s>system: Pip is a cheerful chatbot who loves trains.\nuser: What should I do this weekend?\n"
         "assistant: How about a trip on a heritage railway? Many run steam trains on weekends.\nuser: I get bored on long rides.\nassistant:"
@@ -75,40 +83,77 @@ def test_no_robots_prompts_are_the_chat_template_before_the_last_answer_with_one
 
 def test_gsm8k_prompts_answers_and_configs(script, tokenizer):
     prompts = script.load_prompts(str(FIXTURES / "gsm8k"), "test", tokenizer, 512, task="gsm8k", config="main")
-    assert prompts.queries[0] == "[MATH_TASK] Problem:\nA train travels 60 miles in 1.5 hours. What is its average speed in miles per hour?\n\nSolution:"
+    assert (
+        prompts.queries[0]
+        == "[MATH_TASK] Problem:\nA train travels 60 miles in 1.5 hours. What is its average speed in miles per hour?\n\nSolution:"
+    )
     assert prompts.references[0] == "Its speed is 60 / 1.5 = <<60/1.5=40>>40 miles per hour.\n#### 40"
     assert prompts.token_ids[0] == [tokenizer.bos_token_id, *word_ids(tokenizer, prompts.queries[0])]
     assert len(prompts.queries) == 3
     socratic = script.load_prompts(str(FIXTURES / "gsm8k"), "train", tokenizer, 512, task="gsm8k", config="socratic")
     assert len(socratic.references) == 1 and socratic.references[0].startswith("How many boxes does she fill? **")
     # --dataset_config works on a local folder as on the hub: the folder's README declares its configs
-    with pytest.raises(script.UsageError, match=r"^--dataset_name \S+gsm8k split train: Config name is missing\. Please pick one among the available configs: \['main', 'socratic'\]$"):
+    with pytest.raises(
+        script.UsageError,
+        match=r"^--dataset_name \S+gsm8k split train: Config name is missing\. Please pick one among the available configs: \['main', 'socratic'\]$",
+    ):
         script.load_prompts(str(FIXTURES / "gsm8k"), "train", tokenizer, 512, task="gsm8k")
-    with pytest.raises(script.UsageError, match=r"^--dataset_name \S+tldr/data --dataset_config main split train: BuilderConfig 'main' not found"):
+    with pytest.raises(
+        script.UsageError,
+        match=r"^--dataset_name \S+tldr/data --dataset_config main split train: BuilderConfig 'main' not found",
+    ):
         script.load_prompts(str(FIXTURES / "tldr" / "data"), "train", tokenizer, 512, task="tldr", config="main")
-    with pytest.raises(script.UsageError, match=r"^--dataset_config main: the single file --dataset_name \S+train.jsonl has no configs$"):
+    with pytest.raises(
+        script.UsageError,
+        match=r"^--dataset_config main: the single file --dataset_name \S+train.jsonl has no configs$",
+    ):
         script.load_split(str(FIXTURES / "gsm8k" / "main" / "train.jsonl"), "train", "main")
 
 
-def test_missing_columns_and_chat_templates_and_bad_rows_are_one_line_usage_errors(script, tokenizer, chat_tokenizer, tmp_path):
+def test_missing_columns_and_chat_templates_and_bad_rows_are_one_line_usage_errors(
+    script, tokenizer, chat_tokenizer, tmp_path
+):
     cases = [
-        (lambda: script.load_prompts(str(FIXTURES / "tldr" / "data"), "validation", chat_tokenizer, 512, task="no_robots"),
-         r"--dataset_name \S+tldr/data split validation lacks column\(s\) \['messages'\] of --task no_robots; it has \['id', 'subreddit', "),
-        (lambda: script.load_prompts(str(FIXTURES / "no_robots" / "data"), "test", tokenizer, 512, task="gsm8k"),
-         r"--dataset_name \S+no_robots/data split test lacks column\(s\) \['question', 'answer'\] of --task gsm8k; it has \['prompt', 'prompt_id', 'messages', 'category'\]"),
-        (lambda: script.load_prompts(str(FIXTURES / "gsm8k"), "test", tokenizer, 512, task="tldr", config="main"),
-         r"lacks column\(s\) \['query', 'reference_response'\] of --task tldr; it has \['question', 'answer'\]"),
-        (lambda: script.load_prompts(str(FIXTURES / "no_robots" / "data"), "test", tokenizer, 512, task="no_robots"),
-         rf"--task no_robots writes prompts with the policy's chat template, and the tokenizer of --sft_model_path {TINY / 'sft'} has none"),
+        (
+            lambda: script.load_prompts(
+                str(FIXTURES / "tldr" / "data"), "validation", chat_tokenizer, 512, task="no_robots"
+            ),
+            r"--dataset_name \S+tldr/data split validation lacks column\(s\) \['messages'\] of --task no_robots; it has \['id', 'subreddit', ",
+        ),
+        (
+            lambda: script.load_prompts(str(FIXTURES / "no_robots" / "data"), "test", tokenizer, 512, task="gsm8k"),
+            r"--dataset_name \S+no_robots/data split test lacks column\(s\) \['question', 'answer'\] of --task gsm8k; it has \['prompt', 'prompt_id', 'messages', 'category'\]",
+        ),
+        (
+            lambda: script.load_prompts(str(FIXTURES / "gsm8k"), "test", tokenizer, 512, task="tldr", config="main"),
+            r"lacks column\(s\) \['query', 'reference_response'\] of --task tldr; it has \['question', 'answer'\]",
+        ),
+        (
+            lambda: script.load_prompts(str(FIXTURES / "no_robots" / "data"), "test", tokenizer, 512, task="no_robots"),
+            rf"--task no_robots writes prompts with the policy's chat template, and the tokenizer of --sft_model_path {TINY / 'sft'} has none",
+        ),
     ]
     # a label needs a match of the verifier's "#### (-?[0-9.,]+)": "####" alone, or followed by a word, is not one
-    unlabelled = [{"question": "What is 2 + 2?", "answer": answer} for answer in ("2 + 2 = 4\n#### 4", "2 + 2 = 4", "2 + 2 = 4\n#### four")]
+    unlabelled = [
+        {"question": "What is 2 + 2?", "answer": answer}
+        for answer in ("2 + 2 = 4\n#### 4", "2 + 2 = 4", "2 + 2 = 4\n#### four")
+    ]
     (tmp_path / "unlabelled.jsonl").write_text("".join(json.dumps(row) + "\n" for row in unlabelled))
-    cases.append((lambda: script.load_prompts(str(tmp_path / "unlabelled.jsonl"), "train", tokenizer, 512, task="gsm8k"),
-                  r"unlabelled.jsonl split train: 2 `answer`\(s\) without a '#### <number>' final answer \(row 1\): not GSM8k's format$"))
+    cases.append(
+        (
+            lambda: script.load_prompts(str(tmp_path / "unlabelled.jsonl"), "train", tokenizer, 512, task="gsm8k"),
+            r"unlabelled.jsonl split train: 2 `answer`\(s\) without a '#### <number>' final answer \(row 1\): not GSM8k's format$",
+        )
+    )
     (tmp_path / "no_answer.jsonl").write_text(json.dumps({"messages": [{"role": "user", "content": "Hi"}]}) + "\n")
-    cases.append((lambda: script.load_prompts(str(tmp_path / "no_answer.jsonl"), "train", chat_tokenizer, 512, task="no_robots"),
-                  r"no_answer.jsonl split train: row 0's `messages` do not end with an assistant turn"))
+    cases.append(
+        (
+            lambda: script.load_prompts(
+                str(tmp_path / "no_answer.jsonl"), "train", chat_tokenizer, 512, task="no_robots"
+            ),
+            r"no_answer.jsonl split train: row 0's `messages` do not end with an assistant turn",
+        )
+    )
     for load, message in cases:
         with pytest.raises(script.UsageError, match=message) as error:
             load()
@@ -119,43 +164,63 @@ def test_a_gold_reward_model_for_gsm8k_is_refused_in_one_line_before_any_model_l
     """From the shell (one script: this check is the same text in all three)."""
     import subprocess
 
-    argv = [sys.executable, "rloo_async.py", "--task", "gsm8k", "--dataset_name", str(FIXTURES / "gsm8k"), "--dataset_config", "main",
-            "--gold_judge", str(TINY / "reward"), "--output_dir", str(tmp_path / "run")]
+    argv = [
+        sys.executable,
+        "rloo_async.py",
+        "--task",
+        "gsm8k",
+        "--dataset_name",
+        str(FIXTURES / "gsm8k"),
+        "--dataset_config",
+        "main",
+        "--gold_judge",
+        str(TINY / "reward"),
+        "--output_dir",
+        str(tmp_path / "run"),
+    ]
     proc = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 1 and proc.stderr.strip().splitlines() == [
-        f"error: --gold_judge {TINY / 'reward'}: --task gsm8k is evaluated by its verifier (eval/pass@1), not by a gold reward model"]
+        f"error: --gold_judge {TINY / 'reward'}: --task gsm8k is evaluated by its verifier (eval/pass@1), not by a gold reward model"
+    ]
     assert not (tmp_path / "run").exists()
 
 
 # ------------------------------------------------------------------------------------------ GSM8k's verifier
 # OpenAI's grade-school-math checker: the first match of "#### (-?[0-9.,]+)", commas removed, equal as strings
-@pytest.mark.parametrize("completion, answer, reward", [
-    ("She makes 8 * 5 = 40 dollars.\n#### 40", "She makes 8 * 5 = <<8*5=40>>40 dollars.\n#### 40", 1.0),
-    ("#### 1020", "#### 1,020", 1.0),  # commas are removed, from the label too
-    ("#### 1,020", "#### 1020", 1.0),
-    ("#### 1,02,0", "#### 1020", 1.0),  # wherever they are
-    ("#### 40 dollars", "#### 40", 1.0),  # what follows the number is not read
-    ("#### 5%", "#### 5", 1.0),
-    ("#### 40\n\nProblem: Ann has 3 cats and buys 4. How many cats?\nSolution: 3 + 4 = 7\n#### 7", "#### 40", 1.0),  # the first match counts
-    ("#### 12\nno, wait\n#### 40", "#### 40", 0.0),
-    ("#### 40\nno, wait\n#### 12", "#### 40", 1.0),
-    ("So the answer is #### 40", "#### 40", 1.0),  # anywhere in the text
-    ("####40", "#### 40", 0.0),  # no space: no match, and so no answer
-    ("####   40  ", "#### 40", 0.0),  # more than one space: no match either
-    ("####40\n#### 40", "#### 40", 1.0),  # the first MATCH: "####40" is none
-    ("The answer is 40.", "#### 40", 0.0),  # no "####": no answer
-    ("####", "#### 40", 0.0),
-    ("#### 40.", "#### 40", 0.0),  # the period is taken: "40." is not "40"
-    ("#### 40.\n", "#### 40.", 1.0),
-    ("#### 40.0", "#### 40", 0.0),  # nothing else is normalised
-    ("#### $40", "#### 40", 0.0),
-    ("#### 4 0", "#### 40", 0.0),  # "4"
-    ("#### -5", "#### -5", 1.0),
-    ("#### 5", "#### -5", 0.0),
-    ("#### - 5", "#### -5", 0.0),
-    ("#### \u22125", "#### -5", 0.0),  # Unicode minus: no match
-    ("#### -7 degrees", "At midnight it was 4 - 11 = <<4-11=-7>>-7 degrees.\n#### -7", 1.0),
-])
+@pytest.mark.parametrize(
+    "completion, answer, reward",
+    [
+        ("She makes 8 * 5 = 40 dollars.\n#### 40", "She makes 8 * 5 = <<8*5=40>>40 dollars.\n#### 40", 1.0),
+        ("#### 1020", "#### 1,020", 1.0),  # commas are removed, from the label too
+        ("#### 1,020", "#### 1020", 1.0),
+        ("#### 1,02,0", "#### 1020", 1.0),  # wherever they are
+        ("#### 40 dollars", "#### 40", 1.0),  # what follows the number is not read
+        ("#### 5%", "#### 5", 1.0),
+        (
+            "#### 40\n\nProblem: Ann has 3 cats and buys 4. How many cats?\nSolution: 3 + 4 = 7\n#### 7",
+            "#### 40",
+            1.0,
+        ),  # the first match counts
+        ("#### 12\nno, wait\n#### 40", "#### 40", 0.0),
+        ("#### 40\nno, wait\n#### 12", "#### 40", 1.0),
+        ("So the answer is #### 40", "#### 40", 1.0),  # anywhere in the text
+        ("####40", "#### 40", 0.0),  # no space: no match, and so no answer
+        ("####   40  ", "#### 40", 0.0),  # more than one space: no match either
+        ("####40\n#### 40", "#### 40", 1.0),  # the first MATCH: "####40" is none
+        ("The answer is 40.", "#### 40", 0.0),  # no "####": no answer
+        ("####", "#### 40", 0.0),
+        ("#### 40.", "#### 40", 0.0),  # the period is taken: "40." is not "40"
+        ("#### 40.\n", "#### 40.", 1.0),
+        ("#### 40.0", "#### 40", 0.0),  # nothing else is normalised
+        ("#### $40", "#### 40", 0.0),
+        ("#### 4 0", "#### 40", 0.0),  # "4"
+        ("#### -5", "#### -5", 1.0),
+        ("#### 5", "#### -5", 0.0),
+        ("#### - 5", "#### -5", 0.0),
+        ("#### \u22125", "#### -5", 0.0),  # Unicode minus: no match
+        ("#### -7 degrees", "At midnight it was 4 - 11 = <<4-11=-7>>-7 degrees.\n#### -7", 1.0),
+    ],
+)
 def test_gsm8k_verifier_by_hand(completion, answer, reward):
     for name in SCRIPTS:
         assert importlib.import_module(name.removesuffix(".py")).gsm8k_reward(completion, answer) == reward
@@ -167,13 +232,21 @@ def test_gsm8k_answers_of_the_fixture_labels_and_completions_against_them(script
     prompts = script.load_prompts(str(FIXTURES / "gsm8k"), "train", tokenizer, 512, task="gsm8k", config="main")
     assert [script.gsm8k_answer(answer) for answer in prompts.references] == ["40", "36", "1020", "9", "18", "-7"]
     label = dict(zip(["muffins", "pages", "chickens", "apples", "pens", "temperature"], prompts.references))
-    assert label["pens"].endswith("#### 18 dollars") and label["chickens"].endswith("#### 1,020") and label["temperature"].endswith("#### -7")
+    assert (
+        label["pens"].endswith("#### 18 dollars")
+        and label["chickens"].endswith("#### 1,020")
+        and label["temperature"].endswith("#### -7")
+    )
     cases = [
         ("pens", "12 + 6 = 18 dollars.\n#### 18", 1.0),
         ("pens", "#### 18 dollars", 1.0),
         ("pens", "#### 18.", 0.0),
         ("pens", "####18", 0.0),
-        ("pens", "#### 18\n\n[MATH_TASK] Problem:\nA box holds 6 eggs. How many eggs are in 5 boxes?\n\nSolution: 6 * 5 = 30\n#### 30", 1.0),
+        (
+            "pens",
+            "#### 18\n\n[MATH_TASK] Problem:\nA box holds 6 eggs. How many eggs are in 5 boxes?\n\nSolution: 6 * 5 = 30\n#### 30",
+            1.0,
+        ),
         ("pens", "#### 30\n#### 18", 0.0),
         ("chickens", "#### 1,020", 1.0),
         ("chickens", "#### 1020 chickens", 1.0),
@@ -183,7 +256,9 @@ def test_gsm8k_answers_of_the_fixture_labels_and_completions_against_them(script
         ("temperature", "#### -7.", 0.0),
         ("apples", "#### 9 apples.", 1.0),
     ]
-    assert [script.gsm8k_reward(completion, label[name]) for name, completion, _ in cases] == [reward for _, _, reward in cases]
+    assert [script.gsm8k_reward(completion, label[name]) for name, completion, _ in cases] == [
+        reward for _, _, reward in cases
+    ]
 
 
 def number_tokenizer():
@@ -194,7 +269,9 @@ def number_tokenizer():
     vocab = {word: i for i, word in enumerate(["<pad>", "<s>", "</s>", "<unk>", "####", "40", "12", "so"])}
     backend = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
     backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    return PreTrainedTokenizerFast(tokenizer_object=backend, bos_token="<s>", eos_token="</s>", pad_token="<pad>", unk_token="<unk>")
+    return PreTrainedTokenizerFast(
+        tokenizer_object=backend, bos_token="<s>", eos_token="</s>", pad_token="<pad>", unk_token="<unk>"
+    )
 
 
 def test_verified_completions_and_pass_at_1_by_hand(script):
@@ -206,9 +283,19 @@ def test_verified_completions_and_pass_at_1_by_hand(script):
     assert contain_eos.tolist() == [True, True, False, True]
     answers = ["#### 40", "#### 40", "A.\n#### 40", "#### 12"]
     rewards = script.verify_completions(tokenizer, ids, mask, answers)
-    assert rewards.tolist() == [1.0, 0.0, 1.0, 0.0]  # a completion cut without EOS is still verified (table 10: no penalty)
+    assert rewards.tolist() == [
+        1.0,
+        0.0,
+        1.0,
+        0.0,
+    ]  # a completion cut without EOS is still verified (table 10: no penalty)
     assert rewards.mean().item() == pytest.approx(2 / 4)
-    assert script.verify_completions(tokenizer, ids, mask, answers[::-1]).tolist() == [0.0, 0.0, 1.0, 1.0]  # each against its own label
+    assert script.verify_completions(tokenizer, ids, mask, answers[::-1]).tolist() == [
+        0.0,
+        0.0,
+        1.0,
+        1.0,
+    ]  # each against its own label
 
 
 # ------------------------------------------------------------------------------------------ evaluation helpers
@@ -226,7 +313,6 @@ def slow_perplexity(model, prompt: list[int], response: list[int], eos_token_id:
 
 
 def test_reference_perplexity_against_a_slow_loop(script, tokenizer, tmp_path):
-    import torch
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(save_random_policy(tokenizer, tmp_path / "ref", seed=3)).eval()
@@ -255,14 +341,32 @@ def test_eval_completions_are_written_atomically_one_file_per_step(script, tmp_p
         {"step": 3, "episode": 96, "prompt": "p1", "completion": "c1", "reference": "r1"},
         {"step": 3, "episode": 96, "prompt": "p2", "completion": "c2", "reference": "r2"},
     ]
-    script.write_eval_completions(str(tmp_path), 3, 96, ["p1"], ["again"], ["r1"])  # a resumed run evaluating step 3 again
+    script.write_eval_completions(
+        str(tmp_path), 3, 96, ["p1"], ["again"], ["r1"]
+    )  # a resumed run evaluating step 3 again
     assert sorted(p.name for p in (tmp_path / "eval_completions").iterdir()) == ["step_000003.jsonl"]
     assert [r["completion"] for r in rows_of(tmp_path / "eval_completions" / "step_000003.jsonl")] == ["again"]
 
 
 def test_a_chat_templated_text_gets_one_bos_from_a_judges_tokenizer(script, chat_tokenizer):
-    assert script.encode_text(chat_tokenizer, "<s>user: sort: cat ->\nassistant: cat </s>") == [1, 3, 4, 12, 5, 3, 12, 2]
-    assert script.encode_text(chat_tokenizer, "sort: cat -> cat </s>") == [1, 4, 12, 5, 12, 2]  # a plain text gets its BOS as before
+    assert script.encode_text(chat_tokenizer, "<s>user: sort: cat ->\nassistant: cat </s>") == [
+        1,
+        3,
+        4,
+        12,
+        5,
+        3,
+        12,
+        2,
+    ]
+    assert script.encode_text(chat_tokenizer, "sort: cat -> cat </s>") == [
+        1,
+        4,
+        12,
+        5,
+        12,
+        2,
+    ]  # a plain text gets its BOS as before
 
 
 # ------------------------------------------------------------------------------------------ whole runs
@@ -282,10 +386,36 @@ def test_gsm8k_run_verifier_rewards_greedy_pass_at_1_and_reference_perplexity(to
 
     policy = save_random_policy(tokenizer, tmp_path / "policy", seed=1)
     out = tmp_path / "run"
-    run_script([sys.executable, "ppo_async.py", "--task", "gsm8k", "--dataset_name", str(FIXTURES / "gsm8k"), "--dataset_config", "main",
-                "--sft_model_path", str(policy), "--reward_model_path", str(tmp_path / "no_such_model"), "--max_prompt_length", "40",
-                "--response_length", "16", "--total_episodes", "4", "--local_micro_batch_size", "2", "--eval_freq", "0", "--lr_schedule", "constant",
-                "--output_dir", str(out)])
+    run_script(
+        [
+            sys.executable,
+            "ppo_async.py",
+            "--task",
+            "gsm8k",
+            "--dataset_name",
+            str(FIXTURES / "gsm8k"),
+            "--dataset_config",
+            "main",
+            "--sft_model_path",
+            str(policy),
+            "--reward_model_path",
+            str(tmp_path / "no_such_model"),
+            "--max_prompt_length",
+            "40",
+            "--response_length",
+            "16",
+            "--total_episodes",
+            "4",
+            "--local_micro_batch_size",
+            "2",
+            "--eval_freq",
+            "0",
+            "--lr_schedule",
+            "constant",
+            "--output_dir",
+            str(out),
+        ]
+    )
     evals, train = eval_lines(out)
     assert [e["step"] for e in evals] == [0, 2] and len(train) == 2
     assert all(0 <= m["objective/scores"] <= 1 for m in train)
@@ -297,15 +427,22 @@ def test_gsm8k_run_verifier_rewards_greedy_pass_at_1_and_reference_perplexity(to
         assert [r["prompt"] for r in rows] == [ppo.GSM8K_PROMPT.format(question=t["question"]) for t in test_rows]
         assert [r["reference"] for r in rows] == [t["answer"] for t in test_rows]
         assert all(r["step"] == e["step"] and r["episode"] == e["episode"] == e["step"] * 2 for r in rows)
-        assert e["eval/pass@1"] == pytest.approx(sum(ppo.gsm8k_reward(r["completion"], r["reference"]) for r in rows) / len(rows))
+        assert e["eval/pass@1"] == pytest.approx(
+            sum(ppo.gsm8k_reward(r["completion"], r["reference"]) for r in rows) / len(rows)
+        )
     # step 0: the policy is still the SFT (= reference) model; its greedy completions and their perplexity by hand
     model = AutoModelForCausalLM.from_pretrained(policy).eval()
     prompts = ppo.load_prompts(str(FIXTURES / "gsm8k"), "test", tokenizer, 40, task="gsm8k", config="main")
     greedy, perplexities = [], []
     for prompt in prompts.token_ids:
         with torch.no_grad():
-            ids = model.generate(torch.tensor([prompt]), max_new_tokens=16, do_sample=False, eos_token_id=tokenizer.eos_token_id,
-                                 pad_token_id=tokenizer.pad_token_id)[0, len(prompt):].tolist()
+            ids = model.generate(
+                torch.tensor([prompt]),
+                max_new_tokens=16,
+                do_sample=False,
+                eos_token_id=tokenizer.eos_token_id,
+                pad_token_id=tokenizer.pad_token_id,
+            )[0, len(prompt) :].tolist()
         greedy.append(tokenizer.decode(ids[: ids.index(2) + 1] if 2 in ids else ids, skip_special_tokens=True))
         perplexities.append(slow_perplexity(model, prompt, ids, tokenizer.eos_token_id))
     assert [r["completion"] for r in rows_of(out / "eval_completions" / "step_000000.jsonl")] == greedy
@@ -317,9 +454,32 @@ def test_no_robots_run_chat_prompts_completions_file_and_reward_model_win_rate(c
     gold judge: the eval completions file is what benchmark/llm_judge.py reads."""
     policy = save_random_policy(chat_tokenizer, tmp_path / "policy", seed=2)
     out = tmp_path / "run"
-    run_script([sys.executable, "online_dpo_async.py", "--task", "no_robots", "--dataset_name", str(FIXTURES / "no_robots" / "data"),
-                "--sft_model_path", str(policy), "--gold_judge", str(TINY / "reward"), "--max_prompt_length", "48", "--response_length", "16",
-                "--total_episodes", "8", "--local_micro_batch_size", "2", "--eval_freq", "0", "--output_dir", str(out)])
+    run_script(
+        [
+            sys.executable,
+            "online_dpo_async.py",
+            "--task",
+            "no_robots",
+            "--dataset_name",
+            str(FIXTURES / "no_robots" / "data"),
+            "--sft_model_path",
+            str(policy),
+            "--gold_judge",
+            str(TINY / "reward"),
+            "--max_prompt_length",
+            "48",
+            "--response_length",
+            "16",
+            "--total_episodes",
+            "8",
+            "--local_micro_batch_size",
+            "2",
+            "--eval_freq",
+            "0",
+            "--output_dir",
+            str(out),
+        ]
+    )
     evals, train = eval_lines(out)
     assert [e["step"] for e in evals] == [0, 2] and len(train) == 2
     test_rows = rows_of(FIXTURES / "no_robots" / "data" / "test.jsonl")

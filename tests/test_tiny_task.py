@@ -3,7 +3,7 @@
 import json
 import sys
 
-from conftest import ROOT, TINY, run_script
+from conftest import TINY, run_script
 
 import online_dpo_async as dpo
 
@@ -19,8 +19,10 @@ def test_committed_artifacts_are_small_and_in_the_expected_shape(tokenizer):
     for split in ("train", "test"):
         prompts = dpo.load_prompts(str(TINY / "data"), split, tokenizer, dpo.Args.max_prompt_length)
         assert len(prompts.queries) >= 512  # none dropped for length: every query fits the default
-        assert all(r.endswith(" </s>") or len(tokenizer(r, add_special_tokens=False).input_ids) == dpo.Args.response_length
-                   for r in prompts.references[:200])
+        assert all(
+            r.endswith(" </s>") or len(tokenizer(r, add_special_tokens=False).input_ids) == dpo.Args.response_length
+            for r in prompts.references[:200]
+        )
 
 
 def test_builder_runs_end_to_end_in_quick_mode(tmp_path):

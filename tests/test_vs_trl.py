@@ -1,5 +1,5 @@
 """benchmark/vs_trl.py without TRL and without a GPU: the plan (every run gets the same work, and each command parses
-as its script or the TRL driver reads it), the differences table (also the README's), the executor and the wrapper
+as its script or the TRL driver reads it), the differences table (also docs/vs_trl.md's), the executor and the wrapper
 of our runs, and the results table and chart on FAKE timings checked against hand-computed numbers."""
 
 import json
@@ -34,39 +34,79 @@ def settings(run: vs_trl.Run) -> dict:
         assert run.argv[1:3] == ["benchmark/vs_trl.py", "--run_script"]
         script, flags = run.argv[3], run.argv[4:]
         a = tyro.cli(MODULES[script].Args, args=flags)
-        assert (a.async_level, a.vllm_placement, a.num_mini_batches, a.num_ppo_epochs) == (run.async_level, "auto", 1, 1)
+        assert (a.async_level, a.vllm_placement, a.num_mini_batches, a.num_ppo_epochs) == (
+            run.async_level,
+            "auto",
+            1,
+            1,
+        )
         sizes = MODULES[script].compute_sizes(a, 1)
-        samples, prompts = (a.num_samples, sizes.batch_size) if script == "online_dpo_async.py" else (a.rloo_k, sizes.batch_size)
+        samples, prompts = (
+            (a.num_samples, sizes.batch_size) if script == "online_dpo_async.py" else (a.rloo_k, sizes.batch_size)
+        )
         algorithm = (a.beta,) if script == "online_dpo_async.py" else (a.kl_coef, a.cliprange)
         engine_dtype = a.vllm_dtype
         assert not a.gradient_checkpointing and a.lr_schedule == "linear"
     assert run.env == {vs_trl.PEAK_FILE: str(Path(a.output_dir) / "peak_memory.json")}
-    return dict(episodes=a.total_episodes, prompts_per_step=prompts, samples=samples, lr=a.learning_rate, adam_epsilon=a.adam_epsilon,
-                algorithm=algorithm, temperature=a.temperature, dtype=a.dtype, engine_dtype=engine_dtype, seed=a.seed,
-                lengths=(a.max_prompt_length, a.response_length), missing_eos_penalty=a.missing_eos_penalty,
-                models=(a.sft_model_path, a.reward_model_path, a.dataset_name), engine_memory=a.vllm_gpu_memory_utilization,
-                eval_prompts=a.num_eval_prompts)
+    return dict(
+        episodes=a.total_episodes,
+        prompts_per_step=prompts,
+        samples=samples,
+        lr=a.learning_rate,
+        adam_epsilon=a.adam_epsilon,
+        algorithm=algorithm,
+        temperature=a.temperature,
+        dtype=a.dtype,
+        engine_dtype=engine_dtype,
+        seed=a.seed,
+        lengths=(a.max_prompt_length, a.response_length),
+        missing_eos_penalty=a.missing_eos_penalty,
+        models=(a.sft_model_path, a.reward_model_path, a.dataset_name),
+        engine_memory=a.vllm_gpu_memory_utilization,
+        eval_prompts=a.num_eval_prompts,
+    )
 
 
 @pytest.mark.parametrize("model_size", ["tiny", "pythia-1b"])
 def test_plan_gives_every_run_of_a_method_the_same_work(tmp_path, model_size):
     plan = vs_trl.make_plan(vs_trl.parse(["--out_dir", str(tmp_path), "--model_size", model_size]))
     assert [(r.name, r.method, r.side, r.async_level) for r in plan] == [
-        ("trl_online_dpo", "online_dpo", "trl", None), ("ours_online_dpo_async0", "online_dpo", "ours", 0),
-        ("ours_online_dpo_async1", "online_dpo", "ours", 1), ("trl_rloo", "rloo", "trl", None),
-        ("ours_rloo_async0", "rloo", "ours", 0), ("ours_rloo_async1", "rloo", "ours", 1)]
+        ("trl_online_dpo", "online_dpo", "trl", None),
+        ("ours_online_dpo_async0", "online_dpo", "ours", 0),
+        ("ours_online_dpo_async1", "online_dpo", "ours", 1),
+        ("trl_rloo", "rloo", "trl", None),
+        ("ours_rloo_async0", "rloo", "ours", 0),
+        ("ours_rloo_async1", "rloo", "ours", 1),
+    ]
     for method in ("online_dpo", "rloo"):
         runs = [settings(r) for r in plan if r.method == method]
         assert runs[0] == runs[1] == runs[2], method
     first = settings(plan[0])
-    assert (first["samples"], first["dtype"], first["engine_dtype"], first["temperature"]) == (2, "bfloat16", "bfloat16", 0.7)
+    assert (first["samples"], first["dtype"], first["engine_dtype"], first["temperature"]) == (
+        2,
+        "bfloat16",
+        "bfloat16",
+        0.7,
+    )
     if model_size == "tiny":  # the scripts' defaults on the committed tiny task
-        assert (first["episodes"], first["prompts_per_step"], first["lengths"], first["lr"]) == (12800, 32, (12, 12), 1e-4)
+        assert (first["episodes"], first["prompts_per_step"], first["lengths"], first["lr"]) == (
+            12800,
+            32,
+            (12, 12),
+            1e-4,
+        )
         assert first["models"][0] == str(ROOT / "benchmark" / "tiny_task" / "sft")
     else:  # speed.py --model_size pythia-1b's models and TLDR's shapes: 30 steps of 64 prompts x 2
-        assert (first["episodes"], first["prompts_per_step"], first["lengths"], first["lr"]) == (3840, 64, (512, 53), 3e-6)
+        assert (first["episodes"], first["prompts_per_step"], first["lengths"], first["lr"]) == (
+            3840,
+            64,
+            (512, 53),
+            3e-6,
+        )
         assert first["models"][0] == str(tmp_path.resolve() / "models" / "pythia-1b-prompt512" / "sft")
-    overridden = vs_trl.make_plan(vs_trl.parse(["--out_dir", str(tmp_path), "--model_size", model_size, "--total_episodes", "640"]))
+    overridden = vs_trl.make_plan(
+        vs_trl.parse(["--out_dir", str(tmp_path), "--model_size", model_size, "--total_episodes", "640"])
+    )
     assert {settings(r)["episodes"] for r in overridden} == {640}
 
 
@@ -101,8 +141,10 @@ def test_differences_table_lists_what_trl_cannot_set():
 
 
 def test_readme_section_shows_the_command_and_the_table(tmp_path):
+    """docs/vs_trl.md (the README's Documentation list links it) shows the commands and the differences table."""
     readme = (ROOT / "README.md").read_text()
-    section = readme[readme.index("## Side by side with TRL") : readme.index("## Tasks")]
+    assert "(docs/vs_trl.md)" in readme
+    section = (ROOT / "docs" / "vs_trl.md").read_text()
     assert vs_trl.differences_table() in section
     assert "has not been run on a GPU yet" in section
     commands = re.search(r"```bash\n(.*?)```", section, re.S).group(1).strip().splitlines()
@@ -116,21 +158,30 @@ def test_readme_section_shows_the_command_and_the_table(tmp_path):
 
 def test_dry_run_prints_the_plan_and_runs_nothing(tmp_path):
     out = tmp_path / "out"
-    proc = run_script([sys.executable, "benchmark/vs_trl.py", "--dry_run", "--model_size", "tiny", "--out_dir", str(out)], timeout=120)
+    proc = run_script(
+        [sys.executable, "benchmark/vs_trl.py", "--dry_run", "--model_size", "tiny", "--out_dir", str(out)], timeout=120
+    )
     for run in vs_trl.make_plan(vs_trl.parse(["--out_dir", str(out), "--model_size", "tiny"])):
         assert shlex.join(run.argv) in proc.stdout
     assert vs_trl.differences_table() in proc.stdout
     assert not out.exists()
-    bad = subprocess.run([sys.executable, "benchmark/vs_trl.py", "--dry_run", "--out_dir", str(out), "--runs", "nope"],
-                         cwd=ROOT, capture_output=True, text=True)
+    bad = subprocess.run(
+        [sys.executable, "benchmark/vs_trl.py", "--dry_run", "--out_dir", str(out), "--runs", "nope"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+    )
     assert bad.returncode != 0 and "no run named nope" in bad.stderr
 
 
 def test_our_runs_go_through_the_wrapper(tmp_path):
     """`--run_script` runs the algorithm file as `python FILE FLAGS` would and writes the peak memory file at exit."""
     peak = tmp_path / "peak.json"
-    proc = run_script([sys.executable, "benchmark/vs_trl.py", "--run_script", "rloo_async.py", "--help"], timeout=120,
-                      env={vs_trl.PEAK_FILE: str(peak)})
+    proc = run_script(
+        [sys.executable, "benchmark/vs_trl.py", "--run_script", "rloo_async.py", "--help"],
+        timeout=120,
+        env={vs_trl.PEAK_FILE: str(peak)},
+    )
     assert "--rloo_k" in proc.stdout
     assert json.loads(peak.read_text()) == {"max_memory_allocated": None}  # no CUDA here
 
@@ -149,8 +200,19 @@ FAKE = {
 def write_fake_run(folder: Path, episodes_per_step, step_times, generation, push, trainer, scoring, wait, win_rate):
     folder.mkdir(parents=True)
     starts = [sum(step_times[:i]) for i in range(len(step_times))]
-    lines = [{"step": i, "async/lag": 0, "time/generation": generation, "time/weight_sync": push, "time/training": trainer,
-              "time/scoring": scoring, "time/wait_for_rollouts": wait, "timeline/step_start": start} for i, start in enumerate(starts)]
+    lines = [
+        {
+            "step": i,
+            "async/lag": 0,
+            "time/generation": generation,
+            "time/weight_sync": push,
+            "time/training": trainer,
+            "time/scoring": scoring,
+            "time/wait_for_rollouts": wait,
+            "timeline/step_start": start,
+        }
+        for i, start in enumerate(starts)
+    ]
     lines += [{"step": 0, "eval/win_rate": 0.4}, {"step": len(lines), "eval/win_rate": win_rate}]
     (folder / "metrics.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
     (folder / "args.json").write_text(json.dumps({"episodes_per_step": episodes_per_step}))
@@ -164,15 +226,42 @@ def test_results_table_and_chart_on_fake_timings(tmp_path):
         write_fake_run(tmp_path / run.name, *FAKE[run.name], win_rate=0.5 + i / 100)
         results.append(vs_trl.collect(run, tmp_path / run.name, gpu_peak_gib=10.0 + i))
     # timed steps: 2 .. 4 (two warm-up steps, the last has no next start); episodes/s = 128 / mean step time
-    by_hand = {"trl_online_dpo": 64.0, "ours_online_dpo_async0": 80.0, "ours_online_dpo_async1": 128.0,
-               "trl_rloo": 32.0, "ours_rloo_async0": 64.0, "ours_rloo_async1": 80.0}
-    ratios = {"trl_online_dpo": 1.0, "ours_online_dpo_async0": 1.25, "ours_online_dpo_async1": 2.0,
-              "trl_rloo": 1.0, "ours_rloo_async0": 2.0, "ours_rloo_async1": 2.5}
+    by_hand = {
+        "trl_online_dpo": 64.0,
+        "ours_online_dpo_async0": 80.0,
+        "ours_online_dpo_async1": 128.0,
+        "trl_rloo": 32.0,
+        "ours_rloo_async0": 64.0,
+        "ours_rloo_async1": 80.0,
+    }
+    ratios = {
+        "trl_online_dpo": 1.0,
+        "ours_online_dpo_async0": 1.25,
+        "ours_online_dpo_async1": 2.0,
+        "trl_rloo": 1.0,
+        "ours_rloo_async0": 2.0,
+        "ours_rloo_async1": 2.5,
+    }
     assert {r["name"]: r["episodes_per_s"] for r in results} == pytest.approx(by_hand)
     assert vs_trl.speedups(results) == pytest.approx(ratios)
     table = vs_trl.results_table(results, win_rate=True)
-    cells = {row[0]: row[1:] for row in ([c.strip() for c in line.strip().strip("|").split("|")] for line in table.splitlines()[2:])}
-    assert cells["ours online DPO, async 1"] == ["2.00", "128.0", "1.000", "0.500", "0.050", "0.900", "0.200", "0.050", "3.0", "12.0", "0.520"]
+    cells = {
+        row[0]: row[1:]
+        for row in ([c.strip() for c in line.strip().strip("|").split("|")] for line in table.splitlines()[2:])
+    }
+    assert cells["ours online DPO, async 1"] == [
+        "2.00",
+        "128.0",
+        "1.000",
+        "0.500",
+        "0.050",
+        "0.900",
+        "0.200",
+        "0.050",
+        "3.0",
+        "12.0",
+        "0.520",
+    ]
     assert cells["TRL RLOO"][:2] == ["1.00", "32.0"] and cells["ours RLOO, async 1"][:2] == ["2.50", "80.0"]
     assert "win rate" not in vs_trl.results_table(results, win_rate=False)
     bars = vs_trl.plot(results, str(tmp_path / "vs_trl.png"), "FAKE timings")
@@ -185,8 +274,10 @@ def test_executor_runs_a_command_and_reports_failure(tmp_path):
     staged, folder = tmp_path / "staged", tmp_path / "fake"
     write_fake_run(staged, *FAKE["ours_rloo_async1"], win_rate=0.6)
     (staged / "peak_memory.json").unlink()
-    code = ("import json, os, shutil, sys; shutil.copytree(sys.argv[1], sys.argv[2], dirs_exist_ok=True); "
-            "open(os.environ['PEAK_MEMORY_FILE'], 'w').write(json.dumps({'max_memory_allocated': 2 ** 30})); print('ran')")
+    code = (
+        "import json, os, shutil, sys; shutil.copytree(sys.argv[1], sys.argv[2], dirs_exist_ok=True); "
+        "open(os.environ['PEAK_MEMORY_FILE'], 'w').write(json.dumps({'max_memory_allocated': 2 ** 30})); print('ran')"
+    )
     env = {vs_trl.PEAK_FILE: str(folder / "peak_memory.json")}
     run = vs_trl.Run("fake", "rloo", "ours", 1, [sys.executable, "-c", code, str(staged), str(folder)], env, "FAKE")
     gpu_peak = vs_trl.execute(run, folder, interval=0.05)

@@ -140,7 +140,9 @@ def generate(model, tokenizer, queries: list[str], temperature: float, seed: int
     torch.manual_seed(seed)
     out = []
     for i in range(0, len(queries), batch_size):
-        q = tokenizer(queries[i : i + batch_size], padding="max_length", max_length=MAX_PROMPT_LENGTH, return_tensors="pt")
+        q = tokenizer(
+            queries[i : i + batch_size], padding="max_length", max_length=MAX_PROMPT_LENGTH, return_tensors="pt"
+        )
         seq = model.generate(
             **q,
             do_sample=True,
@@ -162,7 +164,9 @@ def rm_scores(rm, tokenizer, queries, responses, batch_size: int = 1024) -> list
     data = encode(tokenizer, queries, responses)
     scores = []
     for i in range(0, len(queries), batch_size):
-        scores += train_reward.get_reward(rm, data.input_ids[i : i + batch_size], data.attention_mask[i : i + batch_size]).tolist()
+        scores += train_reward.get_reward(
+            rm, data.input_ids[i : i + batch_size], data.attention_mask[i : i + batch_size]
+        ).tolist()
     return scores
 
 
@@ -184,7 +188,9 @@ def encode_pairs(tokenizer, pairs) -> train_reward.Pairs:
 def pair_accuracy(rm, tokenizer, pairs) -> float:
     if not pairs:
         return float("nan")
-    scores = train_reward.pair_rewards(lambda ids, mask: train_reward.get_reward(rm, ids, mask), encode_pairs(tokenizer, pairs), 1024)
+    scores = train_reward.pair_rewards(
+        lambda ids, mask: train_reward.get_reward(rm, ids, mask), encode_pairs(tokenizer, pairs), 1024
+    )
     return train_reward.pair_accuracy(*scores)
 
 
@@ -221,7 +227,8 @@ def evaluate(policy, rm, tokenizer, test: list[dict], seed: int, num_samples: in
         "sft_gold_mean": sum(flat_gold) / len(flat_gold),
         "sft_exact_frac": sum(g == 1.0 for g in flat_gold) / len(flat_gold),
         "sft_no_eos_frac": sum(not r.endswith(EOS) for s in samples for r in s) / len(flat_gold),
-        "sft_win_rate_vs_ref": sum((g > gr) + 0.5 * (g == gr) for row in gold for g, gr in zip(row, gold_ref)) / len(flat_gold),
+        "sft_win_rate_vs_ref": sum((g > gr) + 0.5 * (g == gr) for row in gold for g, gr in zip(row, gold_ref))
+        / len(flat_gold),
         "ref_gold_mean": sum(gold_ref) / len(gold_ref),
         "ref_exact_frac": sum(g == 1.0 for g in gold_ref) / len(gold_ref),
         "ref_no_eos_frac": sum(not row["reference_response"].endswith(EOS) for row in test) / len(test),
@@ -267,7 +274,10 @@ def main(out_dir: str, quick: bool) -> dict:
                 out.append(words)
         return out
 
-    train = [{"query": make_query(w), "reference_response": noisy_response(w, REFERENCE_NOISE, rng)} for w in fresh_words(n_train)]
+    train = [
+        {"query": make_query(w), "reference_response": noisy_response(w, REFERENCE_NOISE, rng)}
+        for w in fresh_words(n_train)
+    ]
     os.makedirs(os.path.join(out_dir, "data"), exist_ok=True)
     for split, rows in [("train", train), ("test", test)]:
         with open(os.path.join(out_dir, "data", f"{split}.jsonl"), "w") as f:
@@ -293,10 +303,19 @@ def main(out_dir: str, quick: bool) -> dict:
     print(f"[{time.time() - start:5.0f}s] training SFT policy", flush=True)
     accelerator = Accelerator(cpu=True)  # the committed files are reproduced byte for byte on 2 CPU threads only
     sft_args = train_sft.Args(
-        model_name_or_path="(random init above)", dataset_name="(demonstrations above)", output_dir=os.path.join(out_dir, "sft"),
-        max_prompt_length=MAX_PROMPT_LENGTH, max_completion_length=RESPONSE_LENGTH, local_micro_batch_size=128,
-        learning_rate=2e-3, lr_scheduler_type="cosine", warmup_steps=50, max_grad_norm=1.0, batch_sampling="uniform",
-        total_steps=sft_steps, seed=1,
+        model_name_or_path="(random init above)",
+        dataset_name="(demonstrations above)",
+        output_dir=os.path.join(out_dir, "sft"),
+        max_prompt_length=MAX_PROMPT_LENGTH,
+        max_completion_length=RESPONSE_LENGTH,
+        local_micro_batch_size=128,
+        learning_rate=2e-3,
+        lr_scheduler_type="cosine",
+        warmup_steps=50,
+        max_grad_norm=1.0,
+        batch_sampling="uniform",
+        total_steps=sft_steps,
+        seed=1,
     )
     prepared_policy, _ = train_sft.train(policy, encode(tokenizer, demo_queries, demo_responses), sft_args, accelerator)
     policy = accelerator.unwrap_model(prepared_policy)
@@ -309,14 +328,27 @@ def main(out_dir: str, quick: bool) -> dict:
     rm_queries = [make_query(w) for w in rm_words]
     sampled_a = generate(policy, tokenizer, rm_queries[:half], temperature=1.0, seed=2)
     sampled_b = generate(policy, tokenizer, rm_queries[:half], temperature=1.0, seed=3)
-    synthetic = [(noisy_response(w, RM_PAIR_NOISE, rng), noisy_response(w, RM_PAIR_NOISE, rng)) for w in rm_words[half:]]
+    synthetic = [
+        (noisy_response(w, RM_PAIR_NOISE, rng), noisy_response(w, RM_PAIR_NOISE, rng)) for w in rm_words[half:]
+    ]
     pairs = gold_pairs(rm_queries, sampled_a + [s[0] for s in synthetic], sampled_b + [s[1] for s in synthetic])
-    rm = LlamaForSequenceClassification(LlamaConfig(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_labels=1, **common))
+    rm = LlamaForSequenceClassification(
+        LlamaConfig(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_labels=1, **common)
+    )
     print(f"[{time.time() - start:5.0f}s] training RM on {len(pairs)} pairs", flush=True)
     rm_args = train_reward.Args(
-        model_name_or_path="(random init above)", dataset_name="(pairs above)", output_dir=os.path.join(out_dir, "reward"),
-        max_prompt_length=MAX_PROMPT_LENGTH, max_completion_length=RESPONSE_LENGTH, local_micro_batch_size=64,
-        learning_rate=1e-3, lr_scheduler_type="cosine", warmup_steps=50, max_grad_norm=1.0, num_train_epochs=rm_epochs, seed=4,
+        model_name_or_path="(random init above)",
+        dataset_name="(pairs above)",
+        output_dir=os.path.join(out_dir, "reward"),
+        max_prompt_length=MAX_PROMPT_LENGTH,
+        max_completion_length=RESPONSE_LENGTH,
+        local_micro_batch_size=64,
+        learning_rate=1e-3,
+        lr_scheduler_type="cosine",
+        warmup_steps=50,
+        max_grad_norm=1.0,
+        num_train_epochs=rm_epochs,
+        seed=4,
     )
     prepared_rm, _ = train_reward.train(rm, encode_pairs(tokenizer, pairs), rm_args, accelerator)
     rm = accelerator.unwrap_model(prepared_rm).model
@@ -339,7 +371,9 @@ if __name__ == "__main__":
     here = os.path.dirname(os.path.abspath(__file__))
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out_dir", default=here, help="where sft/, reward/, data/ go (default: next to this file)")
-    parser.add_argument("--quick", action="store_true", help="tiny data and few steps: checks the builder end to end in < 60 s")
+    parser.add_argument(
+        "--quick", action="store_true", help="tiny data and few steps: checks the builder end to end in < 60 s"
+    )
     args = parser.parse_args()
     if args.quick and os.path.abspath(args.out_dir) == here:
         parser.error("--quick would overwrite the committed artifacts; pass another --out_dir")

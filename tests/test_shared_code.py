@@ -1,0 +1,70 @@
+"""The three algorithm files share most of their code by copy, so that each stands alone: every top-level block
+(function, class, constant) that two or three of them define must be the same text in each. The blocks that differ
+on purpose are listed with the reason. Also: the code is formatted (ruff format) and passes the lint (ruff check)."""
+
+import ast
+import subprocess
+import sys
+
+import pytest
+from conftest import ROOT
+
+FILES = ["online_dpo_async.py", "rloo_async.py", "ppo_async.py"]
+DIFFERENT = {
+    "Args": "each algorithm's flags",
+    "check_algorithm_flags": "each algorithm's own flag checks and completions per prompt",
+    "ROLLOUT_LOGPROBS": "whether rollouts carry the engine's logprobs: DPO's loss does not use them",
+    "save_policy": "PPO saves the policy out of its policy-and-value model",
+    "__main__": "each algorithm's training loop",
+    "Targets": "what RLOO and PPO compute from a rollout before their update: different quantities",
+}
+
+
+def top_level_blocks(source: str) -> dict[str, str]:
+    """name -> source text (decorators included) of each top-level def, class and assignment, and `__main__`."""
+    blocks = {}
+    for node in ast.parse(source).body:
+        if isinstance(node, (ast.FunctionDef, ast.ClassDef)):
+            name = node.name
+        elif isinstance(node, (ast.Assign, ast.AnnAssign)):
+            name = ast.unparse(node.targets[0] if isinstance(node, ast.Assign) else node.target)
+        elif isinstance(node, ast.If):
+            name = "__main__"
+        else:
+            continue
+        first = node.decorator_list[0] if getattr(node, "decorator_list", None) else node
+        lines = source.splitlines()[first.lineno - 1 : node.end_lineno]
+        blocks[name] = "\n".join(lines)
+    return blocks
+
+
+def drift(sources: dict[str, str]) -> list[str]:
+    """Names of the blocks defined in two or more files, not listed in DIFFERENT, whose text differs."""
+    blocks = {name: top_level_blocks(source) for name, source in sources.items()}
+    names = {name for b in blocks.values() for name in b} - set(DIFFERENT)
+    return sorted(n for n in names if len({b[n] for b in blocks.values() if n in b}) > 1)
+
+
+def test_shared_blocks_are_the_same_text_in_every_file():
+    sources = {name: (ROOT / name).read_text() for name in FILES}
+    assert drift(sources) == []
+    shared = set.intersection(*(set(top_level_blocks(s)) for s in sources.values())) - set(DIFFERENT)
+    assert len(shared) > 60, sorted(shared)  # the data, rewards, evaluation, engine, push, logging and checkpoint code
+    for name in DIFFERENT:
+        assert sum(name in top_level_blocks(s) for s in sources.values()) >= 2, f"{name} is listed but not shared"
+
+
+def test_a_one_character_change_in_a_shared_block_is_caught():
+    sources = {name: (ROOT / name).read_text() for name in FILES}
+    changed = sources["rloo_async.py"].replace(
+        "return (mask.cumsum(1) - 1).clamp(min=0)", "return (mask.cumsum(1) - 1).clamp(min=1)"
+    )
+    assert changed != sources["rloo_async.py"]
+    assert drift({**sources, "rloo_async.py": changed}) == ["position_ids_from"]
+
+
+@pytest.mark.parametrize("command", [["format", "--check", "--diff"], ["check"]])
+def test_the_code_is_formatted_and_passes_the_lint(command):
+    """ruff, with the settings of pyproject.toml (line length 120), over every Python file of the repository."""
+    proc = subprocess.run([sys.executable, "-m", "ruff", *command, "."], cwd=ROOT, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-2000:]
