@@ -294,6 +294,10 @@ def checkpoint_to_resume(output_dir: str, args: Args, world_size: int) -> str | 
     checkpoints = sorted(
         p for p in Path(output_dir, "checkpoints").glob("step_*") if re.fullmatch(r"step_\d{6}", p.name)
     )
+    if checkpoints and not (checkpoints[-1] / "custom_checkpoint_1.pkl").exists():  # no accelerate state: not ours
+        raise UsageError(
+            f"--resume: {checkpoints[-1]} is not a checkpoint of this version (accelerate's save_state): resume it with the version that wrote it"
+        )
     return str(checkpoints[-1]) if checkpoints else None
 
 
@@ -1750,9 +1754,8 @@ if __name__ == "__main__":
     optimizer = torch.optim.AdamW(policy_and_value.parameters(), lr=args.learning_rate, eps=args.adam_epsilon)
     model, optimizer = accelerator.prepare(policy_and_value, optimizer)
     # Stepped by hand once per optimizer update (accelerate's prepared scheduler would step per process).
-    scheduler = torch.optim.lr_scheduler.LambdaLR(
-        optimizer, lambda update: lr_factor(args.lr_schedule, update, sizes.num_updates)
-    )
+    schedule_factor = partial(lr_factor, args.lr_schedule, num_updates=sizes.num_updates)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule_factor)
     shuffle_rng, progress = np.random.default_rng([args.seed, accelerator.process_index]), Progress()
     kl_coef = KLCoefficient(args.kl_coef)  # PPO's own state, saved and restored with the trainer's
     accelerator.register_for_checkpointing(scheduler, progress, kl_coef)

@@ -115,6 +115,10 @@ def test_an_output_dir_holding_a_run_needs_resume_with_the_same_flags(script, tm
     assert script.checkpoint_to_resume(str(tmp_path), resumed, world_size=1) is None  # no checkpoint yet: starts over
     for name in ("step_000004", "step_000012", "step_000008.tmp"):
         (tmp_path / "checkpoints" / name).mkdir(parents=True)
+    # a checkpoint of an older version (its own files, no accelerate state) is refused in one line
+    with pytest.raises(script.UsageError, match=r"step_000012 is not a checkpoint of this version"):
+        script.checkpoint_to_resume(str(tmp_path), resumed, world_size=1)
+    (tmp_path / "checkpoints" / "step_000012" / "custom_checkpoint_1.pkl").write_bytes(b"")
     assert script.checkpoint_to_resume(str(tmp_path), resumed, world_size=1) == str(
         tmp_path / "checkpoints" / "step_000012"
     )
