@@ -1,46 +1,39 @@
 """Asynchronous RLOO with the Proximal RLOO loss (Noukhovitch et al., "Asynchronous RLHF" 2024, appendix B) in one file.
 
-A vLLM engine, driven by a generation thread, samples the next batches from a policy at most `async_level`
-updates old while the trainer (accelerate) learns on the current one. Flags, metrics and the async schedule:
-README.md and docs/. Sections: arguments; checks of the inputs; data; models and rewards; evaluation; the async
-schedule and the generation thread; the weight push; the engine's placement and processes; logging and
-checkpoints; RLOO's advantages, loss and update; the training loop (`__main__`).
+A vLLM engine, driven by a generation thread, samples the next batches from a policy at most `async_level` updates
+old while the trainer (accelerate) learns on the current one. The method reads top to bottom: arguments; checks of
+the inputs; data; models and rewards; evaluation; the async schedule and the generation thread; the weight push;
+RLOO's advantages, loss and update; `main()`, the training loop. The plumbing that is not the method (the engine's processes,
+signals, run folder, checkpoints, logging) is in plumbing.py. Flags, metrics and the schedule: README.md and docs/.
 """
 
-import gc
-import inspect
-import json
 import math
 import os
 import queue
 import re
-import shutil
-import signal
-import subprocess
 import sys
-import tempfile
 import threading
 import time
 import traceback
-from contextlib import contextmanager
-from functools import partial
 from dataclasses import asdict, dataclass
-from multiprocessing import shared_memory
+from functools import partial
 from pathlib import Path
 from typing import Literal, NamedTuple
 
 import numpy as np
-import psutil
 import torch
 import tyro
 from accelerate import Accelerator, PartialState
 from accelerate.utils import broadcast_object_list, parse_flag_from_env
 from datasets import load_dataset
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 from tqdm import tqdm
-from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer, set_seed
+from transformers import AutoModelForCausalLM, AutoTokenizer, set_seed
 from vllm import LLM, SamplingParams
 from vllm.inputs import TokensPrompt
+
+import plumbing
+from plumbing import UsageError
 
 TINY_TASK = Path(__file__).resolve().parent / "benchmark" / "tiny_task"
 # The dataset columns each --task reads (docs/tasks.md).
@@ -140,10 +133,6 @@ class Sizes(NamedTuple):
     num_updates: int
 
 
-class UsageError(ValueError):
-    """Bad flags or input files: reported in one line, before any model loads."""
-
-
 def check_algorithm_flags(args: Args) -> int:
     """The flags of this algorithm only; returns the completions sampled per prompt."""
     if args.rloo_k < 2:
@@ -195,101 +184,10 @@ def lr_factor(schedule: str, update: int, num_updates: int) -> float:
 
 
 # == Checks of every flag and input, before any model loads ===========================================================
-def load_tokenizer(path: str, flag: str, trust_remote_code: bool):
-    tokenizer = AutoTokenizer.from_pretrained(path, padding_side="left", trust_remote_code=trust_remote_code)
-    if tokenizer.eos_token_id is None:
-        raise UsageError(f"the tokenizer of {flag} {path} has no EOS token: completions could never end")
-    if tokenizer.pad_token_id is None:
-        tokenizer.pad_token = tokenizer.eos_token  # safe: masks come from lengths, not from pad ids
-    return tokenizer
-
-
-def not_a_reward_model(path: str, flag: str) -> str:
-    return f"{flag} {path} is not a reward model: it has no score head, which loading would initialise at random"
-
-
-def check_model(path: str, flag: str, args: Args, reward: bool = False) -> None:
-    """The model exists, has safetensors weights (pickled ones are never loaded), prompt + response fit its
-    positions, and a reward model is a sequence classifier (its config says so; a causal LM is not)."""
-    if os.path.isdir(path) and not list(Path(path).glob("*.safetensors")):
-        raise UsageError(f"{flag} {path} has no .safetensors weights (pickled .bin weights are not loaded)")
-    try:
-        config = AutoConfig.from_pretrained(path, trust_remote_code=args.trust_remote_code)
-    except (OSError, ValueError) as exc:
-        raise UsageError(f"{flag} {path}: {str(exc).strip().splitlines()[0]}") from exc
-    context = getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None)
-    if context and args.max_prompt_length + args.response_length > context:
-        raise UsageError(
-            f"--max_prompt_length {args.max_prompt_length} + --response_length {args.response_length} exceed the "
-            f"{context}-token context of {flag} {path}"
-        )
-    if reward and config.architectures and not any("ForSequenceClassification" in a for a in config.architectures):
-        raise UsageError(not_a_reward_model(path, flag))
-
-
-def load_reward_model(path: str, flag: str, **kwargs):
-    """A one-label AutoModelForSequenceClassification, refused if its score head was not among the weights."""
-    model, info = AutoModelForSequenceClassification.from_pretrained(
-        path, num_labels=1, output_loading_info=True, **kwargs
-    )
-    if any(key == "score.weight" or key.startswith("classifier.") for key in info["missing_keys"]):
-        raise UsageError(not_a_reward_model(path, flag))
-    return model
-
-
-def name_run(args: Args) -> str:
-    """<exp_name>__<seed>__<unix time>, as rank 0 sees it: another rank's clock may be in the next second."""
-    return broadcast_object_list([f"{args.exp_name}__{args.seed}__{int(time.time())}"])[0]
-
-
-def holds_a_run(output_dir: str) -> bool:
-    """Whether a run logged or saved anything there (one stopped while starting left only args.json)."""
-    metrics, checkpoints = Path(output_dir, "metrics.jsonl"), Path(output_dir, "checkpoints")
-    logged = metrics.exists() and metrics.stat().st_size > 0
-    return logged or any(checkpoints.glob("step_*")) or Path(output_dir, "policy").exists()
-
-
-# Flags that may change when a run is resumed; any other must be what the run started with.
-RESUMABLE_CHANGES = {"resume", "output_dir", "track", "wandb_project", "wandb_entity", "save_freq"} | {
-    "num_sample_completions"
-}
-
-
-def checkpoint_to_resume(output_dir: str, args: Args, world_size: int) -> str | None:
-    """The checkpoint a run continues from (None: it starts at step 0); two runs never share a folder."""
-    if not args.resume:
-        if holds_a_run(output_dir):
-            raise UsageError(
-                f"--output_dir {output_dir} holds another run: pass --resume to continue it, or choose another --output_dir"
-            )
-        return None
-    if os.path.exists(run_file := os.path.join(output_dir, "args.json")):
-        previous = json.loads(Path(run_file).read_text())
-        changed = [
-            f"--{k} {previous.get(k)!r} -> {v!r}"
-            for k, v in asdict(args).items()
-            if k not in RESUMABLE_CHANGES and previous.get(k) != v
-        ]
-        if previous.get("world_size") != world_size:
-            changed.append(f"training processes {previous.get('world_size')} -> {world_size}")
-        if changed:
-            raise UsageError(
-                f"--resume: {', '.join(changed)} differ from the run in --output_dir {output_dir}; resume it with its own flags"
-            )
-    checkpoints = sorted(
-        p for p in Path(output_dir, "checkpoints").glob("step_*") if re.fullmatch(r"step_\d{6}", p.name)
-    )
-    if checkpoints and not (checkpoints[-1] / "custom_checkpoint_1.pkl").exists():  # no accelerate state: not ours
-        raise UsageError(
-            f"--resume: {checkpoints[-1]} is not a checkpoint of this version (accelerate's save_state): resume it with the version that wrote it"
-        )
-    return str(checkpoints[-1]) if checkpoints else None
-
-
 class Inputs(NamedTuple):
-    sizes: "Sizes"
-    checkpoint: str | None
-    placement: "Placement"
+    sizes: Sizes
+    checkpoint: str | None  # to resume from
+    placement: plumbing.Placement  # the engine's GPU
     tokenizer: object
     reward_tokenizer: object | None
     train: "Prompts"
@@ -297,36 +195,32 @@ class Inputs(NamedTuple):
 
 
 def check_inputs(args: Args, accelerator: Accelerator, output_dir: str, on_gpu: bool) -> Inputs:
-    """Every check of the flags and input files, and the engine's GPU placement, before any model loads: a bad
-    one is a UsageError naming the flag. Exits (0) on --resume of a finished run."""
+    """Every check of the flags and input files, and the engine's GPU placement, before any model loads: a bad one is
+    a UsageError naming the flag. Exits (0) on --resume of a finished run."""
     sizes = compute_sizes(args, accelerator.num_processes)
     deepspeed = accelerator.state.deepspeed_plugin
     if deepspeed is not None and deepspeed.zero_stage == 3:
         raise UsageError("ZeRO-3 is not supported yet (the reference and reward models are not sharded): use ZeRO-2")
     if args.resume and args.output_dir is None:
         raise UsageError("--resume needs --output_dir, the folder of the run to continue")
-    checkpoint = checkpoint_to_resume(output_dir, args, sizes.world_size)
-    if args.resume and os.path.isdir(os.path.join(output_dir, "policy")):  # the final policy is saved at the very end
-        if accelerator.is_main_process:
-            print(
-                f"--resume: the run in {output_dir} is finished (its final policy is {os.path.join(output_dir, 'policy')}): nothing to do"
-            )
-        raise SystemExit(0)
-    gpus = visible_gpus() if on_gpu else []
-    placement = engine_placement(args.vllm_placement, gpus, accelerator.num_processes, args.vllm_gpu_memory_utilization)
+    checkpoint = plumbing.checkpoint_to_resume(output_dir, asdict(args), args.resume, sizes.world_size)
+    gpus = plumbing.visible_gpus() if on_gpu else []
+    memory = args.vllm_gpu_memory_utilization
+    placement = plumbing.engine_placement(args.vllm_placement, gpus, accelerator.num_processes, memory)
     if args.task == "gsm8k" and args.gold_judge != "tiny":
         raise UsageError(
             f"--gold_judge {args.gold_judge}: --task gsm8k is evaluated by its verifier (eval/pass@1), not by a gold reward model"
         )
-    check_model(args.sft_model_path, "--sft_model_path", args)
+    lengths, remote = (args.max_prompt_length, args.response_length), args.trust_remote_code
+    plumbing.check_model(args.sft_model_path, "--sft_model_path", lengths, remote)
     if args.task != "gsm8k":  # GSM8k's verifier needs no reward model
-        check_model(args.reward_model_path, "--reward_model_path", args, reward=True)
+        plumbing.check_model(args.reward_model_path, "--reward_model_path", lengths, remote, reward=True)
     if args.gold_judge != "tiny":
-        check_model(args.gold_judge, "--gold_judge", args, reward=True)
-    tokenizer = load_tokenizer(args.sft_model_path, "--sft_model_path", args.trust_remote_code)
+        plumbing.check_model(args.gold_judge, "--gold_judge", lengths, remote, reward=True)
+    tokenizer = plumbing.load_tokenizer(args.sft_model_path, "--sft_model_path", remote)
     reward_tokenizer = None
     if args.task != "gsm8k":
-        reward_tokenizer = load_tokenizer(args.reward_model_path, "--reward_model_path", args.trust_remote_code)
+        reward_tokenizer = plumbing.load_tokenizer(args.reward_model_path, "--reward_model_path", remote)
     task = dict(task=args.task, config=args.dataset_config)
     train = load_prompts(args.dataset_name, args.dataset_train_split, tokenizer, args.max_prompt_length, **task)
     evaluation = load_prompts(
@@ -497,15 +391,11 @@ def response_logprobs(model, query_ids, query_mask, response_ids, response_mask,
     return logprobs * response_mask
 
 
-def forward_flops(model, sequences: int, length: int, logit_positions: int | None = None) -> int:
-    """Matmul FLOPs of a forward pass, 2 per parameter and token (Kaplan et al. 2020, no attention term): every token
-    through the body, `logit_positions` per sequence (None: all) through the output head, none through the input
-    embedding (a lookup). A training pass is 3 forwards' worth, 4 when recomputing activations."""
-    embedding, head = model.get_input_embeddings().weight, model.get_output_embeddings()
-    head_params = 0 if head is None else head.weight.numel()
-    tied = head is not None and head.weight is embedding
-    body = sum(p.numel() for p in model.parameters()) - embedding.numel() - (0 if tied else head_params)
-    return 2 * sequences * (body * length + head_params * (length if logit_positions is None else logit_positions))
+@torch.no_grad()
+def batch_logprobs(model, batch: Batch, temperature: float, batch_size: int) -> torch.Tensor:
+    """Per-token logprobs of a batch's responses, in no-grad forward passes of `batch_size` sequences."""
+    parts = [[t[i : i + batch_size] for t in batch[:4]] for i in range(0, len(batch.query_ids), batch_size)]
+    return torch.cat([response_logprobs(model, *part, temperature) for part in parts])
 
 
 def get_reward(model, input_ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -552,27 +442,17 @@ def same_tokenizer(a, b) -> bool:
 
 
 @torch.no_grad()
-def score_completions(
-    reward_model,
-    reward_tokenizer,
-    policy_tokenizer,
-    query_ids,
-    query_mask,
-    response_ids,
-    response_mask,
-    contain_eos,
-    bs,
-):
+def score_completions(reward_model, reward_tokenizer, policy_tokenizer, batch: Batch, bs: int) -> torch.Tensor:
     """Reward model on query + response. With another tokenizer, go through text: decode without special tokens,
     re-encode, and end with the reward model's EOS where the policy stopped."""
     if same_tokenizer(reward_tokenizer, policy_tokenizer):
-        ids, mask = torch.cat([query_ids, response_ids], 1), torch.cat([query_mask, response_mask], 1)
+        ids, mask = torch.cat(batch[0::2][:2], 1), torch.cat(batch[1::2][:2], 1)  # query + response ids, masks
         return torch.cat([get_reward(reward_model, ids[i : i + bs], mask[i : i + bs]) for i in range(0, len(ids), bs)])
     texts = []
-    for q, qm, r, rm, eos in zip(query_ids, query_mask, response_ids, response_mask, contain_eos):
+    for q, qm, r, rm, eos in zip(*batch):
         text = policy_tokenizer.decode(torch.cat([q[qm.bool()], r[rm.bool()]]).tolist(), skip_special_tokens=True)
         texts.append(text + (reward_tokenizer.eos_token if eos else ""))
-    return score_texts(reward_model, reward_tokenizer, texts, bs, query_ids.device)
+    return score_texts(reward_model, reward_tokenizer, texts, bs, batch.query_ids.device)
 
 
 def apply_missing_eos_penalty(scores: torch.Tensor, contain_eos: torch.Tensor, penalty: float) -> torch.Tensor:
@@ -612,7 +492,7 @@ def score_batch(batch: Batch, references: list[str], models: Models, args: Args)
     if args.task == "gsm8k":
         return verify_completions(models.tokenizer, batch.response_ids, batch.response_mask, references)
     rm = models.reward_model, models.reward_tokenizer, models.tokenizer
-    scores = score_completions(*rm, *batch, args.local_rollout_forward_batch_size)
+    scores = score_completions(*rm, batch, args.local_rollout_forward_batch_size)
     return apply_missing_eos_penalty(scores, batch.contain_eos, args.missing_eos_penalty)
 
 
@@ -663,10 +543,10 @@ def evaluate(
     EOS rate and length; GSM8k's pass@1, or the proxy RM's score and, with a gold judge, the win rate against the
     references. Returns the metrics, the sample table's rows and the completions' text."""
     tokenizer, bs = models.tokenizer, args.local_rollout_forward_batch_size
-    q_ids, q_mask, r_ids, r_mask, contain_eos = to_batch(evaluation.token_ids, responses, 1, args, tokenizer, device)
-    texts = [
-        tokenizer.decode(r[m.bool()].tolist()) for r, m in zip(r_ids, r_mask)
-    ]  # with the EOS, as the judge reads it
+    batch = to_batch(evaluation.token_ids, responses, 1, args, tokenizer, device)
+    q_ids, q_mask, r_ids, r_mask, contain_eos = batch
+    # with the EOS, as the judge reads it
+    texts = [tokenizer.decode(r[m.bool()].tolist()) for r, m in zip(r_ids, r_mask)]
     parts = [slice(i, i + bs) for i in range(0, len(q_ids), bs)]
     metrics, extras, queries, references = {}, {}, evaluation.queries, evaluation.references
     if (args.task == "tiny" and args.gold_judge == "tiny") or models.gold_model is not None:
@@ -690,9 +570,7 @@ def evaluate(
     metrics["eval/ref_perplexity"] = torch.cat(perplexities).mean().item()
     if models.reward_model is not None:
         rm = models.reward_model, models.reward_tokenizer, tokenizer
-        scores = torch.cat(
-            [score_completions(*rm, q_ids[p], q_mask[p], r_ids[p], r_mask[p], contain_eos[p], bs) for p in parts]
-        )
+        scores = torch.cat([score_completions(*rm, Batch(*(t[p] for t in batch)), bs) for p in parts])
         metrics["eval/scores"] = apply_missing_eos_penalty(scores, contain_eos, args.missing_eos_penalty).mean().item()
     metrics["eval/num_eos_tokens"] = contain_eos.float().mean().item()
     metrics["eval/response_length"] = r_mask.sum(1).float().mean().item()
@@ -717,11 +595,8 @@ class Rollout(NamedTuple):
     prompt_indices: np.ndarray
     responses: list[list[int]]  # the completions of each prompt, one after the other
     logprobs: list[list[float]] | None  # the engine's logprob of each response token (after temperature), if asked
-    generation_time: float
-    weight_sync_time: float
-    wait_time: float  # generator idle, waiting for the weights it needs
-    generation_start: float  # time.perf_counter() when each phase began (for the timeline plot)
-    weight_sync_start: float
+    # generation, weight_sync and generator_wait (idle, waiting for the weights it needs) -> (start, seconds)
+    timings: dict[str, tuple[float | None, float]]
 
 
 class EvalRollout(NamedTuple):
@@ -770,7 +645,7 @@ def get_or_raise(q: queue.Queue, channels: Channels, engine_processes=(), interr
             raise RuntimeError("generation thread failed (its traceback is above)") from channels.error[0]
         if channels.stop.is_set():
             raise SystemExit("stopped")
-        if dead := dead_processes(engine_processes):
+        if dead := plumbing.dead_processes(engine_processes):
             raise RuntimeError(f"the generation engine's process(es) {dead} died")
         try:
             return q.get(timeout=timeout)
@@ -817,7 +692,7 @@ def generation_thread(
             wait_time = time.perf_counter() - wait_start - sync_time
             gen_start = time.perf_counter()
             if kind == "rollout":
-                if injected_fault("generation", index):
+                if plumbing.injected_fault("generation", index):
                     raise RuntimeError(f"injected test fault in generation at rollout {index} (time {time.time():.2f})")
                 indices = prompt_indices_for_step(index, len(train_prompts), batch_size, args.seed)
                 seeds = [args.seed * 1_000_003 + index * batch_size + i for i in range(len(indices))]
@@ -825,13 +700,15 @@ def generation_thread(
                 out = generate(
                     llm, prompts, n, args.temperature, args.response_length, eos_token_id, seeds, ROLLOUT_LOGPROBS
                 )
-                timing = (time.perf_counter() - gen_start, sync_time, wait_time, gen_start, sync_start or gen_start)
-                channels.rollouts.put(Rollout(index, version, indices, *out, *timing))
+                timings = dict(
+                    generation=(gen_start, time.perf_counter() - gen_start), generator_wait=(None, wait_time)
+                )
+                timings["weight_sync"] = (sync_start or gen_start, sync_time)
+                channels.rollouts.put(Rollout(index, version, indices, *out, timings))
             else:
                 seeds = [args.seed + i for i in range(len(eval_prompts))]
-                temperature = (
-                    0.0 if args.task == "gsm8k" else args.temperature
-                )  # GSM8k's pass@1 is greedy (section 5.2)
+                # GSM8k's pass@1 is greedy (section 5.2)
+                temperature = 0.0 if args.task == "gsm8k" else args.temperature
                 responses, _ = generate(llm, eval_prompts, 1, temperature, args.response_length, eos_token_id, seeds)
                 channels.evals.put(EvalRollout(version, responses, time.perf_counter() - gen_start, gen_start))
     except SystemExit:
@@ -885,20 +762,6 @@ def snapshot_weights(
     return flat, layout
 
 
-class WeightReceiver:
-    """Added to vLLM's GPU worker (`worker_extension_cls`): loads a snapshot shared by CUDA IPC, with no file and no
-    copy through the CPU, through the model's own loader (which fuses q/k/v and gate/up and reorders GPTNeoX's q/k/v
-    as for a checkpoint). The copy is in place, so CUDA graphs see it."""
-
-    def load_shared_weights(self, handle: tuple, layout: list, trainer_gpu: int) -> None:
-        from torch.multiprocessing.reductions import rebuild_cuda_tensor
-
-        handle = list(handle)
-        handle[6] = trainer_gpu  # the snapshot's GPU, as this process numbers its GPUs
-        self.reload_weights(weights_iterator=iter(views(rebuild_cuda_tensor(*handle), layout)))
-        torch.cuda.synchronize()  # loaded before the trainer may free the snapshot
-
-
 def push_weights(llm: LLM, weights: Weights, directory: str, trainer_gpu: int) -> None:
     """Load theta_v into the running engine. GPU: a CUDA IPC handle of the snapshot (WeightReceiver). CPU: safetensors
     in a RAM-backed folder, reloaded in place. The prefix cache holds KV of the old weights: reset it."""
@@ -919,481 +782,12 @@ def publish(
     version: int, accelerator: Accelerator, model, names: dict, dtype, device, snapshots: dict, channels: Channels
 ) -> None:
     """Snapshot theta_version (between optimizer steps) and hand it to the generation thread; rank 0 keeps it for
-    checkpoints until no pending batch or evaluation needs it."""
-    state_dict = accelerator.get_state_dict(model, unwrap=True)
+    checkpoints until no pending batch or evaluation needs it. The snapshot is copied from the parameters where they
+    are, GPU memory on GPUs (`accelerator.get_state_dict` would copy each to the CPU under DeepSpeed)."""
     if accelerator.is_main_process:
+        state_dict = accelerator.unwrap_model(model).state_dict()
         snapshots[version] = Weights(version, *snapshot_weights(state_dict, names, dtype, device))
         channels.weights.put(snapshots[version])
-
-
-# == The engine: its GPU, its processes, signals ======================================================================
-class Placement(NamedTuple):
-    devices: str | None  # CUDA_VISIBLE_DEVICES of the engine's processes; None: CPU
-    shared: bool  # the engine shares training rank 0's GPU
-    trainer_gpu: int  # rank 0's GPU, which holds the weight snapshots, as the engine's processes number their GPUs
-    memory_utilization: float
-
-
-def visible_gpus() -> list[str]:
-    if not torch.cuda.is_available():
-        return []
-    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-    return visible.split(",") if visible else [str(i) for i in range(torch.cuda.device_count())]
-
-
-def engine_placement(
-    mode: str, visible: list[str], num_training_processes: int, memory_utilization: float | None
-) -> Placement:
-    """Training process i uses visible GPU i. With an (N+1)-th visible GPU the engine takes it (the paper's split);
-    with fewer, it shares rank 0's within its memory budget. Its processes also see rank 0's GPU, second, to open the
-    snapshots rank 0 shares by CUDA IPC (docs/gpus.md)."""
-    if memory_utilization is not None and not 0 < memory_utilization <= 1:
-        raise UsageError(f"--vllm_gpu_memory_utilization must be in (0, 1], got {memory_utilization}")
-    if not visible:
-        return Placement(None, False, 0, memory_utilization or 0.9)
-    separate = len(visible) > num_training_processes if mode == "auto" else mode == "separate"
-    if separate and len(visible) <= num_training_processes:
-        raise UsageError(
-            f"--vllm_placement separate: {num_training_processes} training process(es) and the engine need "
-            f"{num_training_processes + 1} GPUs, {len(visible)} are visible; use --vllm_placement shared or fewer processes"
-        )
-    if separate:
-        return Placement(f"{visible[num_training_processes]},{visible[0]}", False, 1, memory_utilization or 0.9)
-    return Placement(visible[0], True, 0, memory_utilization or 0.3)
-
-
-def check_engine_fits(memory_utilization: float, free: int, total: int) -> None:
-    """A shared GPU: vLLM takes memory_utilization x the GPU's memory and refuses to start when less is free."""
-    if memory_utilization * total > free:
-        raise UsageError(
-            f"--vllm_gpu_memory_utilization {memory_utilization}: the engine would take {memory_utilization * total / 2**30:.1f} GiB "
-            f"of the GPU it shares with training, which has {free / 2**30:.1f} GiB free once the trainer's models are loaded; "
-            f"lower it to at most {max(int(100 * free / total) - 5, 0) / 100} (the optimizer state and activations need room too), or use a GPU of its own"
-        )
-
-
-@contextmanager
-def on_cores(cores: list[int] | None):
-    """Run the block on these cores (None: where it runs now). On Linux affinity belongs to a thread and is inherited
-    by the threads and processes it starts; the calling thread gets its own back after."""
-    before = os.sched_getaffinity(0)
-    if cores is not None:
-        os.sched_setaffinity(0, cores)
-    try:
-        yield
-    finally:
-        os.sched_setaffinity(0, before)
-
-
-def make_engine(args: Args, placement: Placement, dtype: str) -> LLM:
-    """The engine runs in its own processes (vLLM's default): generation does not share the trainer's interpreter
-    lock, and models vLLM serves through its Transformers backend (GPTNeoX on CPUs) do not patch the trainer's
-    classes. The children inherit the environment set here."""
-    env = dict(os.environ)
-    for key in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
-        os.environ.pop(
-            key, None
-        )  # an `accelerate launch`'s torch.distributed variables: the engine would join our group
-    gpu = {}
-    if placement.devices is not None:
-        os.environ["CUDA_VISIBLE_DEVICES"] = placement.devices
-        here = str(Path(__file__).resolve().parent)  # the worker imports WeightReceiver from this file
-        os.environ["PYTHONPATH"] = os.pathsep.join([here, *filter(None, [env.get("PYTHONPATH")])])
-        gpu = dict(worker_extension_cls=f"{Path(__file__).stem}.WeightReceiver")
-    else:
-        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB; vLLM's default reserves far more
-    os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")  # it warns at every push that rotary caches are not pushed
-    try:
-        return LLM(
-            model=args.sft_model_path,
-            dtype=dtype,
-            seed=args.seed,
-            max_model_len=args.max_prompt_length + args.response_length,
-            gpu_memory_utilization=placement.memory_utilization,
-            enforce_eager=placement.devices is None or args.vllm_enforce_eager,  # CUDA graphs on GPUs
-            use_tqdm_on_load=False,
-            logprobs_mode="processed_logprobs",  # logprobs after temperature, like the trainer's
-            load_format="safetensors",
-            trust_remote_code=args.trust_remote_code,
-            **gpu,
-        )
-    finally:
-        os.environ.clear()
-        os.environ.update(env)
-
-
-def dead_processes(processes: list[psutil.Process]) -> list[int]:
-    dead = []
-    for process in processes:
-        try:
-            if process.status() == psutil.STATUS_ZOMBIE:
-                dead.append(process.pid)
-        except psutil.NoSuchProcess:
-            dead.append(process.pid)
-    return dead
-
-
-def kill_process_trees(processes: list[psutil.Process], timeout: float = 5) -> None:
-    """SIGKILL these processes and all they started, each stopped first so none can start another between our listing
-    its children and killing it. Waits (up to `timeout`) for them to die without reaping them (vLLM reaps its own)."""
-    stopped, todo = {}, list(processes)
-    while todo:
-        process = todo.pop()
-        try:
-            if process.pid not in stopped:
-                process.suspend()
-                stopped[process.pid] = process
-                todo.extend(process.children())
-        except psutil.Error:
-            pass
-    for process in stopped.values():
-        try:
-            process.kill()
-        except psutil.Error:
-            pass
-    deadline = time.time() + timeout
-    while len(dead_processes(list(stopped.values()))) < len(stopped) and time.time() < deadline:
-        time.sleep(0.02)
-
-
-def started_processes(before: set[int]) -> list[psutil.Process]:
-    """Children of this process not in `before`, but for Python's resource tracker (multiprocessing starts it here for
-    the engine: it must outlive the engine to clean up after it)."""
-    started = []
-    for process in psutil.Process().children(recursive=True):
-        try:
-            if process.pid not in before and "multiprocessing.resource_tracker" not in " ".join(process.cmdline()):
-                started.append(process)
-        except psutil.Error:
-            pass
-    return started
-
-
-def shared_memory_of(processes: list[psutil.Process]) -> list[str]:
-    """The POSIX shared memory segments (Python's psm_*) these processes map: vLLM's message queues."""
-    names = set()
-    for process in processes:
-        try:
-            names.update(os.path.basename(m.path) for m in process.memory_maps() if m.path.startswith("/dev/shm/psm_"))
-        except psutil.Error:
-            pass
-    return sorted(names)
-
-
-def release_shared_memory(names: list[str]) -> None:
-    """Unlink the message queues of the engine's processes, dead now: killed by their shutdown's timeout, they could not
-    (vLLM's scheduler unlinks its queue only after its worker exits, seconds later). This also tells Python's resource
-    tracker, which would otherwise unlink them at exit with a "leaked shared_memory objects" warning."""
-    for name in names:
-        try:
-            segment = shared_memory.SharedMemory(name=name)
-        except FileNotFoundError:
-            continue  # its creator unlinked it
-        segment.close()
-        segment.unlink()
-
-
-# The watchdog (`python -c`, with dead_processes and kill_process_trees): it blocks reading a pipe whose only write end
-# the trainer holds. When the trainer dies, however it dies (kill -9 included), the pipe closes: it then kills the
-# engine's processes, which would live on re-parented to init, and removes the weights folder. Its input: lines
-# "<pid> <create time>" (the time guards against a re-used pid), then the folder.
-WATCHDOG = """
-lines, processes = sys.stdin.read().splitlines(), []
-for pid, create_time in (line.split() for line in lines[:-1]):
-    try:
-        if abs((process := psutil.Process(int(pid))).create_time() - float(create_time)) < 0.01:
-            processes.append(process)
-    except psutil.Error:
-        pass
-kill_process_trees(processes)
-shutil.rmtree(lines[-1], ignore_errors=True)
-"""
-
-
-def start_watchdog(processes: list[psutil.Process], folder: str) -> subprocess.Popen:
-    """A process of its own session (a Ctrl-C to the terminal does not reach it) that cleans up after a trainer that
-    died without doing so; closing its stdin lets it go. Started after the engine, whose processes must not hold the
-    pipe's write end."""
-    functions = [inspect.getsource(function) for function in (dead_processes, kill_process_trees)]
-    code = "\n".join(["import shutil, sys, time", "import psutil", *functions, WATCHDOG])
-    watchdog = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, start_new_session=True, text=True)
-    lines = []
-    for process in processes:
-        try:
-            lines.append(f"{process.pid} {process.create_time()!r}\n")
-        except psutil.Error:
-            pass
-    watchdog.stdin.write("".join(lines) + f"{folder}\n")
-    watchdog.stdin.flush()
-    return watchdog
-
-
-def remove_stale_weights_folders(parent: str) -> list[str]:
-    """Remove the weights folders (policy-weights-<pid>-*) of trainers no longer alive: what a trainer killed together
-    with its watchdog leaves in RAM. Returns the folders removed."""
-    removed = []
-    for path in Path(parent).glob("policy-weights-*"):
-        match = re.fullmatch(r"policy-weights-(\d+)-\w+", path.name)
-        if match and not psutil.pid_exists(int(match.group(1))):
-            shutil.rmtree(path, ignore_errors=True)
-            removed.append(str(path))
-    return removed
-
-
-class StopSignals:
-    """SIGTERM (pre-emption) or Ctrl-C. Once the engine runs: finish the step, write a checkpoint, exit; a second
-    signal exits at once. While starting: kill the processes started so far and exit at once, as vLLM cannot be left
-    to stop: its start-up handshake swallows KeyboardInterrupt, and its wait for the engine's ready message does not
-    notice the engine dying (as a Ctrl-C to the process group makes it), so it waits out a 10-minute timeout."""
-
-    def __init__(self):
-        self.received, self.starting, self.weights_dir = [], True, None
-        for signum in (signal.SIGINT, signal.SIGTERM):
-            signal.signal(signum, self.handle)
-
-    def handle(self, signum, frame):
-        name = signal.Signals(signum).name
-        if self.starting:
-            os.write(2, f"\n{name} while starting: stopping the engine and exiting\n".encode())
-            kill_process_trees(started_processes(set()))
-            if self.weights_dir is not None:
-                shutil.rmtree(self.weights_dir, ignore_errors=True)
-            gc.freeze()  # see the end of the file
-            raise SystemExit(128 + signum)
-        os.write(2, f"\n{name}: writing a checkpoint at the end of this step, then exiting\n".encode())
-        self.received.append(signum)
-        signal.signal(signum, signal.default_int_handler if signum == signal.SIGINT else signal.SIG_DFL)
-
-
-class Engine(NamedTuple):
-    llm: LLM
-    thread: threading.Thread
-    processes: list[psutil.Process]
-    segments: list[str]  # their shared memory
-    weights_dir: str
-    watchdog: subprocess.Popen
-    started: float  # time.perf_counter() as the generation thread started: the timeline's origin
-
-
-def start_engine(
-    args: Args, inputs: Inputs, n: int, dtype: torch.dtype, schedule, channels: Channels, signals: StopSignals, cores
-) -> Engine:
-    """Rank 0's engine and the generation thread that drives it, started on `cores` (None: anywhere), with a watchdog
-    that ends its processes if the trainer dies."""
-    with on_cores(cores):
-        before = {p.pid for p in psutil.Process().children(recursive=True)}
-        if inputs.placement.devices is not None:
-            os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = (
-                "1"  # the push's CUDA IPC handle is pickled, between our processes
-            )
-        llm = make_engine(args, inputs.placement, str(dtype).removeprefix("torch."))
-        processes = started_processes(before)
-        ram = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
-        remove_stale_weights_folders(ram)
-        weights_dir = signals.weights_dir = tempfile.mkdtemp(prefix=f"policy-weights-{os.getpid()}-", dir=ram)
-        push = partial(push_weights, llm, directory=weights_dir, trainer_gpu=inputs.placement.trainer_gpu)
-        eos, prompts = inputs.tokenizer.eos_token_id, (inputs.train.token_ids, inputs.evaluation.token_ids)
-        work = (llm, schedule, *prompts, args, n, inputs.sizes.batch_size, eos, channels, push)
-        thread = threading.Thread(target=generation_thread, args=work, daemon=True)
-        watchdog = start_watchdog(processes, weights_dir)
-        engine = Engine(llm, thread, processes, shared_memory_of(processes), weights_dir, watchdog, time.perf_counter())
-        thread.start()
-    return engine
-
-
-def stop_engine(engine: Engine | None, channels: Channels) -> None:
-    """Stop the generation thread and the engine; the engine holds nothing to save, so nothing waits on its exit."""
-    channels.stop.set()
-    if engine is None:
-        return
-    engine.thread.join(timeout=1)  # it finishes the batch it is generating, or the engine's shutdown ends it
-    engine.llm.llm_engine.engine_core.shutdown(timeout=1)
-    engine.thread.join(timeout=5)  # a daemon: a thread stuck on a dead engine does not keep the process alive
-    # The engine's worker outlives its scheduler process, killed after 1 s, by seconds (a garbage collection), and
-    # their message queues stay in shared memory: end both.
-    kill_process_trees(engine.processes)
-    release_shared_memory(engine.segments)
-    shutil.rmtree(engine.weights_dir, ignore_errors=True)
-    engine.watchdog.stdin.close()  # nothing is left for it to clean up: it exits
-    try:
-        engine.watchdog.wait(timeout=5)
-    except subprocess.TimeoutExpired:
-        pass
-
-
-# == Logging and checkpoints ==========================================================================================
-class MetricsLogger:
-    """metrics.jsonl (one JSON object per line, each with step and episode), TensorBoard, wandb."""
-
-    def __init__(self, output_dir: str, run_name: str, args: Args):
-        from tensorboardX import SummaryWriter
-
-        self.file = open(os.path.join(output_dir, "metrics.jsonl"), "a")
-        self.writer = SummaryWriter(os.path.join(output_dir, "tensorboard"))
-        self.wandb = None
-        if args.track:
-            import wandb
-
-            self.wandb = wandb.init(
-                project=args.wandb_project, entity=args.wandb_entity, name=run_name, config=asdict(args), dir=output_dir
-            )
-
-    def log(self, metrics: dict) -> None:
-        self.file.write(json.dumps(metrics) + "\n")
-        self.file.flush()
-        for key, value in metrics.items():
-            if key not in ("step", "episode"):
-                self.writer.add_scalar(key, value, metrics["episode"])
-        if self.wandb:
-            self.wandb.log(metrics)
-
-    def log_samples(self, step: int, episode: int, rows: list[dict]) -> None:
-        text = "\n\n".join(" | ".join(f"**{k}**: {v}" for k, v in row.items()) for row in rows)
-        self.writer.add_text("samples", text, episode)
-        if self.wandb:
-            import wandb
-
-            table = wandb.Table(columns=list(rows[0]), data=[list(r.values()) for r in rows])
-            self.wandb.log({"samples": table, "step": step, "episode": episode})
-
-    def close(self) -> None:
-        self.file.close()
-        self.writer.close()
-        if self.wandb:
-            self.wandb.finish()
-
-
-def git_revision() -> str:
-    try:
-        return subprocess.check_output(
-            ["git", "rev-parse", "HEAD"], cwd=Path(__file__).parent, stderr=subprocess.DEVNULL, text=True
-        ).strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
-
-
-def write_atomically(path: str, text: str) -> None:
-    """Temporary file, then rename: a reader (or a crash) never sees half a file."""
-    Path(f"{path}.tmp").write_text(text)
-    os.replace(f"{path}.tmp", path)
-
-
-def keep_metrics_until(path: str, step: int, evals_logged: set[int]) -> None:
-    """On resume, drop what the interrupted run logged after its checkpoint: those steps are trained again."""
-    if not os.path.exists(path):
-        return
-    kept = []
-    for line in Path(path).read_text().splitlines():
-        metrics = json.loads(line)
-        is_eval = any(key.startswith("eval/") for key in metrics)
-        if (metrics["step"] in evals_logged) if is_eval else (metrics["step"] < step):
-            kept.append(line + "\n")
-    write_atomically(path, "".join(kept))
-
-
-def log_evaluation(
-    rollout: EvalRollout, evaluation: Prompts, models, args, accelerator, logger, output_dir, episode, origin
-):
-    """Evaluate the completions of policy version `rollout.version` and log it: metrics, a sample table (also printed)
-    and the completions, to eval_completions/step_NNNNNN.jsonl for judges that run after training
-    (benchmark/llm_judge.py; a resumed run replaces a step's file). `origin`: the timeline's."""
-    with accelerator.autocast():
-        metrics, rows, completions = evaluate(rollout.responses, evaluation, models, args, accelerator.device)
-    metrics |= {
-        "time/eval_generation": rollout.generation_time,
-        "timeline/eval_generation_start": rollout.generation_start - origin,
-    }
-    write_eval_completions(output_dir, rollout.version, episode, evaluation.queries, completions, evaluation.references)
-    logger.log_samples(rollout.version, episode, rows)
-    for row in rows:
-        query = row["query"] if len(row["query"]) <= 80 else "..." + row["query"][-77:]  # what the completion follows
-        details = ", ".join(f"{k} {v!r}" for k, v in row.items() if k not in ("query", "response"))
-        print(f"  [step {rollout.version}] {query!r} -> {row['response']!r} ({details})")
-    logger.log({"step": rollout.version, "episode": episode, **metrics})
-    print(
-        f"eval step {rollout.version}: "
-        + ", ".join(f"{k} {v:.4g}" for k, v in metrics.items() if k.startswith("eval/"))
-    )
-
-
-def write_eval_completions(
-    output_dir: str, step: int, episode: int, prompts: list[str], completions: list[str], references: list[str]
-) -> str:
-    folder = os.path.join(output_dir, "eval_completions")
-    os.makedirs(folder, exist_ok=True)
-    rows = [
-        dict(step=step, episode=episode, prompt=p, completion=c, reference=r)
-        for p, c, r in zip(prompts, completions, references)
-    ]
-    write_atomically(
-        path := os.path.join(folder, f"step_{step:06d}.jsonl"), "".join(json.dumps(row) + "\n" for row in rows)
-    )
-    return path
-
-
-def save_policy(accelerator: Accelerator, model, tokenizer, path: str) -> None:
-    """save_pretrained (safetensors) into a temporary folder, then rename: no half-written model."""
-    state_dict = accelerator.get_state_dict(model)
-    if accelerator.is_main_process:
-        shutil.rmtree(tmp := f"{path}.tmp", ignore_errors=True)
-        accelerator.unwrap_model(model).save_pretrained(tmp, state_dict=state_dict, safe_serialization=True)
-        tokenizer.save_pretrained(tmp)
-        shutil.rmtree(path, ignore_errors=True)
-        os.replace(tmp, path)
-    accelerator.wait_for_everyone()
-
-
-class Progress:
-    """Where the run is: the next step and the evaluations logged. Saved by accelerate with the trainer's state."""
-
-    def __init__(self):
-        self.step, self.evals_logged = 0, set()
-
-    def state_dict(self) -> dict:
-        return {"step": self.step, "evals_logged": sorted(self.evals_logged)}
-
-    def load_state_dict(self, state: dict) -> None:
-        self.step, self.evals_logged = state["step"], set(state["evals_logged"])
-
-
-def save_checkpoint(
-    accelerator: Accelerator, output_dir: str, progress: Progress, owed: dict[int, Weights], shuffle_rng
-) -> str:
-    """Everything a resumed run needs to go on exactly: accelerate's `save_state` (policy weights as safetensors, the
-    optimizer, and the registered scheduler and Progress, RNG states), this process's shuffle generator, and the older
-    policy versions the generator still owes batches or evaluations (so no engine state is needed). Written to a
-    temporary folder, then renamed."""
-    path = os.path.join(output_dir, "checkpoints", f"step_{progress.step:06d}")
-    if accelerator.is_main_process:
-        shutil.rmtree(f"{path}.tmp", ignore_errors=True)
-    accelerator.wait_for_everyone()
-    accelerator.save_state(f"{path}.tmp")
-    Path(f"{path}.tmp", f"shuffle_rng_{accelerator.process_index}.json").write_text(
-        json.dumps(shuffle_rng.bit_generator.state)
-    )
-    if accelerator.is_main_process:  # theta_step itself is the policy's weights
-        for version, weights in [(v, w) for v, w in owed.items() if v < progress.step]:
-            tensors = {name: view.cpu().clone() for name, view in views(weights.flat, weights.layout)}
-            save_file(tensors, os.path.join(f"{path}.tmp", f"version_{version:06d}.safetensors"))
-    accelerator.wait_for_everyone()
-    if accelerator.is_main_process:
-        shutil.rmtree(path, ignore_errors=True)
-        os.replace(f"{path}.tmp", path)
-    accelerator.wait_for_everyone()
-    return path
-
-
-def owed_snapshots(
-    snapshots: dict[int, Weights], schedule, next_step: int, evals_logged: set[int]
-) -> dict[int, Weights]:
-    """The snapshots of the policy versions the generator still needs for a trainer about to run `next_step`."""
-    needed = published_versions(pending_events(schedule, next_step, evals_logged))
-    return {version: weights for version, weights in snapshots.items() if version in needed}
-
-
-def injected_fault(where: str, step: int) -> bool:
-    """Fault injection, used only by the tests: ASYNC_RLHF_TEST_FAULT=<where>:<step>."""
-    return os.environ.get("ASYNC_RLHF_TEST_FAULT") == f"{where}:{step}"
 
 
 # == RLOO with the Proximal RLOO loss (paper appendix B): advantages, the loss, the update ============================
@@ -1408,13 +802,6 @@ def pad_logprobs(logprobs: list[list[float]], response_length: int, response_mas
         seq = seq[:response_length]
         out[row, : len(seq)] = torch.tensor(seq, dtype=torch.float)
     return out.to(response_mask.device) * response_mask
-
-
-@torch.no_grad()
-def batch_logprobs(model, batch: Batch, temperature: float, batch_size: int) -> torch.Tensor:
-    """Per-token logprobs of a batch's responses, in no-grad forward passes of `batch_size` sequences."""
-    parts = [[t[i : i + batch_size] for t in batch[:4]] for i in range(0, len(batch.query_ids), batch_size)]
-    return torch.cat([response_logprobs(model, *part, temperature) for part in parts])
 
 
 def sequence_rewards(scores, logprobs, ref_logprobs, response_mask, kl_coef: float):
@@ -1500,7 +887,7 @@ def rloo_update(model, optimizer, scheduler, accelerator, batch: Batch, targets:
                 with accelerator.accumulate(model):
                     logps = response_logprobs(model, *(t[idx] for t in batch[:4]), args.temperature).sum(1)
                     loss, ratio, clipped = proximal_rloo_loss(logps, old_logps, advantages, args.cliprange, weights)
-                    if injected_fault("nan_loss", step):
+                    if plumbing.injected_fault("nan_loss", step):
                         loss = loss * float("nan")
                     accelerator.backward(loss)
                     optimizer.step()
@@ -1520,10 +907,139 @@ def rloo_update(model, optimizer, scheduler, accelerator, batch: Batch, targets:
     return stats, (ratio_max, -neg_ratio_min)
 
 
-# == The training loop ================================================================================================
-if __name__ == "__main__":
-    args = tyro.cli(Args, use_underscores=True)
-    # the process group and device, before the Accelerator that needs the dtype (as that Accelerator would make them)
+def rloo_metrics(step: int, version: int, sizes: Sizes, lr: float, reduced: dict, ratios: tuple, kl_coef: float):
+    """A training step's line of metrics.jsonl (docs/metrics.md), but for the timings (plumbing.pipeline_metrics)."""
+    return {
+        "step": step,
+        "episode": (step + 1) * sizes.episodes_per_step,
+        "lr": lr,
+        "async/lag": step - version,
+        "async/version": version,
+        "objective/scores": reduced["scores"],
+        "objective/kl": reduced["kl"],
+        "objective/entropy": reduced["entropy"],
+        "objective/non_score_reward": -kl_coef * reduced["kl"],
+        "objective/rlhf_reward": reduced["scores"] - kl_coef * reduced["kl"],
+        "val/num_eos_tokens": reduced["num_eos_tokens"],
+        "loss/policy": reduced["loss"],
+        "policy/approxkl": reduced["approxkl"],
+        "policy/clipfrac": reduced["clipfrac"],
+        "policy/ratio_mean": reduced["ratio_mean"],
+        "policy/ratio_max": ratios[0],
+        "policy/ratio_min": ratios[1],
+        "policy/engine_logprob_diff": reduced["engine_abs_diff"],
+        "policy/engine_kl": reduced["engine_diff"],
+        **{f"policy/{k}": reduced[k] for k in ("tis_weight_mean", "tis_capped_frac") if k in reduced},
+    }
+
+
+# == main(): setup, then the training loop's numbered steps ===========================================================
+def load_models(args: Args, inputs: Inputs, dtype: torch.dtype, device, is_main: bool):
+    """The policy and the frozen models (safetensors only), dropout off. The policy and the reference keep fp32 weights
+    (the optimizer's, and the policy's numbers at step 0) and run under autocast; the reward and gold models, which
+    only score, hold --dtype weights. Only rank 0 holds a gold judge. Returns the policy and the Models."""
+    kwargs = dict(trust_remote_code=args.trust_remote_code, use_safetensors=True)
+    policy = AutoModelForCausalLM.from_pretrained(args.sft_model_path, dtype=torch.float32, **kwargs)
+    ref_policy = AutoModelForCausalLM.from_pretrained(args.sft_model_path, dtype=torch.float32, **kwargs)
+    reward_model = gold_model = gold_tokenizer = None
+    if args.task != "gsm8k":
+        reward_model = plumbing.load_reward_model(args.reward_model_path, "--reward_model_path", dtype=dtype, **kwargs)
+    if args.gold_judge != "tiny" and is_main:
+        gold_model = plumbing.load_reward_model(args.gold_judge, "--gold_judge", dtype=dtype, **kwargs)
+        gold_tokenizer = AutoTokenizer.from_pretrained(args.gold_judge, trust_remote_code=args.trust_remote_code)
+    frozen = [m for m in (ref_policy, reward_model, gold_model) if m is not None]
+    for model in (policy, *frozen):
+        disable_dropout(model)
+    for model in frozen:
+        model.to(device).eval().requires_grad_(False)
+    models = Models(inputs.tokenizer, ref_policy, reward_model, inputs.reward_tokenizer, gold_model, gold_tokenizer)
+    return policy, models
+
+
+def start_generation(args: Args, inputs: Inputs, n: int, dtype, schedule, channels: Channels, signals, cores):
+    """Rank 0's engine (in processes of its own: plumbing.py) and the generation thread that drives it, on `cores`."""
+    placement = inputs.placement
+    if placement.shared:  # the engine asks for its share of the GPU the trainer's models are on
+        with plumbing.usage_errors():
+            plumbing.check_engine_fits(placement.memory_utilization, *torch.cuda.mem_get_info())
+    llm = dict(seed=args.seed, dtype=str(dtype).removeprefix("torch."), trust_remote_code=args.trust_remote_code)
+    llm["max_model_len"] = args.max_prompt_length + args.response_length
+    llm["enforce_eager"] = placement.devices is None or args.vllm_enforce_eager  # CUDA graphs on GPUs
+    engine = plumbing.start_engine(args.sft_model_path, placement, signals, cores, **llm)
+    push = partial(push_weights, engine.llm, directory=engine.weights_dir, trainer_gpu=placement.trainer_gpu)
+    prompts, eos = (inputs.train.token_ids, inputs.evaluation.token_ids), inputs.tokenizer.eos_token_id
+    work = (engine.llm, schedule, *prompts, args, n, inputs.sizes.batch_size, eos, channels, push)
+    thread = threading.Thread(target=generation_thread, args=work, daemon=True)
+    with plumbing.on_cores(cores):  # the generation thread takes turns with the engine's processes
+        thread.start()
+    return engine, thread
+
+
+def publish_owed(versions: set[int], start_step: int, checkpoint: str | None, push_to: tuple) -> None:
+    """A resumed run re-sends the versions the generator still needs: older ones from the checkpoint, then theta_start
+    (push_to: publish's arguments after the version)."""
+    accelerator, dtype, device, snapshots, channels = push_to[0], *push_to[3:]
+    for version in sorted(v for v in versions if v <= start_step):
+        if version == start_step:
+            publish(version, *push_to)
+        elif accelerator.is_main_process:
+            tensors = plumbing.load_owed_version(checkpoint, version)
+            snapshots[version] = Weights(version, *snapshot_weights(tensors, {k: k for k in tensors}, dtype, device))
+            channels.weights.put(snapshots[version])
+
+
+def next_rollout(channels: Channels, engine, signals, accelerator: Accelerator) -> tuple[Rollout | None, int]:
+    """The step's rollout, which rank 0 takes from the generation thread, or the number of the stop signal that came
+    first (0: none): every rank gets both."""
+    rollout = stop = None
+    if accelerator.is_main_process:
+        rollout = get_or_raise(channels.rollouts, channels, engine.processes, interrupt=signals.received)
+        stop = signals.received[0] if rollout is None else 0
+    rollout, stop = broadcast_object_list([rollout, stop])
+    return rollout, stop
+
+
+def score_step(batch: Batch, references: list[str], models: Models, args: Args, accelerator, step: int):
+    """score_batch, stopped on a NaN or infinite score: every process sees every score, so all of them stop."""
+    with accelerator.autocast():
+        scores = score_batch(batch, references, models, args)
+    if plumbing.injected_fault("scoring", step):
+        raise RuntimeError(f"injected test fault in reward scoring at step {step} (time {time.time():.2f})")
+    if plumbing.injected_fault("nan_score", step):
+        scores[0] = float("nan")
+    source = f"reward model --reward_model_path {args.reward_model_path}"
+    check_scores(accelerator.gather(scores), "GSM8k's verifier" if args.task == "gsm8k" else source, step)
+    return scores
+
+
+def log_evaluation(rollout: EvalRollout, evaluation: Prompts, models: Models, args: Args, accelerator, logger, run):
+    """Evaluate the completions of policy version `rollout.version` and log them: metrics, a sample table, the
+    completions (plumbing.py). `run`: the episodes per step, the evaluations logged so far, the timeline's origin."""
+    episodes_per_step, evals_logged, origin = run
+    with accelerator.autocast():
+        metrics, rows, completions = evaluate(rollout.responses, evaluation, models, args, accelerator.device)
+    metrics["time/eval_generation"] = rollout.generation_time
+    metrics["timeline/eval_generation_start"] = rollout.generation_start - origin
+    texts = (evaluation.queries, completions, evaluation.references)
+    logger.log_evaluation(rollout.version, rollout.version * episodes_per_step, metrics, rows, texts)
+    evals_logged.add(rollout.version)
+
+
+def write_checkpoint(accelerator, output_dir: str, progress, snapshots: dict, schedule, step: int) -> str:
+    """A checkpoint for a trainer about to run `step`, with the older policy versions the generator still needs."""
+    progress.step, owed = step, owed_snapshots(snapshots, schedule, step, progress.evals_logged)
+    owed = {v: views(w.flat, w.layout) for v, w in owed.items() if v < step}  # theta_step is the policy's weights
+    return plumbing.save_checkpoint(accelerator, output_dir, progress, owed)
+
+
+def owed_snapshots(snapshots: dict[int, Weights], schedule, next_step: int, evals_logged: set[int]) -> dict:
+    """The snapshots of the policy versions the generator still needs for a trainer about to run `next_step`."""
+    needed = published_versions(pending_events(schedule, next_step, evals_logged))
+    return {version: weights for version, weights in snapshots.items() if version in needed}
+
+
+def main(args: Args) -> None:
+    # the process group and device first: the Accelerator needs the dtype, which depends on the device
     on_gpu = PartialState(cpu=parse_flag_from_env("ACCELERATE_USE_CPU")).device.type == "cuda"
     dtype = torch.bfloat16 if args.dtype == "bfloat16" or (args.dtype == "auto" and on_gpu) else torch.float32
     engine_dtype = {"auto": dtype, "float32": torch.float32, "bfloat16": torch.bfloat16}[args.vllm_dtype]
@@ -1531,278 +1047,157 @@ if __name__ == "__main__":
     precision = "bf16" if dtype == torch.bfloat16 else "no"
     accelerator = Accelerator(gradient_accumulation_steps=args.gradient_accumulation_steps, mixed_precision=precision)
     torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True  # fp32 matmuls on tensor cores
-    run_name = name_run(args)
+    run_name = plumbing.name_run(args.exp_name, args.seed)
     output_dir = args.output_dir or os.path.join("runs", run_name)
-    try:
+    with plumbing.usage_errors():
         inputs = check_inputs(args, accelerator, output_dir, on_gpu)
-    except UsageError as exc:
-        raise SystemExit(f"error: {exc}")
-    sizes, tokenizer, train, evaluation = inputs.sizes, inputs.tokenizer, inputs.train, inputs.evaluation
-    device = accelerator.device
-    signals = StopSignals()  # before any model loads: see StopSignals
+    sizes, tokenizer, train, device = inputs.sizes, inputs.tokenizer, inputs.train, accelerator.device
+    signals = plumbing.StopSignals()  # before any model loads: see StopSignals
     if (deepspeed := accelerator.state.deepspeed_plugin) is not None:  # DeepSpeed wants these in its own config
         deepspeed.deepspeed_config["train_micro_batch_size_per_gpu"] = args.local_micro_batch_size
         deepspeed.deepspeed_config["gradient_accumulation_steps"] = args.gradient_accumulation_steps
-    cores, engine_cores = sorted(os.sched_getaffinity(0)), None
-    if device.type == "cpu" and len(cores) > accelerator.num_processes:
-        # Split the cores as the paper splits GPUs: the first is the engine's (its worker, its scheduler and our
-        # generation thread, which take turns), the others train. Threads started later inherit the training cores.
-        engine_cores = cores[:1]
-        os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", str(cores[0]))
-        os.sched_setaffinity(0, cores[1:])
-        torch.set_num_threads(len(cores) - 1)
+    engine_cores = plumbing.split_cores(device, accelerator.num_processes)
     # The generation thread needs the interpreter lock at every decoding step; training hands it over every switch
     # interval (5 ms by default) while it runs Python. 0.5 ms: pipeline efficiency 92.5% -> 96.1% (docs/speed.md).
     sys.setswitchinterval(0.0005)
     set_seed(args.seed + accelerator.process_index)
 
-    # models (safetensors only). The policy and the reference keep fp32 weights (the optimizer's, and the policy's
-    # numbers at step 0) and run under autocast; the reward and gold models, which only score, hold --dtype weights.
-    model_kwargs = dict(trust_remote_code=args.trust_remote_code, use_safetensors=True)
-    policy = AutoModelForCausalLM.from_pretrained(args.sft_model_path, dtype=torch.float32, **model_kwargs)
-    ref_policy = AutoModelForCausalLM.from_pretrained(args.sft_model_path, dtype=torch.float32, **model_kwargs)
-    gold_model = gold_tokenizer = reward_model = None
-    try:  # the score-head check of a hub id whose config did not say
-        if args.task != "gsm8k":
-            reward_model = load_reward_model(args.reward_model_path, "--reward_model_path", dtype=dtype, **model_kwargs)
-        if args.gold_judge != "tiny" and accelerator.is_main_process:
-            gold_model = (
-                load_reward_model(args.gold_judge, "--gold_judge", dtype=dtype, **model_kwargs).to(device).eval()
-            )
-            gold_tokenizer = AutoTokenizer.from_pretrained(args.gold_judge, trust_remote_code=args.trust_remote_code)
-    except UsageError as exc:
-        raise SystemExit(f"error: {exc}")
-    models = Models(tokenizer, ref_policy, reward_model, inputs.reward_tokenizer, gold_model, gold_tokenizer)
+    # models, and the FLOPs of each phase per process and step (model FLOP utilisation: benchmark/timing.py)
+    with plumbing.usage_errors():  # the score-head check of a hub id whose config did not say
+        policy, models = load_models(args, inputs, dtype, device, accelerator.is_main_process)
     engine_names = checkpoint_names(policy)  # before accelerate wraps the policy
     if args.gradient_checkpointing:
         policy.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     L, R = args.max_prompt_length + args.response_length, args.response_length  # padded widths the passes process
-    B, K = sizes.local_batch_size, args.rloo_k
-    phase_flops = {  # per process and step, for the model FLOP utilisation of each phase (benchmark/timing.py)
-        "scoring": 0 if reward_model is None else forward_flops(reward_model, B * K, L),
-        "old_logprobs": forward_flops(policy, B * K, L, R + 1),
-        "reference": forward_flops(ref_policy, B * K, L, R + 1),
-        "update": (4 if args.gradient_checkpointing else 3)
-        * args.num_ppo_epochs
-        * forward_flops(policy, B * K, L, R + 1),
+    B, K, bs = sizes.local_batch_size, args.rloo_k, args.local_rollout_forward_batch_size
+    passes, flops = (4 if args.gradient_checkpointing else 3) * args.num_ppo_epochs, plumbing.forward_flops
+    phase_flops = {
+        "scoring": 0 if models.reward_model is None else flops(models.reward_model, B * K, L),
+        "old_logprobs": flops(policy, B * K, L, R + 1),
+        "reference": flops(models.ref_policy, B * K, L, R + 1),
+        "update": passes * flops(policy, B * K, L, R + 1),
     }
-    frozen = [m for m in (ref_policy, reward_model) if m is not None]
-    for m in (policy, *frozen):
-        disable_dropout(m)
-    for m in frozen:
-        m.to(device).eval().requires_grad_(False)
     optimizer = torch.optim.AdamW(policy.parameters(), lr=args.learning_rate, eps=args.adam_epsilon)
     model, optimizer = accelerator.prepare(policy, optimizer)
     # Stepped by hand once per optimizer update (accelerate's prepared scheduler would step per process).
-    schedule_factor = partial(lr_factor, args.lr_schedule, num_updates=sizes.num_updates)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule_factor)
-    shuffle_rng, progress = np.random.default_rng([args.seed, accelerator.process_index]), Progress()
+    lr = partial(lr_factor, args.lr_schedule, num_updates=sizes.num_updates)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr)
+    progress = plumbing.Progress(args.seed)  # the next step, the evaluations logged, the shuffle generator
     accelerator.register_for_checkpointing(scheduler, progress)
     if inputs.checkpoint:  # the trainer exactly as it was when the checkpoint was written
         accelerator.load_state(inputs.checkpoint)
-        rng_file = Path(inputs.checkpoint, f"shuffle_rng_{accelerator.process_index}.json")
-        shuffle_rng.bit_generator.state = json.loads(rng_file.read_text())
         print(f"resuming from {inputs.checkpoint} (step {progress.step})")
     elif args.resume:
         print(f"--resume: no checkpoint in {output_dir} yet, starting at step 0")
     start_step, evals_logged = progress.step, progress.evals_logged
     eval_steps = sorted({0, sizes.num_steps, *range(0, sizes.num_steps, args.eval_freq or sizes.num_steps)})
-    schedule = pending_events(
-        generation_schedule(sizes.num_steps, args.async_level, eval_steps), start_step, evals_logged
-    )
+    schedule = generation_schedule(sizes.num_steps, args.async_level, eval_steps)
+    schedule = pending_events(schedule, start_step, evals_logged)
     to_publish = published_versions(schedule)
 
     # rank 0 owns the engine and generates for every rank
     channels = Channels(queue.Queue(), queue.Queue(), queue.Queue(), threading.Event(), [])
-    engine = logger = None
+    engine = logger = thread = None
     if accelerator.is_main_process:
-        os.makedirs(output_dir, exist_ok=True)
-        if args.resume:
-            keep_metrics_until(os.path.join(output_dir, "metrics.jsonl"), start_step, evals_logged)
-        run_args = {**asdict(args), **sizes._asdict(), "output_dir": output_dir, "git_revision": git_revision()}
-        write_atomically(os.path.join(output_dir, "args.json"), json.dumps(run_args, indent=2))
-        logger = MetricsLogger(output_dir, run_name, args)
-        if inputs.placement.shared:
-            try:
-                check_engine_fits(inputs.placement.memory_utilization, *torch.cuda.mem_get_info(device))
-            except UsageError as exc:
-                raise SystemExit(f"error: {exc}")
-        engine = start_engine(args, inputs, K, engine_dtype, schedule, channels, signals, engine_cores)
+        plumbing.open_run_folder(output_dir, asdict(args) | sizes._asdict(), start_step, evals_logged)
+        tracking = (args.track, args.wandb_project, args.wandb_entity)
+        logger = plumbing.MetricsLogger(output_dir, run_name, asdict(args), *tracking)
+        engine, thread = start_generation(args, inputs, K, engine_dtype, schedule, channels, signals, engine_cores)
     signals.starting = False
-    engine_processes = engine.processes if engine else []
-    score_source = (
-        "GSM8k's verifier" if args.task == "gsm8k" else f"reward model --reward_model_path {args.reward_model_path}"
-    )
-
     # Policy versions the generator may still need (on rank 0's GPU on GPUs): a checkpoint hands them on.
     snapshots, snapshot_device = {}, device if inputs.placement.devices is not None else torch.device("cpu")
     push_to = (accelerator, model, engine_names, engine_dtype, snapshot_device, snapshots, channels)
-    # A resumed run re-sends the versions the generator still needs: older ones from the checkpoint, then theta_start.
-    for version in sorted(v for v in to_publish if v <= start_step):
-        if version == start_step:
-            publish(version, *push_to)
-        elif accelerator.is_main_process:
-            tensors = load_file(os.path.join(inputs.checkpoint, f"version_{version:06d}.safetensors"))
-            snapshots[version] = Weights(
-                version, *snapshot_weights(tensors, {k: k for k in tensors}, engine_dtype, snapshot_device)
-            )
-            channels.weights.put(snapshots[version])
+    publish_owed(to_publish, start_step, inputs.checkpoint, push_to)
 
-    eval_log = (evaluation, models, args, accelerator, logger, output_dir)
-    last_checkpoint, exit_code = inputs.checkpoint, 0
+    run = (sizes.episodes_per_step, evals_logged, engine.started if engine else 0.0)
+    log_eval = partial(log_evaluation, evaluation=inputs.evaluation, models=models, args=args, accelerator=accelerator)
+    log_eval = partial(log_eval, logger=logger, run=run)
+    checkpoint = partial(write_checkpoint, accelerator, output_dir, progress, snapshots, schedule)
+    last_checkpoint, exit_code, main_process = inputs.checkpoint, 0, accelerator.is_main_process
     try:
         steps = range(start_step, sizes.num_steps)
-        progress_bar = tqdm(
-            steps, initial=start_step, total=sizes.num_steps, disable=not accelerator.is_main_process, desc="steps"
-        )
-        for step in progress_bar:
-            step_start = time.perf_counter()
-            # 1. get the rollouts of this step (rank 0 has them; every rank takes its slice), or a stop signal
-            rollout = None
-            if accelerator.is_main_process:
-                rollout = get_or_raise(channels.rollouts, channels, engine_processes, interrupt=signals.received)
-                rollout = signals.received[0] if rollout is None else rollout
-            rollout = broadcast_object_list([rollout])[0]
-            if isinstance(rollout, int):
-                if step > start_step:
-                    progress.step, owed = step, owed_snapshots(snapshots, schedule, step, evals_logged)
-                    last_checkpoint = save_checkpoint(accelerator, output_dir, progress, owed, shuffle_rng)
-                print(
-                    f"stopped before step {step}"
-                    + (f"; resume from {last_checkpoint} with --resume" if last_checkpoint else "")
-                )
-                exit_code = 128 + rollout
+        bar = tqdm(steps, initial=start_step, total=sizes.num_steps, disable=not main_process, desc="steps")
+        for step in bar:
+            laps = plumbing.Laps()
+            # 1. the rollouts of this step (rank 0 has them; every rank takes its slice), unless a signal came
+            rollout, stop = next_rollout(channels, engine, signals, accelerator)
+            if stop:
+                last_checkpoint = checkpoint(step) if step > start_step else last_checkpoint
+                resume = f"; resume from {last_checkpoint} with --resume" if last_checkpoint else ""
+                print(f"stopped before step {step}{resume}")
+                exit_code = 128 + stop
                 break
-            wait_for_rollouts = time.perf_counter() - step_start
-            lag = step - rollout.version
-            if rollout.step != step or lag != min(step, args.async_level):  # the async contract (paper section 3)
+            laps.lap("wait_for_rollouts")
+            if rollout.step != step or step - rollout.version != min(step, args.async_level):  # paper section 3
                 raise RuntimeError(
                     f"async invariant broken: step {step} got rollout {rollout.step} from policy version {rollout.version}"
                 )
-            train_start = time.perf_counter()
             local = slice(accelerator.process_index * B, (accelerator.process_index + 1) * B)
-            local_indices = rollout.prompt_indices[local]
-            responses = rollout.responses[local.start * K : local.stop * K]
-            batch = to_batch([train.token_ids[i] for i in local_indices], responses, K, args, tokenizer, device)
+            indices, responses = rollout.prompt_indices[local], rollout.responses[local.start * K : local.stop * K]
+            batch = to_batch([train.token_ids[i] for i in indices], responses, K, args, tokenizer, device)
             engine_logprobs = pad_logprobs(rollout.logprobs[local.start * K : local.stop * K], R, batch.response_mask)
 
             # 2. score: the reward model on query + response with a fixed score without EOS, or GSM8k's verifier
-            references = [train.references[i] for i in local_indices for _ in range(K)]  # one per completion
-            with accelerator.autocast():
-                scores = score_batch(batch, references, models, args)
-            if injected_fault("scoring", step):
-                raise RuntimeError(f"injected test fault in reward scoring at step {step} (time {time.time():.2f})")
-            if injected_fault("nan_score", step):
-                scores[0] = float("nan")
-            check_scores(accelerator.gather(scores), score_source, step)  # every process sees every score: all stop
-            score_time = time.perf_counter() - train_start
+            references = [train.references[i] for i in indices for _ in range(K)]  # one per completion
+            scores = score_step(batch, references, models, args, accelerator, step)
+            laps.lap("scoring")
 
             # 3. old and reference logprobs, sequence rewards, leave-one-out advantages (RLOO blog). The ratio's old
             # policy is theta_step recomputed by the trainer, not the engine's logprobs: their numerics differ (bf16
             # clipped 20-40 % of sequences: RLOO blog), and this way the first mini-batch's ratio is exactly 1. The
             # engine's logprobs only enter the loss with --old_logprobs engine.
-            old_start, bs = time.perf_counter(), args.local_rollout_forward_batch_size
             old_logprobs = batch_logprobs(model, batch, args.temperature, bs)
-            old_time, ref_start = time.perf_counter() - old_start, time.perf_counter()
+            laps.lap("old_logprobs")
             with accelerator.autocast():
-                ref_logprobs = batch_logprobs(ref_policy, batch, args.temperature, bs)
-            ref_time = time.perf_counter() - ref_start
+                ref_logprobs = batch_logprobs(models.ref_policy, batch, args.temperature, bs)
+            laps.lap("reference")
             targets, stats = rloo_targets(scores, batch, old_logprobs, ref_logprobs, engine_logprobs, args)
 
             # 4. update: T epochs over N mini-batches of completions, each accumulated from micro-batches
-            update_start = time.perf_counter()
-            update_stats, (ratio_max, ratio_min) = rloo_update(
-                model, optimizer, scheduler, accelerator, batch, targets, args, sizes, shuffle_rng, step
+            update_stats, ratios = rloo_update(
+                model, optimizer, scheduler, accelerator, batch, targets, args, sizes, progress.shuffle, step
             )
-            update_time = time.perf_counter() - update_start
+            laps.lap("update")
 
             # 5. send theta_{step+1} to the engine if a later batch or an evaluation needs it
             if step + 1 in to_publish:
                 publish(step + 1, *push_to)
-            training_time = time.perf_counter() - train_start
+            laps.lap("snapshot")
 
-            # 6. log
+            # 6. log the statistics averaged over the processes
             stats |= update_stats | {"scores": scores.mean(), "num_eos_tokens": batch.contain_eos.float().mean()}
             stats["response_tokens"] = batch.response_mask.sum().float()
-            reduced = dict(zip(stats, accelerator.reduce(torch.stack(list(stats.values())), "mean").tolist()))
-            if not math.isfinite(reduced["loss"]):
-                last = f"; the last good one is {last_checkpoint} (--resume)" if last_checkpoint else ""
-                raise RuntimeError(
-                    f"loss is {reduced['loss']} at step {step}: stopping before it reaches a checkpoint{last}"
-                )
-            if accelerator.is_main_process:
-                step_time = time.perf_counter() - step_start
-                times = dict(generation=rollout.generation_time, weight_sync=rollout.weight_sync_time)
-                times |= dict(generator_wait=rollout.wait_time, wait_for_rollouts=wait_for_rollouts, scoring=score_time)
-                times |= dict(old_logprobs=old_time, reference=ref_time, update=update_time)
-                starts = {
-                    "step_start": step_start,
-                    "training_start": train_start,
-                    "generation_start": rollout.generation_start,
-                }
-                starts["weight_sync_start"] = rollout.weight_sync_start
-                metrics = {
-                    "step": step,
-                    "episode": (step + 1) * sizes.episodes_per_step,
-                    "lr": scheduler.get_last_lr()[0],
-                    "objective/scores": reduced["scores"],
-                    "objective/kl": reduced["kl"],
-                    "objective/entropy": reduced["entropy"],
-                    "objective/non_score_reward": -args.kl_coef * reduced["kl"],
-                    "objective/rlhf_reward": reduced["scores"] - args.kl_coef * reduced["kl"],
-                    "val/num_eos_tokens": reduced["num_eos_tokens"],
-                    "loss/policy": reduced["loss"],
-                    "policy/approxkl": reduced["approxkl"],
-                    "policy/clipfrac": reduced["clipfrac"],
-                    "policy/ratio_mean": reduced["ratio_mean"],
-                    "policy/ratio_max": ratio_max,
-                    "policy/ratio_min": ratio_min,
-                    "policy/engine_logprob_diff": reduced["engine_abs_diff"],
-                    "policy/engine_kl": reduced["engine_diff"],
-                    **{f"policy/{k}": reduced[k] for k in ("tis_weight_mean", "tis_capped_frac") if k in reduced},
-                    "async/lag": lag,
-                    "async/version": rollout.version,
-                    **{f"time/{k}": v for k, v in times.items()},
-                    **{f"flops/{k}": v for k, v in phase_flops.items()},
-                    "time/training": training_time,
-                    "time/step": step_time,
-                    **{
-                        f"timeline/{k}": v - engine.started for k, v in starts.items()
-                    },  # seconds since the engine was up
-                    "throughput/episodes_per_second": sizes.episodes_per_step / step_time,
-                    "throughput/tokens_per_second": reduced["response_tokens"] * sizes.world_size / step_time,
-                }
-                logger.log(metrics)
-                progress_bar.set_postfix(lag=lag, score=f"{reduced['scores']:.3f}", kl=f"{reduced['kl']:.2f}")
+            reduced = plumbing.reduce_statistics(stats, accelerator, step, last_checkpoint)
+            if main_process:
+                lr = scheduler.get_last_lr()[0]
+                metrics = rloo_metrics(step, rollout.version, sizes, lr, reduced, ratios, args.kl_coef)
+                tokens = reduced["response_tokens"] * sizes.world_size
+                work = (phase_flops, sizes.episodes_per_step, tokens)
+                logger.log(metrics | plumbing.pipeline_metrics(laps, rollout.timings, engine.started, *work))
+                bar.set_postfix(lag=step - rollout.version, score=f"{reduced['scores']:.3f}", kl=f"{reduced['kl']:.2f}")
                 # 7. evaluations arrive from the generation thread a little later; score them as they come
                 while not channels.evals.empty():
-                    eval_rollout = channels.evals.get()
-                    log_evaluation(
-                        eval_rollout, *eval_log, eval_rollout.version * sizes.episodes_per_step, engine.started
-                    )
-                    evals_logged.add(eval_rollout.version)
+                    log_eval(channels.evals.get())
                 for version in snapshots.keys() - owed_snapshots(snapshots, schedule, step + 1, evals_logged).keys():
                     del snapshots[version]
             if args.save_freq and (step + 1) % args.save_freq == 0 and step + 1 < sizes.num_steps:
-                progress.step, owed = step + 1, owed_snapshots(snapshots, schedule, step + 1, evals_logged)
-                last_checkpoint = save_checkpoint(accelerator, output_dir, progress, owed, shuffle_rng)
+                last_checkpoint = checkpoint(step + 1)
 
         if not exit_code:
-            if accelerator.is_main_process:
-                while len(evals_logged) < len(eval_steps):
-                    eval_rollout = get_or_raise(channels.evals, channels, engine_processes)
-                    log_evaluation(
-                        eval_rollout, *eval_log, eval_rollout.version * sizes.episodes_per_step, engine.started
-                    )
-                    evals_logged.add(eval_rollout.version)
-            save_policy(accelerator, model, tokenizer, os.path.join(output_dir, "policy"))
+            while main_process and len(evals_logged) < len(eval_steps):
+                log_eval(get_or_raise(channels.evals, channels, engine.processes))
+            plumbing.save_policy(accelerator, model, tokenizer, os.path.join(output_dir, "policy"))
     except KeyboardInterrupt:
         print("interrupted: stopping the generation thread and the engine")
         exit_code = 130
     finally:
-        stop_engine(engine, channels)
+        plumbing.stop_engine(engine, thread, channels.stop)
         if logger is not None:
             logger.close()
-        gc.freeze()  # the interpreter's exit would garbage-collect the whole heap (seconds on a CPU); the OS frees it
+        plumbing.exit_quickly()
     if exit_code:
         raise SystemExit(exit_code)
+
+
+if __name__ == "__main__":
+    main(tyro.cli(Args, use_underscores=True))

@@ -1,0 +1,685 @@
+"""The plumbing the three algorithm files share, none of it the method: the engine's processes, their placement and
+the signals and watchdog that stop them; the run folder, checkpoints and resume; metrics logging; the checks of model
+files; FLOP counting; the tests' fault hooks. Every function takes plain values, so nothing imports in a circle, and
+a fork of an algorithm file uses this module unchanged. What each algorithm does is in its own file (docs/)."""
+
+import gc
+import inspect
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from contextlib import contextmanager
+from multiprocessing import shared_memory
+from pathlib import Path
+from typing import NamedTuple
+
+import numpy as np
+import psutil
+import torch
+from accelerate import Accelerator, PartialState
+from accelerate.utils import broadcast_object_list, gather_object
+from safetensors.torch import load_file, save_file
+from transformers import AutoConfig, AutoModelForSequenceClassification, AutoTokenizer
+from vllm import LLM
+
+
+# == Bad input ========================================================================================================
+class UsageError(ValueError):
+    """Bad flags or input files: reported in one line, before any model loads."""
+
+
+@contextmanager
+def usage_errors():
+    """A UsageError raised in the block ends the process with one line, `error: ...`, and no traceback."""
+    try:
+        yield
+    except UsageError as exc:
+        raise SystemExit(f"error: {exc}")
+
+
+def load_tokenizer(path: str, flag: str, trust_remote_code: bool):
+    tokenizer = AutoTokenizer.from_pretrained(path, padding_side="left", trust_remote_code=trust_remote_code)
+    if tokenizer.eos_token_id is None:
+        raise UsageError(f"the tokenizer of {flag} {path} has no EOS token: completions could never end")
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token  # safe: masks come from lengths, not from pad ids
+    return tokenizer
+
+
+def not_a_reward_model(path: str, flag: str) -> str:
+    return f"{flag} {path} is not a reward model: it has no score head, which loading would initialise at random"
+
+
+def check_model(path: str, flag: str, lengths: tuple[int, int], trust_remote_code: bool, reward: bool = False):
+    """The model exists, has safetensors weights (pickled ones are never loaded), prompt + response (`lengths`) fit
+    its positions, and a reward model is a sequence classifier (its config says so; a causal LM is not)."""
+    if os.path.isdir(path) and not list(Path(path).glob("*.safetensors")):
+        raise UsageError(f"{flag} {path} has no .safetensors weights (pickled .bin weights are not loaded)")
+    try:
+        config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
+    except (OSError, ValueError) as exc:
+        raise UsageError(f"{flag} {path}: {str(exc).strip().splitlines()[0]}") from exc
+    context = getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None)
+    if context and sum(lengths) > context:
+        raise UsageError(
+            f"--max_prompt_length {lengths[0]} + --response_length {lengths[1]} exceed the {context}-token context of {flag} {path}"
+        )
+    if reward and config.architectures and not any("ForSequenceClassification" in a for a in config.architectures):
+        raise UsageError(not_a_reward_model(path, flag))
+
+
+def load_reward_model(path: str, flag: str, **kwargs):
+    """A one-label AutoModelForSequenceClassification, refused if its score head was not among the weights."""
+    model, info = AutoModelForSequenceClassification.from_pretrained(
+        path, num_labels=1, output_loading_info=True, **kwargs
+    )
+    if any(key == "score.weight" or key.startswith("classifier.") for key in info["missing_keys"]):
+        raise UsageError(not_a_reward_model(path, flag))
+    return model
+
+
+# == The run folder and resuming ======================================================================================
+def name_run(exp_name: str, seed: int) -> str:
+    """<exp_name>__<seed>__<unix time>, as rank 0 sees it: another rank's clock may be in the next second."""
+    return broadcast_object_list([f"{exp_name}__{seed}__{int(time.time())}"])[0]
+
+
+def holds_a_run(output_dir: str) -> bool:
+    """Whether a run logged or saved anything there (one stopped while starting left only args.json)."""
+    metrics, checkpoints = Path(output_dir, "metrics.jsonl"), Path(output_dir, "checkpoints")
+    logged = metrics.exists() and metrics.stat().st_size > 0
+    return logged or any(checkpoints.glob("step_*")) or Path(output_dir, "policy").exists()
+
+
+# Flags that may change when a run is resumed; any other must be what the run started with.
+RESUMABLE_CHANGES = {"resume", "output_dir", "track", "wandb_project", "wandb_entity", "save_freq"}
+RESUMABLE_CHANGES |= {"num_sample_completions"}
+CHECKPOINT_FORMAT = 2  # 2: the shuffle generators in Progress; 1 (before): in files of their own
+
+
+def checkpoint_to_resume(output_dir: str, flags: dict, resume: bool, world_size: int) -> str | None:
+    """The checkpoint a run continues from (None: it starts at step 0); two runs never share a folder. Exits (0) on
+    --resume of a finished run, whose final policy is saved at the very end."""
+    if not resume:
+        if holds_a_run(output_dir):
+            raise UsageError(
+                f"--output_dir {output_dir} holds another run: pass --resume to continue it, or choose another --output_dir"
+            )
+        return None
+    if os.path.isdir(policy := os.path.join(output_dir, "policy")):
+        if PartialState().is_main_process:
+            print(f"--resume: the run in {output_dir} is finished (its final policy is {policy}): nothing to do")
+        raise SystemExit(0)
+    if os.path.exists(run_file := os.path.join(output_dir, "args.json")):
+        previous = json.loads(Path(run_file).read_text())
+        changed = [
+            f"--{k} {previous.get(k)!r} -> {v!r}"
+            for k, v in flags.items()
+            if k not in RESUMABLE_CHANGES and previous.get(k) != v
+        ]
+        if previous.get("world_size") != world_size:
+            changed.append(f"training processes {previous.get('world_size')} -> {world_size}")
+        if changed:
+            raise UsageError(
+                f"--resume: {', '.join(changed)} differ from the run in --output_dir {output_dir}; resume it with its own flags"
+            )
+    checkpoints = sorted(
+        p for p in Path(output_dir, "checkpoints").glob("step_*") if re.fullmatch(r"step_\d{6}", p.name)
+    )
+    if not checkpoints:
+        return None
+    if not (format_file := checkpoints[-1] / "format.json").exists() or json.loads(format_file.read_text()) != {
+        "format": CHECKPOINT_FORMAT
+    }:
+        raise UsageError(
+            f"--resume: {checkpoints[-1]} is not a checkpoint of this version (format {CHECKPOINT_FORMAT}): resume it with the version that wrote it"
+        )
+    return str(checkpoints[-1])
+
+
+def git_revision() -> str:
+    try:
+        return subprocess.check_output(
+            ["git", "rev-parse", "HEAD"], cwd=Path(__file__).parent, stderr=subprocess.DEVNULL, text=True
+        ).strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def write_atomically(path: str, text: str) -> None:
+    """Temporary file, then rename: a reader (or a crash) never sees half a file."""
+    Path(f"{path}.tmp").write_text(text)
+    os.replace(f"{path}.tmp", path)
+
+
+def open_run_folder(output_dir: str, run_args: dict, start_step: int, evals_logged: set[int]) -> None:
+    """args.json (with the git revision); on resume, metrics.jsonl loses what the interrupted run logged after its
+    checkpoint: those steps are trained again."""
+    os.makedirs(output_dir, exist_ok=True)
+    metrics = os.path.join(output_dir, "metrics.jsonl")
+    if os.path.exists(metrics):
+        kept = []
+        for line in Path(metrics).read_text().splitlines():
+            logged = json.loads(line)
+            is_eval = any(key.startswith("eval/") for key in logged)
+            if (logged["step"] in evals_logged) if is_eval else (logged["step"] < start_step):
+                kept.append(line + "\n")
+        write_atomically(metrics, "".join(kept))
+    run_args = {**run_args, "output_dir": output_dir, "git_revision": git_revision()}
+    write_atomically(os.path.join(output_dir, "args.json"), json.dumps(run_args, indent=2))
+
+
+# == Metrics logging ==================================================================================================
+class MetricsLogger:
+    """metrics.jsonl (one JSON object per line, each with step and episode), TensorBoard, wandb. Written by hand, not
+    with accelerate's trackers: `Accelerator.log` gives every backend one step, and wandb drops a row whose step goes
+    back, which every evaluation does (it is logged after the training steps that followed it)."""
+
+    def __init__(self, output_dir: str, run_name: str, config: dict, track: bool, project: str, entity: str | None):
+        from tensorboardX import SummaryWriter
+
+        self.output_dir = output_dir
+        self.file = open(os.path.join(output_dir, "metrics.jsonl"), "a")
+        self.writer = SummaryWriter(os.path.join(output_dir, "tensorboard"))
+        self.wandb = None
+        if track:
+            import wandb
+
+            self.wandb = wandb.init(project=project, entity=entity, name=run_name, config=config, dir=output_dir)
+            self.wandb.define_metric("*", step_metric="episode")  # the x-axis of every plot, as TensorBoard's
+
+    def log(self, metrics: dict) -> None:
+        self.file.write(json.dumps(metrics) + "\n")
+        self.file.flush()
+        for key, value in metrics.items():
+            if key not in ("step", "episode"):
+                self.writer.add_scalar(key, value, metrics["episode"])
+        if self.wandb:
+            self.wandb.log(metrics)
+
+    def log_samples(self, step: int, episode: int, rows: list[dict]) -> None:
+        """A table of sample completions: TensorBoard text, a wandb table, and printed."""
+        text = "\n\n".join(" | ".join(f"**{k}**: {v}" for k, v in row.items()) for row in rows)
+        self.writer.add_text("samples", text, episode)
+        if self.wandb:
+            import wandb
+
+            table = wandb.Table(columns=list(rows[0]), data=[list(r.values()) for r in rows])
+            self.wandb.log({"samples": table, "step": step, "episode": episode})
+        for row in rows:
+            query = (
+                row["query"] if len(row["query"]) <= 80 else "..." + row["query"][-77:]
+            )  # what the completion follows
+            details = ", ".join(f"{k} {v!r}" for k, v in row.items() if k not in ("query", "response"))
+            print(f"  [step {step}] {query!r} -> {row['response']!r} ({details})")
+
+    def log_evaluation(self, step: int, episode: int, metrics: dict, rows: list[dict], texts: tuple) -> None:
+        """An evaluation: its metrics and a sample table (both also printed), and `texts` (prompts, completions,
+        references) to eval_completions/step_NNNNNN.jsonl."""
+        write_eval_completions(self.output_dir, step, episode, *texts)
+        self.log_samples(step, episode, rows)
+        self.log({"step": step, "episode": episode, **metrics})
+        print(f"eval step {step}: " + ", ".join(f"{k} {v:.4g}" for k, v in metrics.items() if k.startswith("eval/")))
+
+    def close(self) -> None:
+        self.file.close()
+        self.writer.close()
+        if self.wandb:
+            self.wandb.finish()
+
+
+def write_eval_completions(output_dir: str, step: int, episode: int, prompts, completions, references) -> str:
+    """eval_completions/step_NNNNNN.jsonl, one row per eval prompt, for judges that run after training
+    (benchmark/llm_judge.py); a resumed run replaces a step's file."""
+    folder = os.path.join(output_dir, "eval_completions")
+    os.makedirs(folder, exist_ok=True)
+    rows = [
+        dict(step=step, episode=episode, prompt=p, completion=c, reference=r)
+        for p, c, r in zip(prompts, completions, references)
+    ]
+    path = os.path.join(folder, f"step_{step:06d}.jsonl")
+    write_atomically(path, "".join(json.dumps(row) + "\n" for row in rows))
+    return path
+
+
+class Laps:
+    """A training step's phases, timed one after the other: `lap(name)` ends phase `name`, begun where the previous
+    one ended. The first phase is the wait for the step's rollouts; the others are its training."""
+
+    def __init__(self):
+        self.start = self.last = time.perf_counter()
+        self.seconds, self.begun = {}, {}
+
+    def lap(self, name: str) -> None:
+        now = time.perf_counter()
+        self.seconds[name], self.begun[name], self.last = now - self.last, self.last, now
+
+
+def pipeline_metrics(laps: Laps, generator: dict, origin: float, flops: dict, episodes: int, tokens: float) -> dict:
+    """A step's figures of the async pipeline: the seconds of each phase, the trainer's (`laps`) and the generator's
+    (`generator`: name -> (start or None, seconds)); their starts (`timeline/`, seconds since `origin`); the FLOPs of
+    the trainer's phases; the throughput of the `episodes` and (response) `tokens` trained on."""
+    step = time.perf_counter() - laps.start
+    training_start = laps.start + next(iter(laps.seconds.values()))
+    seconds = {name: s for name, (_, s) in generator.items()} | laps.seconds
+    seconds |= {"training": laps.last - training_start, "step": step}
+    starts = {"step_start": laps.start, "training_start": training_start}
+    starts |= {f"{name}_start": start for name, (start, _) in generator.items() if start is not None}
+    return {
+        **{f"time/{k}": v for k, v in seconds.items()},
+        **{f"flops/{k}": v for k, v in flops.items()},
+        **{f"timeline/{k}": v - origin for k, v in starts.items()},
+        "throughput/episodes_per_second": episodes / step,
+        "throughput/tokens_per_second": tokens / step,
+    }
+
+
+def reduce_statistics(stats: dict, accelerator: Accelerator, step: int, last_checkpoint: str | None) -> dict:
+    """A step's statistics (tensors) averaged over the processes. A non-finite loss stops the run before any
+    checkpoint has it."""
+    reduced = dict(zip(stats, accelerator.reduce(torch.stack(list(stats.values())), "mean").tolist()))
+    if not np.isfinite(reduced["loss"]):
+        last = f"; the last good one is {last_checkpoint} (--resume)" if last_checkpoint else ""
+        raise RuntimeError(f"loss is {reduced['loss']} at step {step}: stopping before it reaches a checkpoint{last}")
+    return reduced
+
+
+def forward_flops(model, sequences: int, length: int, logit_positions: int | None = None) -> int:
+    """Matmul FLOPs of a forward pass, 2 per parameter and token (Kaplan et al. 2020, no attention term): every token
+    through the body, `logit_positions` per sequence (None: all) through the output head, none through the input
+    embedding (a lookup). A training pass is 3 forwards' worth, 4 when recomputing activations."""
+    embedding, head = model.get_input_embeddings().weight, model.get_output_embeddings()
+    head_params = 0 if head is None else head.weight.numel()
+    tied = head is not None and head.weight is embedding
+    body = sum(p.numel() for p in model.parameters()) - embedding.numel() - (0 if tied else head_params)
+    return 2 * sequences * (body * length + head_params * (length if logit_positions is None else logit_positions))
+
+
+# == Checkpoints ======================================================================================================
+class Progress:
+    """Where the run is: the next step, the evaluations logged, and every process's shuffle generator (its state is
+    gathered from all of them, as accelerate saves a registered object from rank 0 only). Saved by accelerate with
+    the trainer's state."""
+
+    def __init__(self, seed: int):
+        self.step, self.evals_logged = 0, set()
+        self.shuffle = np.random.default_rng([seed, PartialState().process_index])
+
+    def state_dict(self) -> dict:
+        shuffles = gather_object([self.shuffle.bit_generator.state])
+        return {"step": self.step, "evals_logged": sorted(self.evals_logged), "shuffle": shuffles}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.step, self.evals_logged = state["step"], set(state["evals_logged"])
+        self.shuffle.bit_generator.state = state["shuffle"][PartialState().process_index]
+
+
+def save_checkpoint(accelerator: Accelerator, output_dir: str, progress: Progress, owed: dict[int, list]) -> str:
+    """Everything a resumed run needs to go on exactly: accelerate's `save_state` (the trained weights as safetensors,
+    the optimizer, the registered objects such as the scheduler and Progress, RNG states) and the older policy versions
+    the generator still owes batches or evaluations (`owed`: version -> [(name, tensor)]), so no engine state is
+    needed. Written to a temporary folder, then renamed."""
+    path = os.path.join(output_dir, "checkpoints", f"step_{progress.step:06d}")
+    if accelerator.is_main_process:
+        shutil.rmtree(f"{path}.tmp", ignore_errors=True)
+    accelerator.wait_for_everyone()
+    accelerator.save_state(f"{path}.tmp")
+    if accelerator.is_main_process:  # theta_step itself is the policy's weights
+        for version, tensors in owed.items():
+            tensors = {name: tensor.cpu().clone() for name, tensor in tensors}
+            save_file(tensors, os.path.join(f"{path}.tmp", f"version_{version:06d}.safetensors"))
+        Path(f"{path}.tmp", "format.json").write_text(json.dumps({"format": CHECKPOINT_FORMAT}))
+        shutil.rmtree(path, ignore_errors=True)
+        os.replace(f"{path}.tmp", path)
+    accelerator.wait_for_everyone()
+    return path
+
+
+def load_owed_version(checkpoint: str, version: int) -> dict[str, torch.Tensor]:
+    return load_file(os.path.join(checkpoint, f"version_{version:06d}.safetensors"))
+
+
+def save_policy(accelerator: Accelerator, model, tokenizer, path: str, prefix: str = "") -> None:
+    """save_pretrained (safetensors) into a temporary folder, then rename: no half-written model. `prefix`: the
+    policy's submodule in `model` (PPO's `policy.`)."""
+    state_dict = accelerator.get_state_dict(model)
+    if accelerator.is_main_process:
+        state_dict = {k.removeprefix(prefix): v for k, v in state_dict.items() if k.startswith(prefix)}
+        policy = accelerator.unwrap_model(model)
+        policy = getattr(policy, prefix.rstrip(".")) if prefix else policy
+        shutil.rmtree(tmp := f"{path}.tmp", ignore_errors=True)
+        policy.save_pretrained(tmp, state_dict=state_dict, safe_serialization=True)
+        tokenizer.save_pretrained(tmp)
+        shutil.rmtree(path, ignore_errors=True)
+        os.replace(tmp, path)
+    accelerator.wait_for_everyone()
+
+
+def injected_fault(where: str, step: int) -> bool:
+    """Fault injection, used only by the tests: ASYNC_RLHF_TEST_FAULT=<where>:<step>."""
+    return os.environ.get("ASYNC_RLHF_TEST_FAULT") == f"{where}:{step}"
+
+
+# == The engine's GPU and cores =======================================================================================
+class Placement(NamedTuple):
+    devices: str | None  # CUDA_VISIBLE_DEVICES of the engine's processes; None: CPU
+    shared: bool  # the engine shares training rank 0's GPU
+    trainer_gpu: int  # rank 0's GPU, which holds the weight snapshots, as the engine's processes number their GPUs
+    memory_utilization: float
+
+
+def visible_gpus() -> list[str]:
+    if not torch.cuda.is_available():
+        return []
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    return visible.split(",") if visible else [str(i) for i in range(torch.cuda.device_count())]
+
+
+def engine_placement(
+    mode: str, visible: list[str], num_training_processes: int, memory_utilization: float | None
+) -> Placement:
+    """Training process i uses visible GPU i. With an (N+1)-th visible GPU the engine takes it (the paper's split);
+    with fewer, it shares rank 0's within its memory budget. Its processes also see rank 0's GPU, second, to open the
+    snapshots rank 0 shares by CUDA IPC (docs/gpus.md)."""
+    if memory_utilization is not None and not 0 < memory_utilization <= 1:
+        raise UsageError(f"--vllm_gpu_memory_utilization must be in (0, 1], got {memory_utilization}")
+    if not visible:
+        return Placement(None, False, 0, memory_utilization or 0.9)
+    separate = len(visible) > num_training_processes if mode == "auto" else mode == "separate"
+    if separate and len(visible) <= num_training_processes:
+        raise UsageError(
+            f"--vllm_placement separate: {num_training_processes} training process(es) and the engine need "
+            f"{num_training_processes + 1} GPUs, {len(visible)} are visible; use --vllm_placement shared or fewer processes"
+        )
+    if separate:
+        return Placement(f"{visible[num_training_processes]},{visible[0]}", False, 1, memory_utilization or 0.9)
+    return Placement(visible[0], True, 0, memory_utilization or 0.3)
+
+
+def check_engine_fits(memory_utilization: float, free: int, total: int) -> None:
+    """A shared GPU: vLLM takes memory_utilization x the GPU's memory and refuses to start when less is free."""
+    if memory_utilization * total > free:
+        raise UsageError(
+            f"--vllm_gpu_memory_utilization {memory_utilization}: the engine would take {memory_utilization * total / 2**30:.1f} GiB "
+            f"of the GPU it shares with training, which has {free / 2**30:.1f} GiB free once the trainer's models are loaded; "
+            f"lower it to at most {max(int(100 * free / total) - 5, 0) / 100} (the optimizer state and activations need room too), or use a GPU of its own"
+        )
+
+
+@contextmanager
+def on_cores(cores: list[int] | None):
+    """Run the block on these cores (None: where it runs now). On Linux affinity belongs to a thread and is inherited
+    by the threads and processes it starts; the calling thread gets its own back after."""
+    before = os.sched_getaffinity(0)
+    if cores is not None:
+        os.sched_setaffinity(0, cores)
+    try:
+        yield
+    finally:
+        os.sched_setaffinity(0, before)
+
+
+def split_cores(device: torch.device, num_processes: int) -> list[int] | None:
+    """On a CPU with a core to spare, split the cores as the paper splits GPUs: the first is the engine's (its worker,
+    its scheduler and the generation thread, which take turns), the others train, and so do the threads started
+    later. Returns the engine's cores (None: no split)."""
+    cores = sorted(os.sched_getaffinity(0))
+    if device.type == "cpu" and len(cores) > num_processes:
+        os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", str(cores[0]))
+        os.sched_setaffinity(0, cores[1:])
+        torch.set_num_threads(len(cores) - 1)
+        return cores[:1]
+    return None
+
+
+# == The engine's processes, their watchdog, signals ==================================================================
+def make_engine(model: str, placement: Placement, **llm_kwargs) -> LLM:
+    """The engine runs in its own processes (vLLM's default): generation does not share the trainer's interpreter
+    lock, and models vLLM serves through its Transformers backend (GPTNeoX on CPUs) do not patch the trainer's
+    classes. The children inherit the environment set here."""
+    env = dict(os.environ)
+    # an `accelerate launch`'s torch.distributed variables: the engine would join our group
+    for key in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        os.environ.pop(key, None)
+    # Spawned, never forked: a fork of a process that has touched CUDA (even torch.cuda.is_available() without NVML)
+    # dies with "CUDA error: initialization error". vLLM forks unless it sees CUDA initialised; on CPUs it spawns.
+    os.environ["VLLM_WORKER_MULTIPROC_METHOD"] = "spawn"
+    gpu = {}
+    if placement.devices is not None:
+        os.environ["CUDA_VISIBLE_DEVICES"] = placement.devices
+        # the worker imports WeightReceiver from this module
+        here = str(Path(__file__).resolve().parent)
+        os.environ["PYTHONPATH"] = os.pathsep.join([here, *filter(None, [env.get("PYTHONPATH")])])
+        gpu = dict(worker_extension_cls=f"{Path(__file__).stem}.WeightReceiver")
+    else:
+        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB; vLLM's default reserves far more
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")  # it warns at every push that rotary caches are not pushed
+    try:
+        return LLM(
+            model=model,
+            gpu_memory_utilization=placement.memory_utilization,
+            use_tqdm_on_load=False,
+            logprobs_mode="processed_logprobs",  # logprobs after temperature, like the trainer's
+            load_format="safetensors",
+            **gpu,
+            **llm_kwargs,
+        )
+    finally:
+        os.environ.clear()
+        os.environ.update(env)
+
+
+class WeightReceiver:
+    """Added to vLLM's GPU worker (`worker_extension_cls`): loads a snapshot shared by CUDA IPC, with no file and no
+    copy through the CPU, through the model's own loader (which fuses q/k/v and gate/up and reorders GPTNeoX's q/k/v
+    as for a checkpoint). The copy is in place, so CUDA graphs see it."""
+
+    def load_shared_weights(self, handle: tuple, layout: list, trainer_gpu: int) -> None:
+        from torch.multiprocessing.reductions import rebuild_cuda_tensor
+
+        handle = list(handle)
+        handle[6] = trainer_gpu  # the snapshot's GPU, as this process numbers its GPUs
+        flat = rebuild_cuda_tensor(*handle)
+        views = [(name, flat[offset : offset + int(np.prod(shape))].view(shape)) for name, shape, offset in layout]
+        self.reload_weights(weights_iterator=iter(views))
+        torch.cuda.synchronize()  # loaded before the trainer may free the snapshot
+
+
+def dead_processes(processes: list[psutil.Process]) -> list[int]:
+    dead = []
+    for process in processes:
+        try:
+            if process.status() == psutil.STATUS_ZOMBIE:
+                dead.append(process.pid)
+        except psutil.NoSuchProcess:
+            dead.append(process.pid)
+    return dead
+
+
+def kill_process_trees(processes: list[psutil.Process], timeout: float = 5) -> None:
+    """SIGKILL these processes and all they started, each stopped first so none can start another between our listing
+    its children and killing it. Waits (up to `timeout`) for them to die without reaping them (vLLM reaps its own)."""
+    stopped, todo = {}, list(processes)
+    while todo:
+        process = todo.pop()
+        try:
+            if process.pid not in stopped:
+                process.suspend()
+                stopped[process.pid] = process
+                todo.extend(process.children())
+        except psutil.Error:
+            pass
+    for process in stopped.values():
+        try:
+            process.kill()
+        except psutil.Error:
+            pass
+    deadline = time.time() + timeout
+    while len(dead_processes(list(stopped.values()))) < len(stopped) and time.time() < deadline:
+        time.sleep(0.02)
+
+
+def started_processes(before: set[int]) -> list[psutil.Process]:
+    """Children of this process not in `before`, but for Python's resource tracker (multiprocessing starts it here for
+    the engine: it must outlive the engine to clean up after it)."""
+    started = []
+    for process in psutil.Process().children(recursive=True):
+        try:
+            if process.pid not in before and "multiprocessing.resource_tracker" not in " ".join(process.cmdline()):
+                started.append(process)
+        except psutil.Error:
+            pass
+    return started
+
+
+def shared_memory_of(processes: list[psutil.Process]) -> list[str]:
+    """The POSIX shared memory segments (Python's psm_*) these processes map: vLLM's message queues."""
+    names = set()
+    for process in processes:
+        try:
+            names.update(os.path.basename(m.path) for m in process.memory_maps() if m.path.startswith("/dev/shm/psm_"))
+        except psutil.Error:
+            pass
+    return sorted(names)
+
+
+def release_shared_memory(names: list[str]) -> None:
+    """Unlink the message queues of the engine's processes, dead now: killed by their shutdown's timeout, they could not
+    (vLLM's scheduler unlinks its queue only after its worker exits, seconds later). This also tells Python's resource
+    tracker, which would otherwise unlink them at exit with a "leaked shared_memory objects" warning."""
+    for name in names:
+        try:
+            segment = shared_memory.SharedMemory(name=name)
+        except FileNotFoundError:
+            continue  # its creator unlinked it
+        segment.close()
+        segment.unlink()
+
+
+# The watchdog (`python -c`, with dead_processes and kill_process_trees): it blocks reading a pipe whose only write end
+# the trainer holds. When the trainer dies, however it dies (kill -9 included), the pipe closes: it then kills the
+# engine's processes, which would live on re-parented to init, and removes the weights folder. Its input: lines
+# "<pid> <create time>" (the time guards against a re-used pid), then the folder.
+WATCHDOG = """
+lines, processes = sys.stdin.read().splitlines(), []
+for pid, create_time in (line.split() for line in lines[:-1]):
+    try:
+        if abs((process := psutil.Process(int(pid))).create_time() - float(create_time)) < 0.01:
+            processes.append(process)
+    except psutil.Error:
+        pass
+kill_process_trees(processes)
+shutil.rmtree(lines[-1], ignore_errors=True)
+"""
+
+
+def start_watchdog(processes: list[psutil.Process], folder: str) -> subprocess.Popen:
+    """A process of its own session (a Ctrl-C to the terminal does not reach it) that cleans up after a trainer that
+    died without doing so; closing its stdin lets it go. Started after the engine, whose processes must not hold the
+    pipe's write end."""
+    functions = [inspect.getsource(function) for function in (dead_processes, kill_process_trees)]
+    code = "\n".join(["import shutil, sys, time", "import psutil", *functions, WATCHDOG])
+    watchdog = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, start_new_session=True, text=True)
+    lines = []
+    for process in processes:
+        try:
+            lines.append(f"{process.pid} {process.create_time()!r}\n")
+        except psutil.Error:
+            pass
+    watchdog.stdin.write("".join(lines) + f"{folder}\n")
+    watchdog.stdin.flush()
+    return watchdog
+
+
+def remove_stale_weights_folders(parent: str) -> list[str]:
+    """Remove the weights folders (policy-weights-<pid>-*) of trainers no longer alive: what a trainer killed together
+    with its watchdog leaves in RAM. Returns the folders removed."""
+    removed = []
+    for path in Path(parent).glob("policy-weights-*"):
+        match = re.fullmatch(r"policy-weights-(\d+)-\w+", path.name)
+        if match and not psutil.pid_exists(int(match.group(1))):
+            shutil.rmtree(path, ignore_errors=True)
+            removed.append(str(path))
+    return removed
+
+
+class StopSignals:
+    """SIGTERM (pre-emption) or Ctrl-C. Once the engine runs: finish the step, write a checkpoint, exit; a second
+    signal exits at once. While starting: kill the processes started so far and exit at once, as vLLM cannot be left
+    to stop: its start-up handshake swallows KeyboardInterrupt, and its wait for the engine's ready message does not
+    notice the engine dying (as a Ctrl-C to the process group makes it), so it waits out a 10-minute timeout."""
+
+    def __init__(self):
+        self.received, self.starting, self.weights_dir = [], True, None
+        for signum in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(signum, self.handle)
+
+    def handle(self, signum, frame):
+        name = signal.Signals(signum).name
+        if self.starting:
+            os.write(2, f"\n{name} while starting: stopping the engine and exiting\n".encode())
+            kill_process_trees(started_processes(set()))
+            if self.weights_dir is not None:
+                shutil.rmtree(self.weights_dir, ignore_errors=True)
+            gc.freeze()  # see exit_quickly
+            raise SystemExit(128 + signum)
+        os.write(2, f"\n{name}: writing a checkpoint at the end of this step, then exiting\n".encode())
+        self.received.append(signum)
+        signal.signal(signum, signal.default_int_handler if signum == signal.SIGINT else signal.SIG_DFL)
+
+
+class Engine(NamedTuple):
+    llm: LLM
+    processes: list[psutil.Process]
+    segments: list[str]  # their shared memory
+    weights_dir: str  # a RAM-backed folder for the weights (CPUs)
+    watchdog: subprocess.Popen
+    started: float  # time.perf_counter() once it was up: the timeline's origin
+
+
+def start_engine(model: str, placement: Placement, signals: StopSignals, cores: list[int] | None, **llm_kwargs):
+    """Rank 0's engine, started on `cores` (None: anywhere), with a watchdog that ends its processes if the trainer
+    dies. `llm_kwargs` go to vLLM's LLM."""
+    with on_cores(cores):
+        before = {p.pid for p in psutil.Process().children(recursive=True)}
+        if placement.devices is not None:  # the push's CUDA IPC handle is pickled, between our processes
+            os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
+        llm = make_engine(model, placement, **llm_kwargs)
+        processes = started_processes(before)
+        ram = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
+        remove_stale_weights_folders(ram)
+        weights_dir = signals.weights_dir = tempfile.mkdtemp(prefix=f"policy-weights-{os.getpid()}-", dir=ram)
+        watchdog = start_watchdog(processes, weights_dir)
+    return Engine(llm, processes, shared_memory_of(processes), weights_dir, watchdog, time.perf_counter())
+
+
+def stop_engine(engine: Engine | None, thread, stop) -> None:
+    """Stop the generation thread (`stop`: its event) and the engine; the engine holds nothing to save, so nothing
+    waits on its exit."""
+    stop.set()
+    if engine is None:
+        return
+    thread.join(timeout=1)  # it finishes the batch it is generating, or the engine's shutdown ends it
+    engine.llm.llm_engine.engine_core.shutdown(timeout=1)
+    thread.join(timeout=5)  # a daemon: a thread stuck on a dead engine does not keep the process alive
+    # The engine's worker outlives its scheduler process, killed after 1 s, by seconds (a garbage collection), and
+    # their message queues stay in shared memory: end both.
+    kill_process_trees(engine.processes)
+    release_shared_memory(engine.segments)
+    shutil.rmtree(engine.weights_dir, ignore_errors=True)
+    engine.watchdog.stdin.close()  # nothing is left for it to clean up: it exits
+    try:
+        engine.watchdog.wait(timeout=5)
+    except subprocess.TimeoutExpired:
+        pass
+
+
+def exit_quickly() -> None:
+    """The interpreter's exit would garbage-collect the whole heap (seconds on a CPU); the OS frees it anyway."""
+    gc.freeze()
