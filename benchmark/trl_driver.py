@@ -69,6 +69,7 @@ def main(args: argparse.Namespace) -> None:
     from trl.experimental.online_dpo import OnlineDPOConfig, OnlineDPOTrainer
 
     import online_dpo_async as ours
+    import plumbing
 
     out = Path(args.output_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -93,7 +94,7 @@ def main(args: argparse.Namespace) -> None:
     policy = AutoModelForCausalLM.from_pretrained(args.sft_model_path, dtype=torch.float32, use_safetensors=True).to(
         device
     )
-    reward_model = ours.load_reward_model(
+    reward_model = plumbing.load_reward_model(
         args.reward_model_path,
         "--reward_model_path",
         dtype=torch.bfloat16 if bf16 else torch.float32,

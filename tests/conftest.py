@@ -43,7 +43,7 @@ def small_config(tokenizer, arch: str = "llama", **overrides):
         tie_word_embeddings=False,
     )
     common.update(overrides)
-    return LlamaConfig(num_key_value_heads=2, **common) if arch == "llama" else GPTNeoXConfig(**common)
+    return LlamaConfig(**{"num_key_value_heads": 2, **common}) if arch == "llama" else GPTNeoXConfig(**common)
 
 
 def save_random_policy(tokenizer, path: Path, arch: str = "llama", seed: int = 0) -> Path:
@@ -54,6 +54,25 @@ def save_random_policy(tokenizer, path: Path, arch: str = "llama", seed: int = 0
     AutoModelForCausalLM.from_config(small_config(tokenizer, arch)).save_pretrained(path)
     tokenizer.save_pretrained(path)
     return path
+
+
+def perturbed_policy(tokenizer, arch: str, tied: bool, seed: int, large: bool = False):
+    """A random policy in which every tensor is random, norms and biases included (Llama with attention and MLP
+    biases), so that a weight push that dropped or misplaced any tensor shows. `large`: Pythia-160m's width."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    extra = dict(attention_bias=True, mlp_bias=True) if arch == "llama" else {}
+    if large:
+        extra |= dict(hidden_size=768, num_hidden_layers=12, num_attention_heads=12, intermediate_size=3072)
+        extra |= dict(num_key_value_heads=12) if arch == "llama" else {}
+    model = AutoModelForCausalLM.from_config(small_config(tokenizer, arch, tie_word_embeddings=tied, **extra))
+    with torch.no_grad():
+        for name, tensor in model.state_dict().items():
+            if tensor.is_floating_point() and "rotary" not in name and "inv_freq" not in name:
+                tensor.copy_(torch.randn_like(tensor) * 0.05 + (1.0 if "norm" in name and "weight" in name else 0.0))
+    return model.eval()
 
 
 def run_script(

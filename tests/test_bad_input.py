@@ -10,6 +10,8 @@ import sys
 import pytest
 from conftest import ROOT, TINY, save_random_policy, small_config
 
+import plumbing
+
 SCRIPTS = ["online_dpo_async.py", "rloo_async.py", "ppo_async.py"]
 
 
@@ -57,39 +59,39 @@ def test_an_unknown_choice_is_refused_by_the_parser(script, flag, capsys):
     assert "nonsense" in error and flag in error
 
 
-def test_a_response_beyond_the_models_context_is_refused(script, tokenizer, tmp_path):
+def test_a_response_beyond_the_models_context_is_refused(tokenizer, tmp_path):
     policy = save_random_policy(tokenizer, tmp_path / "policy")  # 128 positions
-    script.check_model(str(policy), "--sft_model_path", script.Args(max_prompt_length=12, response_length=116))
+    plumbing.check_model(str(policy), "--sft_model_path", (12, 116), False)
     with pytest.raises(
-        script.UsageError,
+        plumbing.UsageError,
         match=r"--max_prompt_length 12 \+ --response_length 117 exceed the 128-token context of --sft_model_path",
     ):
-        script.check_model(str(policy), "--sft_model_path", script.Args(max_prompt_length=12, response_length=117))
+        plumbing.check_model(str(policy), "--sft_model_path", (12, 117), False)
 
 
 def test_missing_models_and_pickled_weights_are_refused(script, tokenizer, tmp_path):
     import torch
     from transformers import AutoModelForCausalLM
 
-    with pytest.raises(script.UsageError, match="--reward_model_path .*nowhere"):
-        script.check_model(str(tmp_path / "nowhere"), "--reward_model_path", script.Args())
+    with pytest.raises(plumbing.UsageError, match="--reward_model_path .*nowhere"):
+        plumbing.check_model(str(tmp_path / "nowhere"), "--reward_model_path", (12, 12), False)
     model = AutoModelForCausalLM.from_config(small_config(tokenizer))
     model.config.save_pretrained(tmp_path / "bin")
     torch.save(model.state_dict(), tmp_path / "bin" / "pytorch_model.bin")  # the pickled format
-    with pytest.raises(script.UsageError, match="--sft_model_path .*bin has no .safetensors weights"):
-        script.check_model(str(tmp_path / "bin"), "--sft_model_path", script.Args())
+    with pytest.raises(plumbing.UsageError, match="--sft_model_path .*bin has no .safetensors weights"):
+        plumbing.check_model(str(tmp_path / "bin"), "--sft_model_path", (12, 12), False)
     assert script.Args().trust_remote_code is False
 
 
-def test_a_tokenizer_without_eos_is_refused_and_one_without_pad_pads_with_eos(script, tokenizer, tmp_path):
+def test_a_tokenizer_without_eos_is_refused_and_one_without_pad_pads_with_eos(tokenizer, tmp_path):
     tokenizer.save_pretrained(tmp_path / "tok")
     config = json.loads((tmp_path / "tok" / "tokenizer_config.json").read_text())
     json.dump({**config, "pad_token": None}, open(tmp_path / "tok" / "tokenizer_config.json", "w"))
-    no_pad = script.load_tokenizer(str(tmp_path / "tok"), "--sft_model_path", False)
+    no_pad = plumbing.load_tokenizer(str(tmp_path / "tok"), "--sft_model_path", False)
     assert no_pad.pad_token_id == no_pad.eos_token_id == tokenizer.eos_token_id
     json.dump({**config, "pad_token": None, "eos_token": None}, open(tmp_path / "tok" / "tokenizer_config.json", "w"))
-    with pytest.raises(script.UsageError, match="the tokenizer of --sft_model_path .*tok has no EOS token"):
-        script.load_tokenizer(str(tmp_path / "tok"), "--sft_model_path", False)
+    with pytest.raises(plumbing.UsageError, match="the tokenizer of --sft_model_path .*tok has no EOS token"):
+        plumbing.load_tokenizer(str(tmp_path / "tok"), "--sft_model_path", False)
 
 
 def test_datasets_of_an_unknown_kind_or_split_name_the_flag(script, tokenizer, tmp_path):
@@ -101,33 +103,31 @@ def test_datasets_of_an_unknown_kind_or_split_name_the_flag(script, tokenizer, t
 
 
 def test_an_output_dir_holding_a_run_needs_resume_with_the_same_flags(script, tmp_path):
-    args = script.Args(output_dir=str(tmp_path))
-    assert script.checkpoint_to_resume(str(tmp_path), args, world_size=1) is None  # empty: a fresh run
-    (tmp_path / "args.json").write_text(json.dumps({**vars(args), "world_size": 1}))
+    flags = vars(script.Args(output_dir=str(tmp_path)))
+    resume = plumbing.checkpoint_to_resume
+    assert resume(str(tmp_path), flags, False, world_size=1) is None  # empty: a fresh run
+    (tmp_path / "args.json").write_text(json.dumps({**flags, "world_size": 1}))
     (tmp_path / "metrics.jsonl").write_text("")
-    assert (
-        script.checkpoint_to_resume(str(tmp_path), args, world_size=1) is None
-    )  # a run stopped while starting: not a run
+    assert resume(str(tmp_path), flags, False, world_size=1) is None  # a run stopped while starting: not a run
     (tmp_path / "metrics.jsonl").write_text('{"step": 0, "episode": 0, "eval/win_rate": 0.5}\n')
-    with pytest.raises(script.UsageError, match=f"--output_dir {tmp_path} holds another run: pass --resume"):
-        script.checkpoint_to_resume(str(tmp_path), args, world_size=1)
-    resumed = script.Args(output_dir=str(tmp_path), resume=True)
-    assert script.checkpoint_to_resume(str(tmp_path), resumed, world_size=1) is None  # no checkpoint yet: starts over
+    with pytest.raises(plumbing.UsageError, match=f"--output_dir {tmp_path} holds another run: pass --resume"):
+        resume(str(tmp_path), flags, False, world_size=1)
+    resumed = {**flags, "resume": True}
+    assert resume(str(tmp_path), resumed, True, world_size=1) is None  # no checkpoint yet: starts over
     for name in ("step_000004", "step_000012", "step_000008.tmp"):
         (tmp_path / "checkpoints" / name).mkdir(parents=True)
-    # a checkpoint of an older version (its own files, no accelerate state) is refused in one line
-    with pytest.raises(script.UsageError, match=r"step_000012 is not a checkpoint of this version"):
-        script.checkpoint_to_resume(str(tmp_path), resumed, world_size=1)
-    (tmp_path / "checkpoints" / "step_000012" / "custom_checkpoint_1.pkl").write_bytes(b"")
-    assert script.checkpoint_to_resume(str(tmp_path), resumed, world_size=1) == str(
-        tmp_path / "checkpoints" / "step_000012"
-    )
+    # a checkpoint of an older version (no format.json, or another format) is refused in one line
+    with pytest.raises(plumbing.UsageError, match=r"step_000012 is not a checkpoint of this version \(format 2\)"):
+        resume(str(tmp_path), resumed, True, world_size=1)
+    (tmp_path / "checkpoints" / "step_000012" / "format.json").write_text('{"format": 1}')
+    with pytest.raises(plumbing.UsageError, match=r"step_000012 is not a checkpoint of this version"):
+        resume(str(tmp_path), resumed, True, world_size=1)
+    (tmp_path / "checkpoints" / "step_000012" / "format.json").write_text('{"format": 2}')
+    assert resume(str(tmp_path), resumed, True, world_size=1) == str(tmp_path / "checkpoints" / "step_000012")
     with pytest.raises(
-        script.UsageError, match=r"--resume: --learning_rate .* -> 0\.5, training processes 1 -> 2 differ"
+        plumbing.UsageError, match=r"--resume: --learning_rate .* -> 0\.5, training processes 1 -> 2 differ"
     ):
-        script.checkpoint_to_resume(
-            str(tmp_path), script.Args(output_dir=str(tmp_path), resume=True, learning_rate=0.5), world_size=2
-        )
+        resume(str(tmp_path), {**resumed, "learning_rate": 0.5}, True, world_size=2)
 
 
 @pytest.mark.parametrize("name", SCRIPTS)
@@ -148,29 +148,28 @@ def not_a_reward_model(flag: str, path) -> str:
     return f"{flag} {path} is not a reward model: it has no score head, which loading would initialise at random"
 
 
-def test_a_causal_lm_is_not_a_reward_model_and_the_tiny_reward_model_is(script, tmp_path):
+def test_a_causal_lm_is_not_a_reward_model_and_the_tiny_reward_model_is(tmp_path):
     """From the config, before any weights load: the tiny SFT policy is a causal LM, the tiny reward model a sequence
     classifier; a config that names no architecture cannot be told and is left to the check at load time."""
-    script.check_model(str(TINY / "reward"), "--reward_model_path", script.Args(), reward=True)
-    script.check_model(str(TINY / "sft"), "--sft_model_path", script.Args())  # a policy need not be a classifier
+    lengths = (12, 12)
+    plumbing.check_model(str(TINY / "reward"), "--reward_model_path", lengths, False, reward=True)
+    plumbing.check_model(str(TINY / "sft"), "--sft_model_path", lengths, False)  # a policy need not be a classifier
     for flag in ("--reward_model_path", "--gold_judge"):
-        with pytest.raises(script.UsageError, match=f"^{re.escape(not_a_reward_model(flag, TINY / 'sft'))}$"):
-            script.check_model(str(TINY / "sft"), flag, script.Args(), reward=True)
+        with pytest.raises(plumbing.UsageError, match=f"^{re.escape(not_a_reward_model(flag, TINY / 'sft'))}$"):
+            plumbing.check_model(str(TINY / "sft"), flag, lengths, False, reward=True)
     unnamed = tmp_path / "unnamed"
     shutil.copytree(TINY / "sft", unnamed)
     config = json.loads((unnamed / "config.json").read_text())
     (unnamed / "config.json").write_text(json.dumps({k: v for k, v in config.items() if k != "architectures"}))
-    script.check_model(str(unnamed), "--reward_model_path", script.Args(), reward=True)
+    plumbing.check_model(str(unnamed), "--reward_model_path", lengths, False, reward=True)
 
 
-def test_at_load_time_a_score_head_initialised_at_random_is_refused(script):
+def test_at_load_time_a_score_head_initialised_at_random_is_refused():
     """The check of a hub id that was not in the cache before it loaded: the head among the missing weights."""
-    assert script.load_reward_model(str(TINY / "reward"), "--gold_judge", use_safetensors=True).score.weight.shape == (
-        1,
-        128,
-    )
-    with pytest.raises(script.UsageError, match=f"^--gold_judge {TINY / 'sft'} is not a reward model"):
-        script.load_reward_model(str(TINY / "sft"), "--gold_judge", use_safetensors=True)
+    reward_model = plumbing.load_reward_model(str(TINY / "reward"), "--gold_judge", use_safetensors=True)
+    assert reward_model.score.weight.shape == (1, 128)
+    with pytest.raises(plumbing.UsageError, match=f"^--gold_judge {TINY / 'sft'} is not a reward model"):
+        plumbing.load_reward_model(str(TINY / "sft"), "--gold_judge", use_safetensors=True)
 
 
 @pytest.mark.parametrize(

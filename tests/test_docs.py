@@ -13,6 +13,7 @@ import pytest
 from conftest import ROOT, SMALL_RUN, check_run, run_script, shared_run
 
 import online_dpo_async as dpo
+import plumbing
 
 README = (ROOT / "README.md").read_text()
 DOC_FILES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
@@ -114,12 +115,13 @@ def test_every_training_process_gets_rank_0s_run_name(tmp_path):
     probe.write_text(f"""import importlib, sys, time, types
 sys.path.insert(0, {str(ROOT)!r})
 from accelerate import Accelerator
+import plumbing
 accelerator = Accelerator()
+if accelerator.process_index == 1:
+    plumbing.time = types.SimpleNamespace(time=lambda: time.time() + 1)
 for name in ("online_dpo_async", "rloo_async", "ppo_async"):
-    module = importlib.import_module(name)
-    if accelerator.process_index == 1:
-        module.time = types.SimpleNamespace(time=lambda: time.time() + 1)
-    print(f"{{name}} rank {{accelerator.process_index}}: {{module.name_run(module.Args())}}", flush=True)
+    args = importlib.import_module(name).Args()
+    print(f"{{name}} rank {{accelerator.process_index}}: {{plumbing.name_run(args.exp_name, args.seed)}}", flush=True)
 """)
     proc = run_script(
         [sys.executable, "-m", "accelerate.commands.launch", "--config_file", "configs/cpu_2proc.yaml", str(probe)],
@@ -149,8 +151,8 @@ def test_gpu_commands_parse():
         and tyro.cli(dpo.Args, args=one_gpu[2:]).vllm_placement == "auto"
     )
     # auto: one GPU is shared with the one training process; 8 GPUs give 7 training processes and the engine its own
-    assert dpo.engine_placement("auto", ["0"], 1, None).shared
-    assert not dpo.engine_placement("auto", [str(i) for i in range(8)], 7, None).shared
+    assert plumbing.engine_placement("auto", ["0"], 1, None).shared
+    assert not plumbing.engine_placement("auto", [str(i) for i in range(8)], 7, None).shared
     commands = [line for line in lines if line.startswith("accelerate launch")]
     assert len(commands) == 2
     for command in commands:

@@ -16,6 +16,8 @@ from pathlib import Path
 import psutil
 import pytest
 import torch
+
+import plumbing
 from conftest import (
     ROOT,
     SHARED_STDERR,
@@ -213,9 +215,8 @@ def test_a_signal_while_the_engine_starts_stops_the_run_at_once(script, sig, to_
         output = log.read_text()
         assert "TimeoutError" not in output and (to_group or "Traceback" not in output), output[-4000:]
         module = importlib.import_module(script.removesuffix(".py"))
-        assert (run / "args.json").exists() and module.checkpoint_to_resume(
-            str(run), module.Args(output_dir=str(run)), world_size=1
-        ) is None
+        flags = vars(module.Args(output_dir=str(run)))
+        assert (run / "args.json").exists() and plumbing.checkpoint_to_resume(str(run), flags, False, 1) is None
     finally:
         proc.kill()
         kill_all(list(seen))
@@ -260,11 +261,9 @@ def test_the_engine_dies_with_a_trainer_killed_by_sigkill(script, tmp_path):
         kill_all(engine)
 
 
-@pytest.mark.parametrize("script", SCRIPTS)
-def test_weights_folders_of_dead_trainers_are_removed(script, tmp_path):
+def test_weights_folders_of_dead_trainers_are_removed(tmp_path):
     """A trainer killed together with its watchdog leaves its weights folder in RAM: the next run removes the
     folders whose trainer (the pid in the name) is gone, and only those."""
-    module = importlib.import_module(script.removesuffix(".py"))
     finished = subprocess.Popen([sys.executable, "-c", "pass"])
     finished.wait()
     names = [
@@ -276,5 +275,5 @@ def test_weights_folders_of_dead_trainers_are_removed(script, tmp_path):
     for name in names:
         (tmp_path / name).mkdir()
         (tmp_path / name / "model.safetensors").write_bytes(b"weights")
-    assert module.remove_stale_weights_folders(str(tmp_path)) == [str(tmp_path / names[0])]
+    assert plumbing.remove_stale_weights_folders(str(tmp_path)) == [str(tmp_path / names[0])]
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted(names[1:])

@@ -1,6 +1,7 @@
 """The GPU path's logic, checked on a CPU: engine placement, the names and snapshot of the weight push, response-only
-logits, gradient checkpointing and the --dtype plumbing. The same functions are in all three files (each stands alone),
-so each test runs against every file. What needs a GPU is in test_gpu.py."""
+logits, gradient checkpointing and the --dtype plumbing. The method's functions are in all three files (each stands
+alone), so each of their tests runs against every file; placement and FLOP counting are plumbing.py's. What needs a
+GPU is in test_gpu.py."""
 
 import importlib
 import math
@@ -9,6 +10,8 @@ import sys
 import pytest
 import torch
 from conftest import read_metrics, run_script, small_config
+
+import plumbing
 
 FILES = ["online_dpo_async", "rloo_async", "ppo_async"]
 
@@ -21,40 +24,40 @@ def algo(request):
 # ---------------------------------------------------------------------------------------------
 # Engine placement
 # ---------------------------------------------------------------------------------------------
-def test_placement_on_a_cpu_has_no_gpu(algo):
-    assert algo.engine_placement("auto", [], 2, None) == algo.Placement(None, False, 0, 0.9)
+def test_placement_on_a_cpu_has_no_gpu():
+    assert plumbing.engine_placement("auto", [], 2, None) == plumbing.Placement(None, False, 0, 0.9)
 
 
-def test_placement_one_gpu_is_shared_with_training(algo):
-    assert algo.engine_placement("auto", ["0"], 1, None) == algo.Placement("0", True, 0, 0.3)
-    assert algo.engine_placement("auto", ["3"], 1, 0.45) == algo.Placement("3", True, 0, 0.45)
+def test_placement_one_gpu_is_shared_with_training():
+    assert plumbing.engine_placement("auto", ["0"], 1, None) == plumbing.Placement("0", True, 0, 0.3)
+    assert plumbing.engine_placement("auto", ["3"], 1, 0.45) == plumbing.Placement("3", True, 0, 0.45)
 
 
-def test_placement_n_plus_one_gpus_gives_the_engine_its_own(algo):
+def test_placement_n_plus_one_gpus_gives_the_engine_its_own():
     # training uses visible GPUs 0..N-1; the engine the next one, and sees rank 0's GPU second (the snapshots are there)
-    assert algo.engine_placement("auto", ["0", "1"], 1, None) == algo.Placement("1,0", False, 1, 0.9)
-    assert algo.engine_placement("auto", ["4", "5", "6", "7"], 3, None) == algo.Placement("7,4", False, 1, 0.9)
+    assert plumbing.engine_placement("auto", ["0", "1"], 1, None) == plumbing.Placement("1,0", False, 1, 0.9)
+    assert plumbing.engine_placement("auto", ["4", "5", "6", "7"], 3, None) == plumbing.Placement("7,4", False, 1, 0.9)
     # more GPUs than N + 1: the first spare one
-    assert algo.engine_placement("auto", ["0", "1", "2", "3"], 2, None) == algo.Placement("2,0", False, 1, 0.9)
+    assert plumbing.engine_placement("auto", ["0", "1", "2", "3"], 2, None) == plumbing.Placement("2,0", False, 1, 0.9)
 
 
-def test_placement_can_be_forced(algo):
-    assert algo.engine_placement("shared", ["0", "1"], 1, None) == algo.Placement("0", True, 0, 0.3)
-    assert algo.engine_placement("separate", ["0", "1"], 1, 0.5) == algo.Placement("1,0", False, 1, 0.5)
+def test_placement_can_be_forced():
+    assert plumbing.engine_placement("shared", ["0", "1"], 1, None) == plumbing.Placement("0", True, 0, 0.3)
+    assert plumbing.engine_placement("separate", ["0", "1"], 1, 0.5) == plumbing.Placement("1,0", False, 1, 0.5)
     with pytest.raises(
-        algo.UsageError,
+        plumbing.UsageError,
         match=r"--vllm_placement separate: 2 training process\(es\) and the engine need 3 GPUs, 2 are visible",
     ):
-        algo.engine_placement("separate", ["0", "1"], 2, None)
-    with pytest.raises(algo.UsageError, match=r"--vllm_gpu_memory_utilization must be in \(0, 1\], got 1.5"):
-        algo.engine_placement("auto", ["0"], 1, 1.5)
+        plumbing.engine_placement("separate", ["0", "1"], 2, None)
+    with pytest.raises(plumbing.UsageError, match=r"--vllm_gpu_memory_utilization must be in \(0, 1\], got 1.5"):
+        plumbing.engine_placement("auto", ["0"], 1, 1.5)
 
 
-def test_shared_gpu_that_cannot_hold_the_engine_names_the_flag_and_a_value_that_fits(algo):
+def test_shared_gpu_that_cannot_hold_the_engine_names_the_flag_and_a_value_that_fits():
     gib = 2**30
-    algo.check_engine_fits(0.3, free=30 * gib, total=80 * gib)  # 24 GiB asked, 30 free
-    with pytest.raises(algo.UsageError) as raised:
-        algo.check_engine_fits(0.5, free=30 * gib, total=80 * gib)
+    plumbing.check_engine_fits(0.3, free=30 * gib, total=80 * gib)  # 24 GiB asked, 30 free
+    with pytest.raises(plumbing.UsageError) as raised:
+        plumbing.check_engine_fits(0.5, free=30 * gib, total=80 * gib)
     message = str(raised.value)
     assert "\n" not in message and message.startswith(
         "--vllm_gpu_memory_utilization 0.5: the engine would take 40.0 GiB"
@@ -195,7 +198,7 @@ def test_bf16_run_on_a_cpu_trains_with_autocast_and_gradient_checkpointing(tmp_p
 
 @pytest.mark.parametrize("arch", ["llama", "gptneox"])
 @pytest.mark.parametrize("tied", [False, True])
-def test_forward_flops_by_hand(algo, tokenizer, arch, tied):
+def test_forward_flops_by_hand(tokenizer, arch, tied):
     """2 FLOPs per parameter and token: the body's parameters for every token, the output head's for the logit
     positions only, the input embedding (a lookup) for none; a tied head is the embedding, counted as the head."""
     from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
@@ -205,10 +208,12 @@ def test_forward_flops_by_hand(algo, tokenizer, arch, tied):
     embedding = len(tokenizer) * 64  # vocabulary x hidden
     total = sum(p.numel() for p in model.parameters())
     body = total - embedding - (0 if tied else embedding)
-    assert algo.forward_flops(model, 3, 20, 5) == 2 * 3 * (body * 20 + embedding * 5)
-    assert algo.forward_flops(model, 3, 20) == 2 * 3 * (body + embedding) * 20
+    assert plumbing.forward_flops(model, 3, 20, 5) == 2 * 3 * (body * 20 + embedding * 5)
+    assert plumbing.forward_flops(model, 3, 20) == 2 * 3 * (body + embedding) * 20
     scorer = AutoModelForSequenceClassification.from_config(small_config(tokenizer, arch, num_labels=1))
-    assert algo.forward_flops(scorer, 2, 10) == 2 * 2 * 10 * (sum(p.numel() for p in scorer.parameters()) - embedding)
+    assert plumbing.forward_flops(scorer, 2, 10) == 2 * 2 * 10 * (
+        sum(p.numel() for p in scorer.parameters()) - embedding
+    )
 
 
 def test_a_snapshot_missing_a_tensor_of_the_policy_is_refused(algo, tokenizer):

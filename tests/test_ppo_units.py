@@ -262,14 +262,24 @@ def test_first_on_policy_minibatch_ratio_is_exactly_one(tokenizer):
         torch.testing.assert_close(got, expected)
 
 
-def test_policy_state_dict_has_the_plain_causal_lm_names(tokenizer):
+def test_the_saved_policy_has_the_plain_causal_lm_names(tokenizer, tmp_path):
+    """save_policy with PPO's prefix writes the policy out of PolicyAndValue, under the names from_pretrained expects."""
+    from accelerate import Accelerator
+    from safetensors.torch import load_file
     from transformers import LlamaForCausalLM, LlamaForSequenceClassification
+
+    import plumbing
 
     policy = LlamaForCausalLM(small_config(tokenizer))
     model = ppo.PolicyAndValue(policy, LlamaForSequenceClassification(small_config(tokenizer, num_labels=1)))
-    got = ppo.policy_state_dict(model.state_dict())
-    assert set(got) == set(policy.state_dict())
-    assert all(torch.equal(got[k], v) for k, v in policy.state_dict().items())
+    plumbing.save_policy(Accelerator(cpu=True), model, tokenizer, str(tmp_path / "policy"), prefix="policy.")
+    saved = load_file(tmp_path / "policy" / "model.safetensors")
+    expected = {
+        k: v for k, v in policy.state_dict().items() if k != "lm_head.weight" or not policy.config.tie_word_embeddings
+    }
+    assert set(saved) == set(expected)
+    assert all(torch.equal(saved[k], v) for k, v in expected.items())
+    assert LlamaForCausalLM.from_pretrained(tmp_path / "policy").config.architectures == ["LlamaForCausalLM"]
 
 
 def test_the_value_model_needs_the_policy_s_tokenizer(tokenizer):

@@ -5,6 +5,7 @@ import sys
 import torch
 from conftest import SMALL_RUN, assert_default_run_learns, check_run, run_script, shared_run
 
+import plumbing
 import rloo_async as rloo
 
 PYTHON = sys.executable
@@ -59,7 +60,8 @@ def test_engine_logprobs_are_the_trainers_after_temperature(tokenizer):
     from transformers import AutoModelForCausalLM
 
     args = rloo.Args()
-    llm = rloo.make_engine(args, rloo.engine_placement(args.vllm_placement, [], 1, None), "float32")
+    placement = plumbing.engine_placement(args.vllm_placement, [], 1, None)
+    llm = plumbing.make_engine(args.sft_model_path, placement, dtype="float32", max_model_len=24, enforce_eager=True)
     try:
         prompts = [
             tokenizer(q).input_ids
