@@ -907,12 +907,13 @@ def load_models(args: Args, inputs: Inputs, dtype: torch.dtype, device, is_main:
     return policy, models
 
 
-def start_generation(args: Args, inputs: Inputs, n: int, dtype, schedule, channels: Channels, signals, cores):
-    """Rank 0's engine (in processes of its own: plumbing.py) and the generation thread that drives it, on `cores`."""
+def start_generation(args: Args, inputs: Inputs, n: int, dtype, schedule, channels: Channels, signals, cores, to_come):
+    """Rank 0's engine (in processes of its own: plumbing.py) and the generation thread that drives it, on `cores`.
+    On a GPU, the engine must leave room for what training allocates later (`to_come`: plumbing.training_memory)."""
     placement = inputs.placement
-    if placement.shared:  # the engine asks for its share of the GPU the trainer's models are on
+    if placement.devices is not None:
         with plumbing.usage_errors():
-            plumbing.check_engine_fits(placement.memory_utilization, *torch.cuda.mem_get_info())
+            plumbing.check_engine_fits(placement, *torch.cuda.mem_get_info(), to_come)
     llm = dict(seed=args.seed, dtype=str(dtype).removeprefix("torch."), trust_remote_code=args.trust_remote_code)
     llm["max_model_len"] = args.max_prompt_length + args.response_length
     llm["enforce_eager"] = placement.devices is None or args.vllm_enforce_eager  # CUDA graphs on GPUs
@@ -1045,6 +1046,12 @@ def main(args: Args) -> None:
     schedule = pending_events(schedule, start_step, evals_logged)
     to_publish = published_versions(schedule)
 
+    # what training allocates later, which the engine must leave room for on a GPU
+    state = accelerator.unwrap_model(model).state_dict()
+    snapshot = sum(state[name].numel() for name in engine_names) * engine_dtype.itemsize
+    shards, trained = accelerator.num_processes if deepspeed else 1, sum(p.numel() for p in model.parameters())
+    to_come = plumbing.training_memory(trained, shards, snapshot, args.async_level)
+
     # rank 0 owns the engine and generates for every rank
     channels = Channels(queue.Queue(), queue.Queue(), queue.Queue(), threading.Event(), [])
     engine = logger = thread = None
@@ -1052,7 +1059,8 @@ def main(args: Args) -> None:
         plumbing.open_run_folder(output_dir, asdict(args) | sizes._asdict(), start_step, evals_logged)
         tracking = (args.track, args.wandb_project, args.wandb_entity)
         logger = plumbing.MetricsLogger(output_dir, run_name, asdict(args), *tracking)
-        engine, thread = start_generation(args, inputs, K, engine_dtype, schedule, channels, signals, engine_cores)
+        work = (args, inputs, K, engine_dtype, schedule, channels, signals, engine_cores, to_come)
+        engine, thread = start_generation(*work)
     signals.starting = False
     # Policy versions the generator may still need (on rank 0's GPU on GPUs): a checkpoint hands them on.
     snapshots, snapshot_device = {}, device if inputs.placement.devices is not None else torch.device("cpu")

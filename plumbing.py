@@ -402,14 +402,40 @@ def engine_placement(
     return Placement(visible[0], True, 0, memory_utilization or 0.3)
 
 
-def check_engine_fits(memory_utilization: float, free: int, total: int) -> None:
-    """A shared GPU: vLLM takes memory_utilization x the GPU's memory and refuses to start when less is free."""
-    if memory_utilization * total > free:
+CUDA_CONTEXT = 2**30  # what a process's CUDA context takes on a GPU, about 1 GiB (with the kernels it loads)
+
+
+def check_engine_fits(placement: Placement, free: int, total: int, to_come: dict[str, int]) -> None:
+    """Rank 0's GPU once the trainer's models are loaded (`free` of `total` bytes) must also hold what training
+    allocates later (`to_come`: name -> bytes, e.g. the optimizer state, the gradients, the weight snapshots) and the
+    engine's CUDA context: its own on a shared GPU, the one its processes open there to read the snapshots otherwise.
+    On a shared GPU the engine asks for `memory_utilization` of the whole GPU, and vLLM refuses to start when less is
+    free. Activations come on top: a margin of 5 % of the GPU is kept for them."""
+    engine = placement.memory_utilization * total if placement.shared else 0
+    needed, margin = sum(to_come.values()) + CUDA_CONTEXT, 0.05 * total
+    if needed + engine + margin <= free:
+        return
+    gib = lambda n: f"{n / 2**30:.1f} GiB"  # noqa: E731
+    parts = ", ".join(f"{name} {gib(n)}" for name, n in to_come.items())
+    what = f"rank 0's GPU has {gib(free)} free once the models are loaded; training will add {gib(needed)} ({parts}, a CUDA context {gib(CUDA_CONTEXT)})"
+    utilization = int(100 * (free - needed - margin) / total) / 100
+    if placement.shared and utilization >= 0.05:
         raise UsageError(
-            f"--vllm_gpu_memory_utilization {memory_utilization}: the engine would take {memory_utilization * total / 2**30:.1f} GiB "
-            f"of the GPU it shares with training, which has {free / 2**30:.1f} GiB free once the trainer's models are loaded; "
-            f"lower it to at most {max(int(100 * free / total) - 5, 0) / 100} (the optimizer state and activations need room too), or use a GPU of its own"
+            f"--vllm_gpu_memory_utilization {placement.memory_utilization}: the engine would take {gib(engine)}, and {what}: lower it to at most {utilization}, or give the engine a GPU of its own"
         )
+    raise UsageError(
+        f"{what}{f' and the engine {gib(engine)}' if placement.shared else ''}: lower --async_level (fewer snapshots) or the model size, give the engine a GPU of its own, or shard the optimizer state (DeepSpeed ZeRO)"
+    )
+
+
+def training_memory(trained: int, zero_shards: int, snapshot: int, async_level: int) -> dict[str, int]:
+    """What training allocates after its models are loaded, per process, in bytes: AdamW's two fp32 moments and the
+    fp32 gradients of the `trained` parameters (12 bytes each; ZeRO divides the optimizer state and gradients among
+    `zero_shards` processes) and, on rank 0, up to async_level + 2 weight snapshots of `snapshot` bytes each (the
+    versions still owed batches, the one just published and one an evaluation may still hold)."""
+    return {"optimizer state": 8 * trained // zero_shards, "gradients": 4 * trained // zero_shards} | {
+        "weight snapshots": (async_level + 2) * snapshot
+    }
 
 
 @contextmanager

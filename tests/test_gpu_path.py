@@ -53,16 +53,45 @@ def test_placement_can_be_forced():
         plumbing.engine_placement("auto", ["0"], 1, 1.5)
 
 
-def test_shared_gpu_that_cannot_hold_the_engine_names_the_flag_and_a_value_that_fits():
+def test_the_gpu_memory_check_counts_what_training_allocates_later():
+    """Hand-computed: 40 of 80 GiB free once the models are loaded; training will add 8 + 4 + 3 GiB and a 1 GiB CUDA
+    context (16 GiB); 5 % of the GPU (4 GiB) is kept for activations. A shared engine at 0.3 (24 GiB) does not fit
+    (44 > 40); at most (40 - 16 - 4) / 80 = 0.25 does."""
     gib = 2**30
-    plumbing.check_engine_fits(0.3, free=30 * gib, total=80 * gib)  # 24 GiB asked, 30 free
+    to_come = {"optimizer state": 8 * gib, "gradients": 4 * gib, "weight snapshots": 3 * gib}
+    shared = plumbing.Placement("0", True, 0, 0.3)
     with pytest.raises(plumbing.UsageError) as raised:
-        plumbing.check_engine_fits(0.5, free=30 * gib, total=80 * gib)
+        plumbing.check_engine_fits(shared, 40 * gib, 80 * gib, to_come)
     message = str(raised.value)
     assert "\n" not in message and message.startswith(
-        "--vllm_gpu_memory_utilization 0.5: the engine would take 40.0 GiB"
+        "--vllm_gpu_memory_utilization 0.3: the engine would take 24.0 GiB"
     )
-    assert "30.0 GiB free" in message and "lower it to at most 0.32" in message  # 30/80 = 0.375, less 0.05 of room
+    assert "40.0 GiB free" in message and "training will add 16.0 GiB (optimizer state 8.0 GiB" in message
+    assert "lower it to at most 0.25" in message
+    plumbing.check_engine_fits(shared._replace(memory_utilization=0.25), 40 * gib, 80 * gib, to_come)
+    # the engine on a GPU of its own still opens a CUDA context on rank 0's GPU, beside training's
+    separate = plumbing.Placement("1,0", False, 1, 0.9)
+    plumbing.check_engine_fits(separate, 20 * gib, 80 * gib, to_come)  # 16 + 4 <= 20
+    with pytest.raises(plumbing.UsageError, match="lower --async_level .* or shard the optimizer state"):
+        plumbing.check_engine_fits(separate, 19 * gib, 80 * gib, to_come)
+
+
+def test_a_2_8b_policy_sharing_one_gpu_is_refused_before_it_runs_out_of_memory():
+    """Pythia-2.8B (2.78e9 parameters) on an 80 GiB GPU: fp32 policy and reference and a bf16 reward model leave 54.1
+    GiB free, which holds the engine's 24 GiB (what the check looked at before) but not training's optimizer state,
+    gradients and three bf16 snapshots at async level 1 (46.6 GiB) beside it."""
+    gib, params = 2**30, 2.78e9
+    to_come = plumbing.training_memory(int(params), 1, int(params) * 2, async_level=1)
+    assert to_come == {
+        "optimizer state": 22_240_000_000,
+        "gradients": 11_120_000_000,
+        "weight snapshots": 16_680_000_000,
+    }
+    free = 80 * gib - int(params * (4 + 4 + 2))
+    with pytest.raises(plumbing.UsageError, match="lower --async_level"):
+        plumbing.check_engine_fits(plumbing.Placement("0", True, 0, 0.3), free, 80 * gib, to_come)
+    # ZeRO over 7 processes divides the optimizer state and the gradients
+    assert plumbing.training_memory(700, 7, 10, 2)["optimizer state"] == 800
 
 
 # ---------------------------------------------------------------------------------------------

@@ -3,7 +3,7 @@
 import sys
 
 import torch
-from conftest import SMALL_RUN, assert_default_run_learns, check_run, run_script, shared_run
+from conftest import ROOT, SMALL_RUN, assert_default_run_learns, check_run, run_script, shared_run
 
 import plumbing
 import rloo_async as rloo
@@ -97,3 +97,23 @@ def test_default_run_learns(tmp_path):
     assert_default_run_learns("rloo_async.py", tmp_path)
     args, train, evals = check_run(tmp_path, "rloo_async.py")
     assert train[-1]["episode"] == rloo.Args.total_episodes
+
+
+def test_a_fork_with_its_own_loss_runs(tmp_path):
+    """What a researcher does: copy rloo_async.py to a new name next to plumbing.py and change its loss (here plain
+    REINFORCE with the leave-one-out baseline, no ratio clipping). The fork runs to the end, and its loss is its own."""
+    import uuid
+
+    fork = ROOT / f"reinforce_fork_{uuid.uuid4().hex[:8]}.py"
+    source = (ROOT / "rloo_async.py").read_text()
+    clipped = "    objective = torch.min(unclipped, clipped)\n"
+    assert source.count(clipped) == 1
+    fork.write_text(source.replace(clipped, "    objective = advantages * logps  # REINFORCE\n"))
+    try:
+        run_script([PYTHON, fork.name, *SMALL_RUN, "--output_dir", str(tmp_path)])
+    finally:
+        fork.unlink()
+    _, train, _ = check_run(tmp_path, "rloo_async.py")
+    _, original, _ = check_run(shared_run([PYTHON, "rloo_async.py", *SMALL_RUN]), "rloo_async.py")
+    assert train[0]["loss/policy"] != original[0]["loss/policy"]
+    assert train[0]["objective/scores"] == original[0]["objective/scores"]  # the same rollouts: only the loss changed
