@@ -20,7 +20,13 @@ import sys
 from statistics import fmean as mean
 
 WARMUP = 2
-PHASES = ("time/scoring", "time/old_logprobs", "time/reference", "time/update")  # trainer phases, in the scripts' order
+PHASES = (
+    "time/scoring",
+    "time/old_logprobs",
+    "time/reference",
+    "time/update",
+    "time/snapshot",
+)  # the trainer's, in order
 
 
 def read_lines(path: str) -> list[dict]:

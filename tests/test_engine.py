@@ -6,9 +6,10 @@ import time
 
 import pytest
 import torch
-from conftest import save_random_policy
+from conftest import perturbed_policy, save_random_policy
 
 import online_dpo_async as dpo
+import plumbing
 
 PROMPT_LENGTH, BLOCK_SIZE = 45, 32  # prompts span more than one KV-cache block
 
@@ -141,3 +142,53 @@ def test_a_failure_in_the_generation_thread_surfaces_in_the_trainer(engine, toke
     assert raised.value.__cause__ is channels.error[0]
     thread.join(timeout=5)
     assert not thread.is_alive()
+
+
+def engine_parameters(llm) -> dict[str, torch.Tensor]:
+    """Every parameter of the engine's model, copied (the worker runs this)."""
+    return llm.apply_model(lambda model: {n: p.detach().cpu().clone() for n, p in model.named_parameters()})[0]
+
+
+@pytest.mark.parametrize("arch, tied", [("gptneox", False), ("llama", False), ("llama", True)])
+def test_each_push_loads_exactly_what_a_checkpoint_would(arch, tied, tokenizer, tmp_path, monkeypatch):
+    """The scripts' engine (plumbing.make_engine) takes three pushes (push_weights, as the scripts push) of models
+    whose every tensor differs, norms and biases included. After each, every engine parameter is bit for bit what
+    vLLM's loader makes of the same model saved by save_pretrained, and differs from the previous version's; long
+    prompts (the prefix cache was reset) give the new model's greedy tokens. tests/test_gpu.py does the same by CUDA
+    IPC on a GPU."""
+    monkeypatch.setenv("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")  # apply_model sends a function to the worker
+    models = [perturbed_policy(tokenizer, arch, tied, seed) for seed in range(4)]
+    models[0].save_pretrained(tmp_path / "v0")
+    tokenizer.save_pretrained(tmp_path / "v0")
+    placement = plumbing.engine_placement("auto", [], 1, None)
+    llm = plumbing.make_engine(
+        str(tmp_path / "v0"), placement, dtype="float32", max_model_len=128, enforce_eager=True, seed=0, block_size=16
+    )
+    try:
+        g = torch.Generator().manual_seed(0)
+        prompts = [
+            [tokenizer.bos_token_id] + torch.randint(4, len(tokenizer), (PROMPT_LENGTH,), generator=g).tolist()
+            for _ in range(3)
+        ]
+        greedy_with_engine(llm, prompts, 4)  # the prefix cache holds version 0's KV
+        before = engine_parameters(llm)
+        (tmp_path / "push").mkdir()
+        for version, model in enumerate(models[1:], start=1):
+            snapshot = dpo.snapshot_weights(
+                model.state_dict(), dpo.checkpoint_names(model), torch.float32, torch.device("cpu")
+            )
+            dpo.push_weights(llm, dpo.Weights(version, *snapshot), str(tmp_path / "push"), trainer_gpu=0)
+            pushed, generated = engine_parameters(llm), greedy_with_engine(llm, prompts, 4)
+            model.save_pretrained(tmp_path / f"v{version}")
+            llm.collective_rpc("reload_weights", kwargs={"weights_path": str(tmp_path / f"v{version}")})
+            llm.reset_prefix_cache()
+            saved = engine_parameters(llm)
+            assert pushed.keys() == saved.keys() == before.keys()
+            for name in pushed:
+                assert torch.equal(pushed[name], saved[name]), (version, name)
+                assert not torch.equal(pushed[name], before[name]), (version, name, "not pushed")
+            before = pushed
+            for prompt, (tokens, _) in zip(prompts, generated):
+                assert tokens == greedy_with_transformers(model, prompt, 4)[0], version
+    finally:
+        llm.llm_engine.engine_core.shutdown()
