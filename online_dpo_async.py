@@ -759,8 +759,8 @@ def snapshot_weights(
 
 
 def push_weights(llm: LLM, weights: Weights, directory: str, trainer_gpu: int) -> None:
-    """Load theta_v into the running engine. GPU: a CUDA IPC handle of the snapshot (WeightReceiver). CPU: safetensors
-    in a RAM-backed folder, reloaded in place. The prefix cache holds KV of the old weights: reset it."""
+    """Load theta_v into the running engine, in place (plumbing.WeightReceiver). GPU: a CUDA IPC handle of the
+    snapshot. CPU: safetensors in a RAM-backed folder. The prefix cache holds KV of the old weights: reset it."""
     if weights.flat.is_cuda:
         from torch.multiprocessing.reductions import reduce_tensor
 
@@ -770,7 +770,7 @@ def push_weights(llm: LLM, weights: Weights, directory: str, trainer_gpu: int) -
             {name: view.clone() for name, view in views(weights.flat, weights.layout)},
             os.path.join(directory, "model.safetensors"),
         )
-        llm.collective_rpc("reload_weights", kwargs={"weights_path": directory})
+        llm.collective_rpc("load_weights_file", args=(directory,))  # plumbing.WeightReceiver
     llm.reset_prefix_cache()
 
 

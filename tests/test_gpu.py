@@ -21,12 +21,14 @@ PROMPT_LENGTH = 45  # prompts longer than one KV-cache block (16 tokens)
 
 
 def engine_parameters(llm) -> dict[str, torch.Tensor]:
-    """Every parameter of the engine's model, copied to the CPU (the worker runs this)."""
-    return llm.apply_model(lambda model: {n: p.detach().cpu().clone() for n, p in model.named_parameters()})[0]
+    """Every parameter of the engine's model, copied to the CPU (plumbing.WeightReceiver, in the worker)."""
+    from safetensors.torch import load
+
+    return load(llm.collective_rpc("parameter_copies")[0])
 
 
 def engine_memory(llm) -> int:
-    return llm.collective_rpc(lambda worker: torch.cuda.memory_allocated())[0]
+    return llm.collective_rpc("cuda_memory_allocated")[0]
 
 
 def reload_from_file(llm, model, folder) -> None:
