@@ -18,7 +18,7 @@ import traceback
 from dataclasses import asdict, dataclass
 from functools import partial
 from pathlib import Path
-from typing import Literal, NamedTuple
+from typing import TYPE_CHECKING, Literal, NamedTuple
 
 import numpy as np
 import torch
@@ -30,11 +30,12 @@ from datasets import load_dataset
 from safetensors.torch import save_file
 from tqdm import tqdm
 from transformers import AutoModelForCausalLM, AutoTokenizer, set_seed
-from vllm import LLM, SamplingParams
-from vllm.inputs import TokensPrompt
 
 import plumbing
 from plumbing import UsageError
+
+if TYPE_CHECKING:  # vLLM is imported where the engine is used: --help and a bad flag need not wait for it (4 s)
+    from vllm import LLM
 
 TINY_TASK = Path(__file__).resolve().parent / "benchmark" / "tiny_task"
 # The dataset columns each --task reads (docs/tasks.md).
@@ -651,10 +652,20 @@ def get_or_raise(q: queue.Queue, channels: Channels, engine_processes=(), interr
 
 
 def generate(
-    llm: LLM, prompts, n: int, temperature: float, max_tokens: int, eos_token_id: int, seeds: list[int], logprobs=False
+    llm: "LLM",
+    prompts,
+    n: int,
+    temperature: float,
+    max_tokens: int,
+    eos_token_id: int,
+    seeds: list[int],
+    logprobs=False,
 ):
     """n completions per prompt (and the engine's logprob of each token); each prompt has its own sampling seed, so a
     batch is reproducible whatever the engine generated before."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
     sampling = dict(
         n=n, temperature=temperature, max_tokens=max_tokens, stop_token_ids=[eos_token_id], detokenize=False
     )
@@ -668,7 +679,7 @@ def generate(
 
 
 def generation_thread(
-    llm: LLM, schedule, train_prompts, eval_prompts, args: Args, n, batch_size, eos_token_id, channels, push
+    llm: "LLM", schedule, train_prompts, eval_prompts, args: Args, n, batch_size, eos_token_id, channels, push
 ):
     """Works through the schedule: loads each policy version it needs as soon as the trainer publishes it (`push`:
     push_weights with its folder and GPU), then generates rollout m (n completions per prompt) or evaluates v."""
@@ -758,7 +769,7 @@ def snapshot_weights(
     return flat, layout
 
 
-def push_weights(llm: LLM, weights: Weights, directory: str, trainer_gpu: int) -> None:
+def push_weights(llm: "LLM", weights: Weights, directory: str, trainer_gpu: int) -> None:
     """Load theta_v into the running engine, in place (plumbing.WeightReceiver). GPU: a CUDA IPC handle of the
     snapshot. CPU: safetensors in a RAM-backed folder. The prefix cache holds KV of the old weights: reset it."""
     if weights.flat.is_cuda:

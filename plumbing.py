@@ -17,7 +17,7 @@ import time
 from contextlib import contextmanager
 from multiprocessing import shared_memory
 from pathlib import Path
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 import numpy as np
 import psutil
@@ -26,7 +26,9 @@ from accelerate import Accelerator, PartialState
 from accelerate.utils import broadcast_object_list, gather_object
 from safetensors.torch import load_file, save_file
 from transformers import AutoConfig, AutoModelForSequenceClassification, AutoTokenizer
-from vllm import LLM
+
+if TYPE_CHECKING:  # vLLM is imported when the engine starts: --help and a bad flag need not wait for it (4 s)
+    from vllm import LLM
 
 
 # == Bad input ========================================================================================================
@@ -465,10 +467,12 @@ def split_cores(device: torch.device, num_processes: int) -> list[int] | None:
 
 
 # == The engine's processes, their watchdog, signals ==================================================================
-def make_engine(model: str, placement: Placement, **llm_kwargs) -> LLM:
+def make_engine(model: str, placement: Placement, **llm_kwargs) -> "LLM":
     """The engine runs in its own processes (vLLM's default): generation does not share the trainer's interpreter
     lock, and models vLLM serves through its Transformers backend (GPTNeoX on CPUs) do not patch the trainer's
     classes. The children inherit the environment set here."""
+    from vllm import LLM
+
     env = dict(os.environ)
     # an `accelerate launch`'s torch.distributed variables: the engine would join our group
     for key in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
@@ -684,7 +688,7 @@ class StopSignals:
 
 
 class Engine(NamedTuple):
-    llm: LLM
+    llm: "LLM"
     processes: list[psutil.Process]
     segments: list[str]  # their shared memory
     weights_dir: str  # a RAM-backed folder for the weights (CPUs)

@@ -1,7 +1,9 @@
 import json
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -17,6 +19,63 @@ os.environ.update(
     VLLM_CPU_KVCACHE_SPACE="1",
     TOKENIZERS_PARALLELISM="false",
 )
+
+
+def pytest_configure(config):
+    """Under pytest-xdist (the README's test command: `-n 2`), each worker runs on a core of its own, and so do the
+    runs it starts: a run on this CPU is mostly its processes importing Python packages, one core at a time, so two
+    runs side by side on two cores take about as long as one (docs/tests.md). Without xdist nothing is pinned."""
+    worker = os.environ.get("PYTEST_XDIST_WORKER")
+    if worker:
+        cores = sorted(os.sched_getaffinity(0))
+        os.sched_setaffinity(0, {cores[int(worker.removeprefix("gw")) % len(cores)]})
+    elif config.getoption("dist", "no") != "no":  # the workers, started later, inherit it
+        os.environ["ASYNC_RLHF_TEST_GROUPS"] = tempfile.mktemp(prefix="xdist-groups-", suffix=".json")
+
+
+def pytest_collection_modifyitems(config, items):
+    """The longest tests first, so that two workers end together rather than one waiting on the other's last run.
+    Under xdist, a worker also writes down each test's xdist_group for GroupScheduling."""
+    first = {name: rank for rank, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: first.get(item.originalname, len(first)))
+    if os.environ.get("PYTEST_XDIST_WORKER") and (path := os.environ.get("ASYNC_RLHF_TEST_GROUPS")):
+        marks = {item.nodeid: item.get_closest_marker("xdist_group") for item in items}
+        groups = {nodeid: mark.args[0] for nodeid, mark in marks.items() if mark is not None}
+        Path(f"{path}.{os.getpid()}").write_text(json.dumps(groups))
+        os.replace(f"{path}.{os.getpid()}", path)
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    """--dist loadgroup, done here: pytest-xdist 3.8 tags a grouped test's node id, which pytest 9 no longer lets a
+    plugin change, so its own loadgroup sends the tests of a group to any worker. The tests that share a run or an
+    engine (`@pytest.mark.xdist_group`) go to one worker, in the order above; every other test is its own unit."""
+    if config.getoption("dist") != "loadgroup":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    class GroupScheduling(LoadScopeScheduling):
+        groups: dict | None = None
+
+        def _split_scope(self, nodeid: str) -> str:
+            if self.groups is None:
+                self.groups = json.loads(Path(os.environ["ASYNC_RLHF_TEST_GROUPS"]).read_text())
+            return self.groups.get(nodeid, nodeid)
+
+    config.option.loadscopereorder = False
+    return GroupScheduling(config, log)
+
+
+# The tests of a few minutes (`--durations`), longest first; all others keep their order after these.
+LONGEST_FIRST = [
+    "test_tiny_mode_runs_every_command_to_the_end",
+    "test_default_run_learns",
+    "test_quickstart_run_command_learns",
+    "test_a_run_stopped_mid_way_resumes_exactly",
+    "test_deepspeed_zero2_with_gradient_accumulation_resumes_exactly",
+    "test_smoke_mode_end_to_end",
+    "test_speed_benchmark_end_to_end",
+]
 
 
 @pytest.fixture(scope="session")
@@ -185,22 +244,40 @@ def check_run(output_dir: Path, script: str) -> tuple[dict, list[dict], list[dic
     return args, train, evals
 
 
-SHARED_RUNS: dict[tuple, Path] = {}
-SHARED_STDERR: dict[Path, str] = {}  # what each shared run wrote to stderr
+SHARED = Path(tempfile.gettempdir())  # the folder of the shared runs, set by shared_runs_folder
+
+
+@pytest.fixture(scope="session", autouse=True)
+def shared_runs_folder(tmp_path_factory):
+    """One folder for the runs that several tests share, the same for every xdist worker of a session: in the
+    session's temporary folder, which pytest removes after a few sessions."""
+    global SHARED
+    base = tmp_path_factory.getbasetemp()
+    SHARED = (base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / "shared-runs"
 
 
 def shared_run(argv: list[str], env: dict | None = None) -> Path:
-    """Run a command (without --output_dir) once per test session and return its output folder: tests
-    that check different things of the same run (a README example and a run test, a reference run of
-    several resume tests) share it."""
-    import tempfile
+    """Run a command (without --output_dir) once per test session and return its output folder: tests that check
+    different things of the same run (a README example and a run test, the reference run of a resume test and the
+    resume of a finished run) share it, whichever xdist worker asks first; the others wait for it."""
+    import fcntl
+    import hashlib
 
-    key = (*argv, *sorted((env or {}).items()))
-    if key not in SHARED_RUNS:
-        output_dir = Path(tempfile.mkdtemp(prefix="shared-run-"))
-        SHARED_STDERR[output_dir] = run_script([*argv, "--output_dir", str(output_dir)], env=env).stderr
-        SHARED_RUNS[key] = output_dir
-    return SHARED_RUNS[key]
+    key = hashlib.sha256(json.dumps([argv, sorted((env or {}).items())]).encode()).hexdigest()[:16]
+    output_dir = SHARED / key
+    SHARED.mkdir(exist_ok=True)
+    with open(SHARED / f"{key}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not (output_dir / "stderr.txt").exists():
+            shutil.rmtree(output_dir, ignore_errors=True)
+            stderr = run_script([*argv, "--output_dir", str(output_dir)], env=env).stderr
+            (output_dir / "stderr.txt").write_text(stderr)
+    return output_dir
+
+
+def shared_stderr(output_dir: Path) -> str:
+    """What a shared run wrote to stderr."""
+    return (output_dir / "stderr.txt").read_text()
 
 
 def assert_default_run_learns(script: str, output_dir: Path) -> None:
@@ -263,12 +340,10 @@ def start_and_stop(
         proc.kill()
 
 
-def assert_resumed_run_matches(
-    script: str, flags: list[str], tmp_path: Path, stop_after: int, sig: int
-) -> tuple[Path, Path]:
-    """A run stopped by `sig` after `stop_after` steps and resumed with --resume ends with the same
-    metrics.jsonl (wall-clock figures aside) and the same final policy as an uninterrupted run.
-    Returns the resumed run's folder and the uninterrupted one's."""
+def assert_resumed_run_matches(script: str, flags: list[str], tmp_path: Path, stop_after: int, sig: int):
+    """A run stopped by `sig` after `stop_after` steps (SIGKILL: to the trainer and its engine at once) and resumed
+    with --resume ends with the same metrics.jsonl (wall-clock figures aside) and the same final policy as an
+    uninterrupted run. Returns the resumed run's folder, the uninterrupted one's, and what the stopped run printed."""
     import signal
 
     import torch
@@ -285,12 +360,9 @@ def assert_resumed_run_matches(
     assert not (interrupted / "policy").exists(), "the run finished before it was stopped: stop it earlier"
     run_script(argv + ["--resume"])
     assert training_lines_without_timings(interrupted) == training_lines_without_timings(reference)
-    final, expected = (
-        load_file(interrupted / "policy" / "model.safetensors"),
-        load_file(reference / "policy" / "model.safetensors"),
-    )
+    final, expected = (load_file(d / "policy" / "model.safetensors") for d in (interrupted, reference))
     assert all(torch.equal(final[k], expected[k]) for k in expected)
-    return interrupted, reference
+    return interrupted, reference, output
 
 
 def run_tracking_children(

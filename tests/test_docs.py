@@ -47,6 +47,7 @@ def to_argv(command: str) -> tuple[dict, list[str]]:
     return env, words
 
 
+@pytest.mark.slow
 def test_quickstart_run_command_learns(tmp_path):
     """The README's first command, unchanged but for the output folder: the default tiny run."""
     command = block("run-command")[0].split("&&")[-1].strip()
@@ -87,7 +88,25 @@ def test_quickstart_run_command_learns(tmp_path):
     assert (tmp_path / "policy" / "model.safetensors").exists()
 
 
-@pytest.mark.parametrize("command", block("cpu-examples"))
+# The fast tier (docs/tests.md) runs one example of each file; the others are slow.
+FAST_EXAMPLES = {".venv/bin/python online_dpo_async.py --async_level 0", ".venv/bin/python rloo_async.py"}
+FAST_EXAMPLES |= {".venv/bin/python ppo_async.py"}
+# The examples whose runs the run tests of rloo_async.py and ppo_async.py read: the same xdist worker runs both.
+SHARED_EXAMPLES = {
+    ".venv/bin/python rloo_async.py": "rloo_small",
+    ".venv/bin/python rloo_async.py --old_logprobs engine --async_level 2": "rloo_engine",
+    ".venv/bin/python ppo_async.py": "ppo_small",
+    ".venv/bin/python ppo_async.py --adaptive_kl --kl_target 1.0": "ppo_adaptive",
+    ".venv/bin/python ppo_async.py --old_logprobs engine --async_level 2": "ppo_engine",
+}
+
+
+def example_marks(command: str) -> list:
+    marks = [] if command in FAST_EXAMPLES else [pytest.mark.slow]
+    return marks + ([pytest.mark.xdist_group(SHARED_EXAMPLES[command])] if command in SHARED_EXAMPLES else [])
+
+
+@pytest.mark.parametrize("command", [pytest.param(c, marks=example_marks(c)) for c in block("cpu-examples")])
 def test_cpu_example_commands_run(command, tmp_path):
     """Each CPU example with SMALL_RUN's sizes (the run tests of rloo_async.py and ppo_async.py share the runs of their plain examples).
     The two-process one runs as shown, without --output_dir (from an empty folder): both processes must write
@@ -130,9 +149,8 @@ for name in ("online_dpo_async", "rloo_async", "ppo_async"):
     )
     names = {}
     for line in proc.stdout.splitlines():
-        if " rank " in line:
-            script, rest = line.split(" rank ")
-            names.setdefault(script, set()).add(rest.split(": ")[1])
+        if match := re.fullmatch(r"(\w+) rank (\d): (\S+)", line):
+            names.setdefault(match.group(1), set()).add(match.group(3))
     assert sorted(names) == ["online_dpo_async", "ppo_async", "rloo_async"] and all(
         len(n) == 1 for n in names.values()
     ), proc.stdout
@@ -163,14 +181,24 @@ def test_gpu_commands_parse():
         assert tyro.cli(dpo.Args, args=flags).async_level == 1
 
 
+HELP: dict[str, str] = {}
+
+
+def help_text(script: str) -> str:
+    """What `python <script> --help` prints, run once per script and session."""
+    if script not in HELP:
+        HELP[script] = run_script([sys.executable, script, "--help"], timeout=120).stdout
+    return HELP[script]
+
+
 @pytest.mark.parametrize("script", sorted(p.name for p in ROOT.glob("*_async.py")))
 def test_every_flag_is_documented_in_help_and_readme(script):
     module = importlib.import_module(script.removesuffix(".py"))
-    proc = run_script([sys.executable, script, "--help"], timeout=120)
+    help_output = help_text(script)
     flags = (ROOT / "docs" / "flags.md").read_text()
     flags_section = flags[: flags.index("## Batch sizes")]
     for field in dataclasses.fields(module.Args):
-        assert re.search(rf"--{field.name}(?!\w)", proc.stdout), f"{script} --help misses --{field.name}"
+        assert re.search(rf"--{field.name}(?!\w)", help_output), f"{script} --help misses --{field.name}"
         assert f"`--{field.name}`" in flags_section, f"docs/flags.md flag list misses --{field.name} of {script}"
 
 
@@ -242,6 +270,5 @@ def test_docs_commands_run_dry_or_name_flags_their_script_has(command, tmp_path)
     ours = argv[argv.index(script) + 1 :]
     ours = ours[: ours.index("--")] if "--" in ours else ours  # after "--": the training script's flags
     flags = [word.split("=")[0] for word in ours if word.startswith("--")]
-    help_text = run_script([sys.executable, script, "--help"], timeout=120).stdout if flags else ""
     for flag in flags:
-        assert flag in help_text, f"{script} --help does not list {flag}"
+        assert flag in help_text(script), f"{script} --help does not list {flag}"

@@ -12,12 +12,19 @@ import online_dpo_async as dpo
 import plumbing
 
 PROMPT_LENGTH, BLOCK_SIZE = 45, 32  # prompts span more than one KV-cache block
+# the tests on the module's engine run on one xdist worker, which starts the engine once
+on_the_module_engine = pytest.mark.xdist_group("module_engine")
 
 
 @pytest.fixture(scope="module")
-def engine(tokenizer, tmp_path_factory):
+def policy_a(tokenizer, tmp_path_factory):
+    return save_random_policy(tokenizer, tmp_path_factory.mktemp("policy_a"), seed=0)
+
+
+@pytest.fixture(scope="module")
+def engine(policy_a):
     """The scripts' engine (its own processes, the weight receiver), with prefix caching on small KV blocks."""
-    path = save_random_policy(tokenizer, tmp_path_factory.mktemp("policy_a"), seed=0)
+    path = policy_a
     placement = plumbing.engine_placement("auto", [], 1, None)
     llm = plumbing.make_engine(
         str(path), placement, dtype="float32", max_model_len=128, enforce_eager=True, seed=0, block_size=BLOCK_SIZE
@@ -50,6 +57,7 @@ def greedy_with_engine(llm, prompts: list[list[int]], steps: int):
     ]
 
 
+@on_the_module_engine
 def test_engine_after_a_weight_push_matches_the_trainer_on_long_prompts(engine, tokenizer, tmp_path):
     from transformers import AutoModelForCausalLM
 
@@ -93,6 +101,7 @@ def test_engine_after_a_weight_push_matches_the_trainer_on_long_prompts(engine, 
     engine.reset_prefix_cache()
 
 
+@on_the_module_engine
 def test_generated_completions_stop_at_eos_and_are_reproducible(engine, tokenizer):
     prompts = [[tokenizer.bos_token_id, 7, 8, 9]] * 2
     first, logprobs = dpo.generate(
@@ -107,6 +116,40 @@ def test_generated_completions_stop_at_eos_and_are_reproducible(engine, tokenize
         assert tokenizer.eos_token_id not in completion[:-1] and len(completion) <= 10
 
 
+@on_the_module_engine
+def test_engine_logprobs_are_the_trainers_after_temperature(engine, policy_a, tokenizer, tmp_path):
+    """The engine returns processed logprobs (after temperature): for the same float32 weights they match the
+    trainer's temperature-scaled logprobs of the same tokens (RLOO's and PPO's importance weights rely on it); raw
+    logprobs (temperature 1) would not."""
+    import rloo_async as rloo
+    from transformers import AutoModelForCausalLM
+
+    policy = AutoModelForCausalLM.from_pretrained(policy_a).eval()
+    (tmp_path / "push").mkdir()
+    snapshot = rloo.snapshot_weights(
+        policy.state_dict(), rloo.checkpoint_names(policy), torch.float32, torch.device("cpu")
+    )
+    rloo.push_weights(engine, rloo.Weights(0, *snapshot), str(tmp_path / "push"), trainer_gpu=0)
+    prompts = [
+        tokenizer(q).input_ids for q in ("sort: fox ant cat ->", "sort: yak bee cow dog elk emu ->", "sort: ape asp ->")
+    ]
+    eos, temperature, length = tokenizer.eos_token_id, 0.7, 12
+    responses, logprobs = rloo.generate(engine, prompts, 4, temperature, length, eos, [0, 1, 2], logprobs=True)
+    q_ids, q_mask = rloo.left_pad(prompts, 12, tokenizer.pad_token_id)
+    q_ids, q_mask = q_ids.repeat_interleave(4, 0), q_mask.repeat_interleave(4, 0)
+    r_ids, r_mask, _ = rloo.truncate_responses(responses, length, eos, tokenizer.pad_token_id)
+    pushed = rloo.pad_logprobs(logprobs, length, r_mask)
+    with torch.no_grad():
+        trainer = rloo.response_logprobs(policy, q_ids, q_mask, r_ids, r_mask, temperature)
+        raw = rloo.response_logprobs(policy, q_ids, q_mask, r_ids, r_mask, 1.0)
+    assert [len(lp) for lp in logprobs] == [len(r) for r in responses]
+    diff = (pushed - trainer).abs().max().item()
+    print(f"max |engine - trainer| per token: {diff:.2e}")
+    assert diff < 1e-3
+    assert (pushed - raw).abs().max().item() > 1e-2
+
+
+@on_the_module_engine
 def test_a_failure_in_the_generation_thread_surfaces_in_the_trainer(engine, tokenizer):
     """Fault injected with a real engine error: a prompt token id outside the vocabulary."""
     args = dpo.Args(num_samples=2, response_length=4)
@@ -145,6 +188,7 @@ def engine_parameters(llm) -> dict[str, torch.Tensor]:
     return load(llm.collective_rpc("parameter_copies")[0])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("arch, tied", [("gptneox", False), ("llama", False), ("llama", True)])
 def test_each_push_loads_exactly_what_a_checkpoint_would(arch, tied, tokenizer, tmp_path):
     """The scripts' engine (plumbing.make_engine) takes three pushes (push_weights, as the scripts push) of models

@@ -243,9 +243,13 @@ def labelling(judge_server, tmp_path_factory):
         stop(proc)
 
 
-@pytest.fixture(scope="module", autouse=True)
+@pytest.fixture(scope="module")
 def start_early(judge_server, labelling):
-    """Both start before the first test, whichever it is."""
+    """Both start before the first test that needs either, whichever it is."""
+
+
+# the tests on a real server: slow, and on one xdist worker, which starts the server and the labelling run once
+real_server = [pytest.mark.slow, pytest.mark.xdist_group("judge_server"), pytest.mark.usefixtures("start_early")]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -693,6 +697,9 @@ def check_against_saved_verdicts(path: Path, summary: dict, tag: str, tokenizer=
     return saved
 
 
+@real_server[0]
+@real_server[1]
+@real_server[2]
 def test_judge_counts_unparseable_verdicts_of_a_real_server(judge_server, tmp_path, monkeypatch, capsys):
     files = []
     for f in EVAL_FILES:
@@ -711,6 +718,9 @@ def test_judge_counts_unparseable_verdicts_of_a_real_server(judge_server, tmp_pa
     assert unparseable > 0 and parseable > 0  # both paths of the count, on real answers
 
 
+@real_server[0]
+@real_server[1]
+@real_server[2]
 def test_constrained_verdicts_of_a_real_server_are_all_parseable(
     judge_server, tmp_path, tokenizer, monkeypatch, capsys
 ):
@@ -726,6 +736,9 @@ def test_constrained_verdicts_of_a_real_server_are_all_parseable(
         print(f"\nconstrained: win rate {summary['win_rate']} over {summary['n']}")
 
 
+@real_server[0]
+@real_server[1]
+@real_server[2]
 def test_a_wrong_api_key_is_refused_without_retries(judge_server, tmp_path, monkeypatch):
     judge_server.wait()
     path = tmp_path / EVAL_FILES[0].name
@@ -738,6 +751,9 @@ def test_a_wrong_api_key_is_refused_without_retries(judge_server, tmp_path, monk
     assert sorted(p.name for p in tmp_path.iterdir()) == [path.name]  # nothing written
 
 
+@real_server[0]
+@real_server[1]
+@real_server[2]
 def test_label_preferences_end_to_end(labelling, tokenizer):
     from datasets import load_dataset
 

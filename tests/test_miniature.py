@@ -538,6 +538,7 @@ def test_plot_bad_input_is_one_line(tmp_path):
 # ---------------------------------------------------------------------------------------------
 # End to end: a few runs of the smoke mode, through the real algorithm files, then the plots
 # ---------------------------------------------------------------------------------------------
+@pytest.mark.slow
 def test_smoke_mode_end_to_end(tmp_path):
     """Two runs of the smoke plan through the real algorithm files (about a minute on 2 quiet cores), then a re-run that skips them."""
     out = tmp_path / "mini"

@@ -141,7 +141,7 @@ def test_reward_is_read_at_the_last_real_token_whatever_the_padding(reward_model
         r_ids, r_mask, eos = dpo.truncate_responses(
             [response], response_length, tokenizer.eos_token_id, tokenizer.pad_token_id
         )
-        got = dpo.score_completions(reward_model, tokenizer, tokenizer, q_ids, q_mask, r_ids, r_mask, eos, bs=4)
+        got = dpo.score_completions(reward_model, tokenizer, tokenizer, dpo.Batch(q_ids, q_mask, r_ids, r_mask, eos), 4)
         assert got.item() == pytest.approx(expected, abs=1e-5)
 
 
@@ -189,9 +189,9 @@ def test_reward_model_with_another_tokenizer_goes_through_text(reward_model, tok
     q_ids, q_mask = dpo.left_pad(queries, 12, tokenizer.pad_token_id)
     r_ids, r_mask, eos = dpo.truncate_responses(responses, 5, tokenizer.eos_token_id, tokenizer.pad_token_id)
     assert not dpo.same_tokenizer(other_tokenizer, tokenizer)
-    direct = dpo.score_completions(reward_model, tokenizer, tokenizer, q_ids, q_mask, r_ids, r_mask, eos, bs=8)
+    direct = dpo.score_completions(reward_model, tokenizer, tokenizer, dpo.Batch(q_ids, q_mask, r_ids, r_mask, eos), 8)
     through_text = dpo.score_completions(
-        other_model, other_tokenizer, tokenizer, q_ids, q_mask, r_ids, r_mask, eos, bs=8
+        other_model, other_tokenizer, tokenizer, dpo.Batch(q_ids, q_mask, r_ids, r_mask, eos), 8
     )
     assert through_text.tolist() == pytest.approx(direct.tolist(), abs=1e-5)
 

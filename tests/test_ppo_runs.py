@@ -1,16 +1,19 @@
-"""ppo_async.py end to end, as a user runs it (subprocesses, real engine, tiny task)."""
+"""ppo_async.py end to end, as a user runs it (subprocesses, real engine, tiny task). The runs are the README's
+examples with the tests' smaller sizes (tests/test_docs.py runs the same commands and shares them)."""
 
 import sys
 
-from conftest import SMALL_RUN, assert_default_run_learns, check_run, run_script, shared_run
+import pytest
+from conftest import SMALL_RUN, assert_default_run_learns, check_run, shared_run
 
 import ppo_async as ppo
 
 PYTHON = sys.executable
 
 
+@pytest.mark.xdist_group("ppo_small")
 def test_async_1_keeps_the_lag_invariant_and_the_on_policy_ratio():
-    """The README's `ppo_async.py` example (its test in test_docs.py shares this run)."""
+    """The README's `ppo_async.py` example."""
     output_dir = shared_run([PYTHON, "ppo_async.py", *SMALL_RUN])
     args, train, _ = check_run(output_dir, "ppo_async.py")
     assert args["async_level"] == 1 and args["episodes_per_step"] == 8 and args["num_steps"] == 32
@@ -26,27 +29,13 @@ def test_async_1_keeps_the_lag_invariant_and_the_on_policy_ratio():
     AutoModelForCausalLM.from_pretrained(output_dir / "policy")
 
 
-def test_engine_logprobs_with_truncated_importance_weights_at_async_2(tmp_path):
-    run_script(
-        [
-            PYTHON,
-            "ppo_async.py",
-            "--old_logprobs",
-            "engine",
-            "--async_level",
-            "2",
-            "--num_mini_batches",
-            "2",
-            "--adaptive_kl",
-            "--kl_target",
-            "0.1",
-            *SMALL_RUN,
-            "--output_dir",
-            str(tmp_path),
-        ]
-    )
-    args, train, _ = check_run(tmp_path, "ppo_async.py")
-    assert args["old_logprobs"] == "engine" and args["num_steps"] == 16
+@pytest.mark.slow
+@pytest.mark.xdist_group("ppo_engine")
+def test_engine_logprobs_with_truncated_importance_weights_at_async_2():
+    """The README's `ppo_async.py --old_logprobs engine --async_level 2` example."""
+    argv = [PYTHON, "ppo_async.py", "--old_logprobs", "engine", "--async_level", "2", *SMALL_RUN]
+    args, train, _ = check_run(shared_run(argv), "ppo_async.py")
+    assert args["old_logprobs"] == "engine" and args["num_steps"] == 32
     diffs = [m["policy/engine_logprob_diff"] for m in train]
     print("engine vs trainer |logprob diff| per token:", [f"{d:.1e}" for d in diffs])
     assert diffs[0] < 1e-3  # lag 0: the same float32 weights, numerics only
@@ -55,17 +44,25 @@ def test_engine_logprobs_with_truncated_importance_weights_at_async_2(tmp_path):
     for m in train:
         assert 0 < m["policy/tis_weight_mean"] <= args["tis_cap"] and 0 <= m["policy/tis_capped_frac"] <= 1
     assert train[0]["policy/tis_capped_frac"] == 0.0 and abs(train[0]["policy/tis_weight_mean"] - 1) < 1e-3
-    # the second mini-batch of a step meets a policy that has moved: its ratios leave 1
-    assert any(m["policy/ratio_max"] > 1 + 1e-4 or m["policy/ratio_min"] < 1 - 1e-4 for m in train)
-    # adaptive KL: each step's coefficient follows from the previous one's KL
+
+
+@pytest.mark.slow
+@pytest.mark.xdist_group("ppo_adaptive")
+def test_adaptive_kl_follows_the_controller_step_by_step():
+    """The README's `ppo_async.py --adaptive_kl --kl_target 1.0` example: each step's coefficient follows from the
+    previous one's KL by Ziegler et al.'s controller."""
+    argv = [PYTHON, "ppo_async.py", "--adaptive_kl", "--kl_target", "1.0", *SMALL_RUN]
+    args, train, _ = check_run(shared_run(argv), "ppo_async.py")
     coef = args["kl_coef"]
     for m in train:
         assert m["objective/kl_coef"] == coef or abs(m["objective/kl_coef"] - coef) < 1e-12
         coef = ppo.adaptive_kl_coef(
             coef, m["objective/kl"], args["kl_target"], args["episodes_per_step"], args["kl_horizon"]
         )
+    assert train[-1]["objective/kl_coef"] != args["kl_coef"]
 
 
+@pytest.mark.slow
 def test_default_run_learns(tmp_path):
     assert_default_run_learns("ppo_async.py", tmp_path)
     args, train, evals = check_run(tmp_path, "ppo_async.py")

@@ -309,3 +309,41 @@ def test_sizes_count_prompts_one_completion_each():
         ppo.compute_sizes(ppo.Args(total_episodes=100), 1)
     with pytest.raises(ValueError, match="--cliprange_value"):
         ppo.compute_sizes(ppo.Args(cliprange_value=0.0), 1)
+
+
+@pytest.mark.parametrize("num_mini_batches", [1, 2])
+def test_only_the_later_mini_batches_of_a_step_meet_a_moved_policy(tokenizer, num_mini_batches):
+    """ppo_update as the script calls it: with one mini-batch every per-token ratio is exactly 1; with N = 2 the second
+    mini-batch meets the policy the first optimizer step moved, and the ratio extremes it returns leave 1."""
+    import numpy as np
+    from accelerate import Accelerator
+    from transformers import LlamaForCausalLM, LlamaForSequenceClassification
+
+    torch.manual_seed(0)
+    args = ppo.Args(total_episodes=4, local_micro_batch_size=4 // num_mini_batches, num_mini_batches=num_mini_batches)
+    args.learning_rate = 1e-2
+    sizes = ppo.compute_sizes(args, world_size=1)
+    accelerator = Accelerator(cpu=True)
+    model = ppo.PolicyAndValue(
+        LlamaForCausalLM(small_config(tokenizer)), LlamaForSequenceClassification(small_config(tokenizer, num_labels=1))
+    )
+    ppo.disable_dropout(model)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.learning_rate)
+    model, optimizer = accelerator.prepare(model, optimizer)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda update: 1.0)
+    g = torch.Generator().manual_seed(1)
+    prompts = [
+        [tokenizer.bos_token_id] + torch.randint(4, len(tokenizer), (n,), generator=g).tolist() for n in (3, 5, 2, 6)
+    ]
+    responses = [torch.randint(4, len(tokenizer), (n,), generator=g).tolist() for n in (4, 6, 2, 5)]
+    batch = ppo.to_batch(prompts, responses, 1, args, tokenizer, torch.device("cpu"))
+    old, values = ppo.old_logprobs_and_values(model, batch, args.temperature, 8)
+    scores = torch.tensor([1.0, -1.0, 0.5, 2.0])
+    targets = ppo.ppo_targets(scores, batch, old, values, old, old, 0.05, args)
+    _, (ratio_max, ratio_min) = ppo.ppo_update(
+        model, optimizer, scheduler, accelerator, batch, targets, args, sizes, np.random.default_rng(0), step=0
+    )
+    if num_mini_batches == 1:
+        assert ratio_max == ratio_min == 1.0
+    else:
+        assert ratio_max > 1 + 1e-4 or ratio_min < 1 - 1e-4, (ratio_max, ratio_min)

@@ -1,18 +1,17 @@
-"""rloo_async.py end to end, as a user runs it (subprocesses, real engine, tiny task)."""
+"""rloo_async.py end to end, as a user runs it (subprocesses, real engine, tiny task). The runs are the README's
+examples with the tests' smaller sizes (tests/test_docs.py runs the same commands and shares them)."""
 
 import sys
 
-import torch
+import pytest
 from conftest import ROOT, SMALL_RUN, assert_default_run_learns, check_run, run_script, shared_run
-
-import plumbing
-import rloo_async as rloo
 
 PYTHON = sys.executable
 
 
+@pytest.mark.xdist_group("rloo_small")
 def test_async_1_keeps_the_lag_invariant_and_the_on_policy_ratio():
-    """The README's `rloo_async.py` example (its test in test_docs.py shares this run)."""
+    """The README's `rloo_async.py` example."""
     args, train, _ = check_run(shared_run([PYTHON, "rloo_async.py", *SMALL_RUN]), "rloo_async.py")
     assert args["async_level"] == 1 and args["episodes_per_step"] == 8 * 2 and args["num_steps"] == 16
     # one mini-batch, one epoch: the only update meets the data with old logprobs from the same weights
@@ -22,24 +21,13 @@ def test_async_1_keeps_the_lag_invariant_and_the_on_policy_ratio():
     assert "policy/tis_weight_mean" not in train[0]  # --old_logprobs trainer
 
 
-def test_engine_logprobs_with_truncated_importance_weights_at_async_2(tmp_path):
-    run_script(
-        [
-            PYTHON,
-            "rloo_async.py",
-            "--old_logprobs",
-            "engine",
-            "--async_level",
-            "2",
-            "--num_mini_batches",
-            "2",
-            *SMALL_RUN,
-            "--output_dir",
-            str(tmp_path),
-        ]
-    )
-    args, train, _ = check_run(tmp_path, "rloo_async.py")
-    assert args["old_logprobs"] == "engine" and args["num_steps"] == 8
+@pytest.mark.slow
+@pytest.mark.xdist_group("rloo_engine")
+def test_engine_logprobs_with_truncated_importance_weights_at_async_2():
+    """The README's `rloo_async.py --old_logprobs engine --async_level 2` example."""
+    argv = [PYTHON, "rloo_async.py", "--old_logprobs", "engine", "--async_level", "2", *SMALL_RUN]
+    args, train, _ = check_run(shared_run(argv), "rloo_async.py")
+    assert args["old_logprobs"] == "engine" and args["num_steps"] == 16
     diffs = [m["policy/engine_logprob_diff"] for m in train]
     print("engine vs trainer |logprob diff| per token:", [f"{d:.1e}" for d in diffs])
     # Step 0 (lag 0): engine and trainer hold the same float32 weights, so only numerics differ.
@@ -50,55 +38,15 @@ def test_engine_logprobs_with_truncated_importance_weights_at_async_2(tmp_path):
     for m in train:
         assert 0 < m["policy/tis_weight_mean"] <= args["tis_cap"] and 0 <= m["policy/tis_capped_frac"] <= 1
     assert train[0]["policy/tis_capped_frac"] == 0.0 and abs(train[0]["policy/tis_weight_mean"] - 1) < 1e-3
-    # the second mini-batch of a step meets a policy that has moved: its ratios leave 1
-    assert any(m["policy/ratio_max"] > 1 + 1e-4 or m["policy/ratio_min"] < 1 - 1e-4 for m in train)
 
 
-def test_engine_logprobs_are_the_trainers_after_temperature(tokenizer):
-    """The engine returns processed logprobs (after temperature): for the same float32 weights they match
-    the trainer's temperature-scaled logprobs of the same tokens; raw logprobs (temperature 1) would not."""
-    from transformers import AutoModelForCausalLM
-
-    args = rloo.Args()
-    placement = plumbing.engine_placement(args.vllm_placement, [], 1, None)
-    llm = plumbing.make_engine(args.sft_model_path, placement, dtype="float32", max_model_len=24, enforce_eager=True)
-    try:
-        prompts = [
-            tokenizer(q).input_ids
-            for q in ("sort: fox ant cat ->", "sort: yak bee cow dog elk emu ->", "sort: ape asp ->")
-        ]
-        eos, seeds = tokenizer.eos_token_id, [0, 1, 2]
-        responses, logprobs = rloo.generate(
-            llm, prompts, 4, args.temperature, args.response_length, eos, seeds, logprobs=True
-        )
-    finally:
-        llm.llm_engine.engine_core.shutdown()
-    policy = AutoModelForCausalLM.from_pretrained(args.sft_model_path).eval()
-    q_ids, q_mask = rloo.left_pad(prompts, args.max_prompt_length, tokenizer.pad_token_id)
-    r_ids, r_mask, _ = rloo.truncate_responses(
-        responses, args.response_length, tokenizer.eos_token_id, tokenizer.pad_token_id
-    )
-    engine = rloo.pad_logprobs(logprobs, args.response_length, r_mask)
-    with torch.no_grad():
-        trainer = rloo.response_logprobs(
-            policy, q_ids.repeat_interleave(4, 0), q_mask.repeat_interleave(4, 0), r_ids, r_mask, args.temperature
-        )
-        raw = rloo.response_logprobs(
-            policy, q_ids.repeat_interleave(4, 0), q_mask.repeat_interleave(4, 0), r_ids, r_mask, 1.0
-        )
-    assert [len(lp) for lp in logprobs] == [len(r) for r in responses]
-    diff = (engine - trainer).abs().max().item()
-    print(f"max |engine - trainer| per token: {diff:.2e}")
-    assert diff < 1e-3
-    assert (engine - raw).abs().max().item() > 1e-2
-
-
+@pytest.mark.slow
 def test_default_run_learns(tmp_path):
     assert_default_run_learns("rloo_async.py", tmp_path)
-    args, train, evals = check_run(tmp_path, "rloo_async.py")
-    assert train[-1]["episode"] == rloo.Args.total_episodes
 
 
+@pytest.mark.slow
+@pytest.mark.xdist_group("rloo_small")
 def test_a_fork_with_its_own_loss_runs(tmp_path):
     """What a researcher does: copy rloo_async.py to a new name next to plumbing.py and change its loss (here plain
     REINFORCE with the leave-one-out baseline, no ratio clipping). The fork runs to the end, and its loss is its own."""

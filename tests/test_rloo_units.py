@@ -151,3 +151,41 @@ def test_sizes_count_prompts_and_episodes_count_completions():
         rloo.compute_sizes(rloo.Args(rloo_k=1), 1)
     with pytest.raises(ValueError, match="x 4 completions per prompt; change --total_episodes"):
         rloo.compute_sizes(rloo.Args(total_episodes=100, rloo_k=4), 1)
+
+
+@pytest.mark.parametrize("num_mini_batches", [1, 2])
+def test_only_the_later_mini_batches_of_a_step_meet_a_moved_policy(tokenizer, num_mini_batches):
+    """rloo_update as the script calls it: with one mini-batch every ratio is exactly 1 (the old logprobs come from the
+    same weights); with N = 2 the second mini-batch meets the policy the first optimizer step moved, and the ratio
+    extremes it returns (policy/ratio_max, policy/ratio_min) leave 1."""
+    import numpy as np
+    from accelerate import Accelerator
+    from transformers import LlamaForCausalLM
+
+    torch.manual_seed(0)
+    # 4 prompts x 2 completions a step either way
+    args = rloo.Args(total_episodes=8, local_micro_batch_size=4 // num_mini_batches, num_mini_batches=num_mini_batches)
+    args.learning_rate = 1e-2
+    sizes = rloo.compute_sizes(args, world_size=1)
+    accelerator = Accelerator(cpu=True)
+    policy = LlamaForCausalLM(small_config(tokenizer))
+    rloo.disable_dropout(policy)
+    optimizer = torch.optim.AdamW(policy.parameters(), lr=args.learning_rate)
+    model, optimizer = accelerator.prepare(policy, optimizer)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda update: 1.0)
+    g = torch.Generator().manual_seed(1)
+    prompts = [
+        [tokenizer.bos_token_id] + torch.randint(4, len(tokenizer), (n,), generator=g).tolist() for n in (3, 5, 2, 6)
+    ]
+    responses = [torch.randint(4, len(tokenizer), (n,), generator=g).tolist() for n in (4, 6, 2, 5, 3, 7, 6, 1)]
+    batch = rloo.to_batch(prompts, responses, 2, args, tokenizer, torch.device("cpu"))
+    old = rloo.batch_logprobs(model, batch, args.temperature, 8)
+    scores = torch.tensor([1.0, -1.0, 0.5, 2.0, -0.5, 0.0, 1.5, -2.0])
+    targets, _ = rloo.rloo_targets(scores, batch, old, old, old, args)
+    _, (ratio_max, ratio_min) = rloo.rloo_update(
+        model, optimizer, scheduler, accelerator, batch, targets, args, sizes, np.random.default_rng(0), step=0
+    )
+    if num_mini_batches == 1:
+        assert ratio_max == ratio_min == 1.0
+    else:
+        assert ratio_max > 1 + 1e-4 or ratio_min < 1 - 1e-4, (ratio_max, ratio_min)

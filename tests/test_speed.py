@@ -37,6 +37,7 @@ def by_hand(output_dir) -> dict:
     }
 
 
+@pytest.mark.slow
 def test_speed_benchmark_end_to_end(tmp_path):
     """Two 6-step runs; every number of the table equals a by-hand computation from their metrics."""
     out = tmp_path / "speed"

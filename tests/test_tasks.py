@@ -334,16 +334,15 @@ def test_learning_rate_schedules(script):
     assert [script.lr_factor("constant", update, 4) for update in range(5)] == [1.0] * 5
 
 
-def test_eval_completions_are_written_atomically_one_file_per_step(script, tmp_path):
-    first = script.write_eval_completions(str(tmp_path), 3, 96, ["p1", "p2"], ["c1", "c2"], ["r1", "r2"])
+def test_eval_completions_are_written_atomically_one_file_per_step(tmp_path):
+    write_eval_completions = importlib.import_module("plumbing").write_eval_completions
+    first = write_eval_completions(str(tmp_path), 3, 96, ["p1", "p2"], ["c1", "c2"], ["r1", "r2"])
     assert first == str(tmp_path / "eval_completions" / "step_000003.jsonl")
     assert rows_of(tmp_path / "eval_completions" / "step_000003.jsonl") == [
         {"step": 3, "episode": 96, "prompt": "p1", "completion": "c1", "reference": "r1"},
         {"step": 3, "episode": 96, "prompt": "p2", "completion": "c2", "reference": "r2"},
     ]
-    script.write_eval_completions(
-        str(tmp_path), 3, 96, ["p1"], ["again"], ["r1"]
-    )  # a resumed run evaluating step 3 again
+    write_eval_completions(str(tmp_path), 3, 96, ["p1"], ["again"], ["r1"])  # a resumed run evaluating step 3 again
     assert sorted(p.name for p in (tmp_path / "eval_completions").iterdir()) == ["step_000003.jsonl"]
     assert [r["completion"] for r in rows_of(tmp_path / "eval_completions" / "step_000003.jsonl")] == ["again"]
 
@@ -375,6 +374,7 @@ def eval_lines(output_dir):
     return [m for m in lines if any(k.startswith("eval/") for k in m)], [m for m in lines if "async/lag" in m]
 
 
+@pytest.mark.slow
 def test_gsm8k_run_verifier_rewards_greedy_pass_at_1_and_reference_perplexity(tokenizer, tmp_path):
     """PPO on the GSM8k fixture: no reward model is loaded (a path that does not exist is never read; the value
     model starts from the policy), evaluation is greedy and scored by the verifier, and the eval completions
@@ -449,6 +449,7 @@ def test_gsm8k_run_verifier_rewards_greedy_pass_at_1_and_reference_perplexity(to
     assert evals[0]["eval/ref_perplexity"] == pytest.approx(sum(perplexities) / len(perplexities), rel=1e-4)
 
 
+@pytest.mark.slow
 def test_no_robots_run_chat_prompts_completions_file_and_reward_model_win_rate(chat_tokenizer, tmp_path):
     """Online DPO on the No Robots fixture with a chat-templated policy, the tiny reward model as proxy and as
     gold judge: the eval completions file is what benchmark/llm_judge.py reads."""

@@ -3,6 +3,8 @@
 import json
 import sys
 
+import pytest
+
 from conftest import TINY, run_script
 
 import online_dpo_async as dpo
@@ -25,6 +27,7 @@ def test_committed_artifacts_are_small_and_in_the_expected_shape(tokenizer):
         )
 
 
+@pytest.mark.slow
 def test_builder_runs_end_to_end_in_quick_mode(tmp_path):
     run_script([sys.executable, "benchmark/tiny_task/build.py", "--quick", "--out_dir", str(tmp_path)], timeout=300)
     from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
