@@ -26,6 +26,7 @@ COLORS = {
     "old_logprobs": "#64b5cd",
     "reference": "#ccb974",
     "update": "#c44e52",
+    "snapshot": "#da8bc3",
     "snapshot and rest": "#937860",
 }
 ROWS = {"generation": 1, "training": 0}

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
+ALL_CORES = sorted(os.sched_getaffinity(0))  # before an xdist worker is pinned to one
 TINY = ROOT / "benchmark" / "tiny_task"
 sys.path.insert(0, str(ROOT))
 # No network anywhere in the tests; keep the engine's KV cache small.
@@ -135,11 +136,19 @@ def perturbed_policy(tokenizer, arch: str, tied: bool, seed: int, large: bool = 
 
 
 def run_script(
-    argv: list[str], timeout: float = 600, env: dict | None = None, cwd: Path = ROOT
+    argv: list[str], timeout: float = 600, env: dict | None = None, cwd: Path = ROOT, all_cores: bool = False
 ) -> subprocess.CompletedProcess:
-    """Run a command (from the repository root unless told); fail with its output if it fails."""
+    """Run a command (from the repository root unless told); fail with its output if it fails. `all_cores`: on every
+    core of the machine, as a user runs it (the scripts then split them between the engine and training), rather
+    than on the xdist worker's one."""
     proc = subprocess.run(
-        argv, cwd=cwd, capture_output=True, text=True, timeout=timeout, env={**os.environ, **(env or {})}
+        argv,
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env={**os.environ, **(env or {})},
+        preexec_fn=(lambda: os.sched_setaffinity(0, ALL_CORES)) if all_cores else None,
     )
     assert proc.returncode == 0, (
         f"{' '.join(argv)} failed ({proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}"
@@ -285,7 +294,7 @@ def assert_default_run_learns(script: str, output_dir: Path) -> None:
     import time
 
     start = time.perf_counter()
-    run_script([sys.executable, script, "--output_dir", str(output_dir)], timeout=900)
+    run_script([sys.executable, script, "--output_dir", str(output_dir)], timeout=900, all_cores=True)
     print(f"{script} default run took {time.perf_counter() - start:.0f} s")
     train, evals = read_metrics(output_dir)
     print(

@@ -54,7 +54,7 @@ def test_quickstart_run_command_learns(tmp_path):
     env, argv = to_argv(command)
     assert argv[1:] == ["online_dpo_async.py"]
     start = time.perf_counter()
-    run_script(argv + ["--output_dir", str(tmp_path)], timeout=900, env=env)
+    run_script(argv + ["--output_dir", str(tmp_path)], timeout=900, env=env, all_cores=True)
     print(f"default run took {time.perf_counter() - start:.0f} s")
     args, train, evals = check_run(tmp_path, "online_dpo_async.py")
     print(
@@ -131,7 +131,7 @@ def test_every_training_process_gets_rank_0s_run_name(tmp_path):
     """The default --output_dir is runs/<run name>, and the name holds the time: each process must take rank 0's,
     even when its clock is already in the next second (here rank 1's is made one second ahead)."""
     probe = tmp_path / "probe.py"
-    probe.write_text(f"""import importlib, sys, time, types
+    probe.write_text(f"""import importlib, os, sys, time, types
 sys.path.insert(0, {str(ROOT)!r})
 from accelerate import Accelerator
 import plumbing
@@ -140,7 +140,8 @@ if accelerator.process_index == 1:
     plumbing.time = types.SimpleNamespace(time=lambda: time.time() + 1)
 for name in ("online_dpo_async", "rloo_async", "ppo_async"):
     args = importlib.import_module(name).Args()
-    print(f"{{name}} rank {{accelerator.process_index}}: {{plumbing.name_run(args.exp_name, args.seed)}}", flush=True)
+    line = f"{{name}} rank {{accelerator.process_index}}: {{plumbing.name_run(args.exp_name, args.seed)}}\\n"
+    os.write(1, line.encode())  # one write a line: the two processes share the pipe
 """)
     proc = run_script(
         [sys.executable, "-m", "accelerate.commands.launch", "--config_file", "configs/cpu_2proc.yaml", str(probe)],
@@ -148,9 +149,8 @@ for name in ("online_dpo_async", "rloo_async", "ppo_async"):
         timeout=300,
     )
     names = {}
-    for line in proc.stdout.splitlines():
-        if match := re.fullmatch(r"(\w+) rank (\d): (\S+)", line):
-            names.setdefault(match.group(1), set()).add(match.group(3))
+    for script, _, name in re.findall(r"([a-z_]+) rank (\d): ([a-z_]+__1__\d{10})\n", proc.stdout):
+        names.setdefault(script, set()).add(name)
     assert sorted(names) == ["online_dpo_async", "ppo_async", "rloo_async"] and all(
         len(n) == 1 for n in names.values()
     ), proc.stdout

@@ -29,7 +29,7 @@ def top_level_blocks(source: str) -> dict[str, str]:
             name = node.name
         elif isinstance(node, (ast.Assign, ast.AnnAssign)):
             name = ast.unparse(node.targets[0] if isinstance(node, ast.Assign) else node.target)
-        elif isinstance(node, ast.If):
+        elif isinstance(node, ast.If) and ast.unparse(node.test) == "__name__ == '__main__'":
             name = "__main__"
         else:
             continue
