@@ -292,14 +292,19 @@ def reduce_statistics(stats: dict, accelerator: Accelerator, step: int, last_che
     return reduced
 
 
+def numel(tensor: torch.Tensor) -> int:
+    """A parameter's size, whole: ZeRO-3 leaves each process a shard of it."""
+    return getattr(tensor, "ds_numel", tensor.numel())
+
+
 def forward_flops(model, sequences: int, length: int, logit_positions: int | None = None) -> int:
     """Matmul FLOPs of a forward pass, 2 per parameter and token (Kaplan et al. 2020, no attention term): every token
     through the body, `logit_positions` per sequence (None: all) through the output head, none through the input
     embedding (a lookup). A training pass is 3 forwards' worth, 4 when recomputing activations."""
     embedding, head = model.get_input_embeddings().weight, model.get_output_embeddings()
-    head_params = 0 if head is None else head.weight.numel()
+    head_params = 0 if head is None else numel(head.weight)
     tied = head is not None and head.weight is embedding
-    body = sum(p.numel() for p in model.parameters()) - embedding.numel() - (0 if tied else head_params)
+    body = sum(numel(p) for p in model.parameters()) - numel(embedding) - (0 if tied else head_params)
     return 2 * sequences * (body * length + head_params * (length if logit_positions is None else logit_positions))
 
 
@@ -361,6 +366,70 @@ def save_policy(accelerator: Accelerator, model, tokenizer, path: str, prefix: s
         shutil.rmtree(path, ignore_errors=True)
         os.replace(tmp, path)
     accelerator.wait_for_everyone()
+
+
+# == DeepSpeed ZeRO-3 ===================================================================================================
+def zero_stage(accelerator: Accelerator) -> int:
+    plugin = accelerator.state.deepspeed_plugin
+    return 0 if plugin is None else plugin.zero_stage
+
+
+def prepare_frozen(model, accelerator: Accelerator):
+    """A frozen model (reference, reward model) on the training device. Under ZeRO-3 transformers loads every model
+    sharded across the processes: DeepSpeed's engine, without an optimizer, then gathers a layer at a time for its
+    forward passes (as TRL prepares its reference models), in the dtype of the run's mixed precision. All processes
+    must run those forward passes together."""
+    model = model.to(accelerator.device).eval().requires_grad_(False)
+    if zero_stage(accelerator) != 3:
+        return model
+    import deepspeed
+
+    bf16 = accelerator.mixed_precision == "bf16"
+    config = {"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 3}, "bf16": {"enabled": bf16}}
+    engine = deepspeed.initialize(model=model, config=config)[0]
+    model.deepspeed_engine = engine  # its gathering hooks live as long as the model
+    return model
+
+
+@contextmanager
+def whole_models(accelerator: Accelerator):
+    """A context in which models load whole, not sharded by ZeRO-3 (accelerate tells transformers to shard every model
+    it loads): the gold judge, which only rank 0 runs."""
+    if zero_stage(accelerator) != 3:
+        yield
+        return
+    from transformers.integrations import unset_hf_deepspeed_config
+
+    unset_hf_deepspeed_config()
+    try:
+        yield
+    finally:
+        accelerator.state.deepspeed_plugin.set_deepspeed_weakref()
+
+
+def gathered_tensors(accelerator: Accelerator, module):
+    """Every tensor of a module's state, (name, tensor), where it is. Under ZeRO-3 the parameters are gathered a
+    transformer layer at a time, each valid while the iteration is on its layer: never a whole copy of the model, and
+    never through the CPU. Every process must go through the whole iteration, as each gather is collective."""
+    if zero_stage(accelerator) != 3:
+        yield from module.state_dict().items()
+        return
+    import deepspeed
+
+    layers = {}
+    for name, parameter in module.named_parameters():
+        layer = re.match(r"(.*?\.\d+)\.", name)  # model.layers.3. ...: the 4th layer
+        layers.setdefault(layer.group(1) if layer else name, []).append((name, parameter))
+    for group in layers.values():
+        with deepspeed.zero.GatheredParameters([parameter for _, parameter in group]):
+            yield from group
+    yield from module.named_buffers()
+
+
+def full_shapes(module) -> dict[str, torch.Size]:
+    """The shape of every tensor of a module's state, whole (ZeRO-3 keeps each parameter's in `ds_shape`)."""
+    shapes = {name: getattr(p, "ds_shape", p.shape) for name, p in module.named_parameters()}
+    return shapes | {name: buffer.shape for name, buffer in module.named_buffers()}
 
 
 def injected_fault(where: str, step: int) -> bool:

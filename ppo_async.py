@@ -214,9 +214,6 @@ def check_inputs(args: Args, accelerator: Accelerator, output_dir: str, on_gpu: 
     """Every check of the flags and input files, and the engine's GPU placement, before any model loads: a bad one is
     a UsageError naming the flag. Exits (0) on --resume of a finished run."""
     sizes = compute_sizes(args, accelerator.num_processes)
-    deepspeed = accelerator.state.deepspeed_plugin
-    if deepspeed is not None and deepspeed.zero_stage == 3:
-        raise UsageError("ZeRO-3 is not supported yet (the reference and reward models are not sharded): use ZeRO-2")
     if args.resume and args.output_dir is None:
         raise UsageError("--resume needs --output_dir, the folder of the run to continue")
     checkpoint = plumbing.checkpoint_to_resume(output_dir, asdict(args), args.resume, sizes.world_size)
@@ -752,7 +749,11 @@ def checkpoint_names(model) -> dict[str, str]:
     from transformers.core_model_loading import revert_weight_conversion
     from transformers.modeling_utils import remove_tied_weights_from_state_dict
 
-    state = remove_tied_weights_from_state_dict(model.state_dict(), model)
+    # tied weights found on a copy of the model on the meta device: transformers tells them by their storage, which
+    # ZeRO-3 empties (every shard would look tied to every other)
+    with torch.device("meta"):
+        shadow = type(model)(model.config)
+    state = remove_tied_weights_from_state_dict(shadow.state_dict(), shadow)
     for key in model._keys_to_ignore_on_save or []:
         state.pop(key, None)
     tags = {name: torch.empty(0) for name in state}  # one distinct object per tensor: which one gets which name
@@ -770,19 +771,28 @@ def views(flat: torch.Tensor, layout: list[tuple[str, list[int], int]]) -> list[
 
 
 def snapshot_weights(
-    state_dict: dict[str, torch.Tensor], names: dict[str, str], dtype: torch.dtype, device
+    tensors, names: dict[str, str], dtype: torch.dtype, device, shapes=None
 ) -> tuple[torch.Tensor, list]:
     """theta_v for the engine: a copy in the engine's dtype under the checkpoint's names, in one buffer, taken between
-    optimizer steps so the optimizer never writes what the engine reads. On a GPU the buffer stays in GPU memory and
-    one CUDA IPC handle shares it with the engine; on a CPU it goes through a file."""
-    if missing := [key for key in names if key not in state_dict]:
+    optimizer steps so the optimizer never writes what the engine reads. `tensors`: a state dict, or (name, tensor)
+    pairs with their whole `shapes` (under ZeRO-3 they come a layer at a time: plumbing.gathered_tensors). On a GPU the
+    buffer stays in GPU memory and one CUDA IPC handle shares it with the engine; on a CPU it goes through a file."""
+    if isinstance(tensors, dict):
+        tensors, shapes = tensors.items(), {name: tensor.shape for name, tensor in tensors.items()}
+    if missing := [key for key in names if key not in shapes]:
         raise RuntimeError(f"the weights to push lack {len(missing)} tensor(s) of the policy, e.g. {missing[0]}")
-    keys = [key for key in state_dict if key in names]
-    offsets = np.cumsum([0] + [state_dict[key].numel() for key in keys]).tolist()
-    layout = [(names[key], list(state_dict[key].shape), offset) for key, offset in zip(keys, offsets)]
+    keys = [key for key in shapes if key in names]
+    offsets = np.cumsum([0] + [math.prod(shapes[key]) for key in keys]).tolist()
+    layout = [(names[key], list(shapes[key]), offset) for key, offset in zip(keys, offsets)]
     flat = torch.empty(offsets[-1], dtype=dtype, device=device)
-    for (_, view), key in zip(views(flat, layout), keys):
-        view.copy_(state_dict[key].detach())
+    unfilled = {key: view for (_, view), key in zip(views(flat, layout), keys)}
+    for key, tensor in tensors:
+        if key in unfilled:
+            unfilled.pop(key).copy_(tensor.detach())
+    if unfilled:
+        raise RuntimeError(
+            f"the weights to push lack {len(unfilled)} tensor(s) of the policy, e.g. {next(iter(unfilled))}"
+        )
     if flat.is_cuda:
         torch.cuda.current_stream(flat.device).synchronize()  # the engine's process reads it without our stream
     return flat, layout
@@ -809,11 +819,17 @@ def publish(
 ) -> None:
     """Snapshot theta_version (between optimizer steps) and hand it to the generation thread; rank 0 keeps it for
     checkpoints until no pending batch or evaluation needs it. The snapshot is copied from the parameters where they
-    are, GPU memory on GPUs (`accelerator.get_state_dict` would copy each to the CPU under DeepSpeed)."""
-    if accelerator.is_main_process:
-        state_dict = accelerator.unwrap_model(model).state_dict()
-        snapshots[version] = Weights(version, *snapshot_weights(state_dict, names, dtype, device))
-        channels.weights.put(snapshots[version])
+    are, GPU memory on GPUs (`accelerator.get_state_dict` would copy each to the CPU under DeepSpeed), under ZeRO-3
+    gathered a layer at a time, with every process taking part."""
+    module = accelerator.unwrap_model(model)
+    tensors = plumbing.gathered_tensors(accelerator, module)
+    if not accelerator.is_main_process:
+        for _ in tensors:  # the gathers of ZeRO-3 are collective
+            pass
+        return
+    shapes = plumbing.full_shapes(module)
+    snapshots[version] = Weights(version, *snapshot_weights(tensors, names, dtype, device, shapes))
+    channels.weights.put(snapshots[version])
 
 
 # == PPO: per-token rewards with the KL penalty, GAE, the clipped losses, the update ==================================
@@ -1112,24 +1128,28 @@ def ppo_metrics(step: int, version: int, sizes: Sizes, lr: float, reduced: dict,
 
 
 # == main(): setup, then the training loop's numbered steps ===========================================================
-def load_models(args: Args, inputs: Inputs, dtype: torch.dtype, device, is_main: bool):
+def load_models(args: Args, inputs: Inputs, dtype: torch.dtype, accelerator: Accelerator):
     """The policy and the frozen models (safetensors only), dropout off. The policy and the reference keep fp32 weights
     (the optimizer's, and the policy's numbers at step 0) and run under autocast; the reward and gold models, which
-    only score, hold --dtype weights. Only rank 0 holds a gold judge. Returns the policy and the Models."""
+    only score, hold --dtype weights. Under ZeRO-3 every model but the gold judge, which only rank 0 holds, is sharded
+    across the processes. Returns the policy and the Models."""
     kwargs = dict(trust_remote_code=args.trust_remote_code, use_safetensors=True)
     policy = AutoModelForCausalLM.from_pretrained(args.sft_model_path, dtype=torch.float32, **kwargs)
     ref_policy = AutoModelForCausalLM.from_pretrained(args.sft_model_path, dtype=torch.float32, **kwargs)
     reward_model = gold_model = gold_tokenizer = None
     if args.task != "gsm8k":
         reward_model = plumbing.load_reward_model(args.reward_model_path, "--reward_model_path", dtype=dtype, **kwargs)
-    if args.gold_judge != "tiny" and is_main:
-        gold_model = plumbing.load_reward_model(args.gold_judge, "--gold_judge", dtype=dtype, **kwargs)
+    if args.gold_judge != "tiny" and accelerator.is_main_process:
+        with plumbing.whole_models(accelerator):  # only rank 0 runs it: never sharded
+            gold_model = plumbing.load_reward_model(args.gold_judge, "--gold_judge", dtype=dtype, **kwargs)
+        gold_model = gold_model.to(accelerator.device).eval().requires_grad_(False)
         gold_tokenizer = AutoTokenizer.from_pretrained(args.gold_judge, trust_remote_code=args.trust_remote_code)
-    frozen = [m for m in (ref_policy, reward_model, gold_model) if m is not None]
-    for model in (policy, *frozen):
-        disable_dropout(model)
-    for model in frozen:
-        model.to(device).eval().requires_grad_(False)
+    for model in (policy, ref_policy, reward_model, gold_model):
+        if model is not None:
+            disable_dropout(model)
+    ref_policy = plumbing.prepare_frozen(ref_policy, accelerator)  # sharded for inference under ZeRO-3
+    if reward_model is not None:
+        reward_model = plumbing.prepare_frozen(reward_model, accelerator)
     models = Models(inputs.tokenizer, ref_policy, reward_model, inputs.reward_tokenizer, gold_model, gold_tokenizer)
     return policy, models
 
@@ -1191,16 +1211,30 @@ def score_step(batch: Batch, references: list[str], models: Models, args: Args, 
     return scores
 
 
+def arrived_evaluations(channels: Channels, accelerator: Accelerator, engine=None) -> list[EvalRollout]:
+    """The evaluations the generation thread has finished (given the engine: at least one, waited for), handed to
+    every process: under ZeRO-3 they all take part in the sharded frozen models' forward passes."""
+    evaluations = []
+    if accelerator.is_main_process:
+        if engine is not None:
+            evaluations.append(get_or_raise(channels.evals, channels, engine.processes))
+        while not channels.evals.empty():
+            evaluations.append(channels.evals.get())
+    return broadcast_object_list([evaluations])[0]
+
+
 def log_evaluation(rollout: EvalRollout, evaluation: Prompts, models: Models, args: Args, accelerator, logger, run):
-    """Evaluate the completions of policy version `rollout.version` and log them: metrics, a sample table, the
-    completions (plumbing.py). `run`: the episodes per step, the evaluations logged so far, the timeline's origin."""
+    """Evaluate the completions of policy version `rollout.version` (every process) and log them (rank 0's logger):
+    metrics, a sample table, the completions (plumbing.py). `run`: the episodes per step, the evaluations logged so
+    far, the timeline's origin."""
     episodes_per_step, evals_logged, origin = run
     with accelerator.autocast():
         metrics, rows, completions = evaluate(rollout.responses, evaluation, models, args, accelerator.device)
     metrics["time/eval_generation"] = rollout.generation_time
     metrics["timeline/eval_generation_start"] = rollout.generation_start - origin
     texts = (evaluation.queries, completions, evaluation.references)
-    logger.log_evaluation(rollout.version, rollout.version * episodes_per_step, metrics, rows, texts)
+    if logger is not None:
+        logger.log_evaluation(rollout.version, rollout.version * episodes_per_step, metrics, rows, texts)
     evals_logged.add(rollout.version)
 
 
@@ -1244,7 +1278,7 @@ def main(args: Args) -> None:
 
     # models, and the FLOPs of each phase per process and step (model FLOP utilisation: benchmark/timing.py)
     with plumbing.usage_errors():  # the score-head check of a hub id whose config did not say
-        policy, models = load_models(args, inputs, dtype, device, accelerator.is_main_process)
+        policy, models = load_models(args, inputs, dtype, accelerator)
     value_model = load_value_model(args)
     # before accelerate wraps the policy; under PolicyAndValue's names, which the pushed state dict has
     engine_names = {f"policy.{name}": saved for name, saved in checkpoint_names(policy).items()}
@@ -1283,8 +1317,8 @@ def main(args: Args) -> None:
 
     # what training allocates later, which the engine must leave room for on a GPU
     state = accelerator.unwrap_model(model).state_dict()
-    snapshot = sum(state[name].numel() for name in engine_names) * engine_dtype.itemsize
-    shards, trained = accelerator.num_processes if deepspeed else 1, sum(p.numel() for p in model.parameters())
+    snapshot = sum(plumbing.numel(state[name]) for name in engine_names) * engine_dtype.itemsize
+    shards, trained = accelerator.num_processes if deepspeed else 1, sum(plumbing.numel(p) for p in model.parameters())
     to_come = plumbing.training_memory(trained, shards, snapshot, args.async_level)
 
     # rank 0 owns the engine and generates for every rank
@@ -1371,17 +1405,19 @@ def main(args: Args) -> None:
                 work = (phase_flops, sizes.episodes_per_step, tokens)
                 logger.log(metrics | plumbing.pipeline_metrics(laps, rollout.timings, engine.started, *work))
                 bar.set_postfix(lag=step - rollout.version, score=f"{reduced['scores']:.3f}", kl=f"{reduced['kl']:.2f}")
-                # 7. evaluations arrive from the generation thread a little later; score them as they come
-                while not channels.evals.empty():
-                    log_eval(channels.evals.get())
+            # 7. evaluations arrive from the generation thread a little later; score them as they come
+            for eval_rollout in arrived_evaluations(channels, accelerator):
+                log_eval(eval_rollout)
+            if main_process:
                 for version in snapshots.keys() - owed_snapshots(snapshots, schedule, step + 1, evals_logged).keys():
                     del snapshots[version]
             if args.save_freq and (step + 1) % args.save_freq == 0 and step + 1 < sizes.num_steps:
                 last_checkpoint = checkpoint(step + 1)
 
         if not exit_code:
-            while main_process and len(evals_logged) < len(eval_steps):
-                log_eval(get_or_raise(channels.evals, channels, engine.processes))
+            while len(evals_logged) < len(eval_steps):
+                for eval_rollout in arrived_evaluations(channels, accelerator, engine):
+                    log_eval(eval_rollout)
             # the policy alone, under the plain causal-LM names
             plumbing.save_policy(accelerator, model, tokenizer, os.path.join(output_dir, "policy"), prefix="policy.")
     except KeyboardInterrupt:

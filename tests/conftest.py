@@ -73,7 +73,7 @@ LONGEST_FIRST = [
     "test_default_run_learns",
     "test_quickstart_run_command_learns",
     "test_a_run_stopped_mid_way_resumes_exactly",
-    "test_deepspeed_zero2_with_gradient_accumulation_resumes_exactly",
+    "test_deepspeed_trains_pushes_and_resumes_exactly",
     "test_smoke_mode_end_to_end",
     "test_speed_benchmark_end_to_end",
 ]

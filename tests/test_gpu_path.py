@@ -5,10 +5,11 @@ are plumbing.py's. A bf16 run with gradient checkpointing: tests/test_online_dpo
 test_gpu.py."""
 
 import importlib
+import sys
 
 import pytest
 import torch
-from conftest import small_config
+from conftest import ROOT, perturbed_policy, run_script, small_config
 
 import plumbing
 
@@ -228,3 +229,51 @@ def test_a_snapshot_missing_a_tensor_of_the_policy_is_refused(algo, tokenizer):
     del state["model.norm.weight"]
     with pytest.raises(RuntimeError, match="lack 1 tensor"):
         algo.snapshot_weights(state, names, torch.float32, torch.device("cpu"))
+
+
+ZERO3_PROBE = """import sys, torch
+sys.path.insert(0, {root!r})
+from accelerate import Accelerator
+from transformers import AutoModelForCausalLM
+from safetensors.torch import save_file
+import plumbing
+import {module} as algo
+
+accelerator = Accelerator()
+assert plumbing.zero_stage(accelerator) == 3
+accelerator.state.deepspeed_plugin.deepspeed_config["train_micro_batch_size_per_gpu"] = 1
+with plumbing.whole_models(accelerator):
+    whole = AutoModelForCausalLM.from_pretrained({policy!r})
+model = AutoModelForCausalLM.from_pretrained({policy!r})  # sharded as it loads
+names = algo.checkpoint_names(model)
+optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+model, optimizer = accelerator.prepare(model, optimizer)
+module = accelerator.unwrap_model(model)
+assert all(p.numel() == 0 for p in module.parameters()), "not sharded"
+tensors = plumbing.gathered_tensors(accelerator, module)
+sharded = algo.snapshot_weights(tensors, names, torch.float32, torch.device("cpu"), plumbing.full_shapes(module))
+plain = algo.snapshot_weights(whole.state_dict(), algo.checkpoint_names(whole), torch.float32, torch.device("cpu"))
+save_file(dict(algo.views(*sharded)), {out!r} + "/zero3.safetensors")
+save_file(dict(algo.views(*plain)), {out!r} + "/plain.safetensors")
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("arch, tied", [("gptneox", False), ("llama", True)])
+def test_the_snapshot_pushed_under_zero3_is_the_unsharded_one(tokenizer, tmp_path, arch, tied):
+    """Under DeepSpeed ZeRO-3 (one CPU process, fp32) the policy is sharded from the moment it loads; the push gathers
+    it a layer at a time (plumbing.gathered_tensors) into the snapshot, which equals, name for name and bit for bit,
+    the snapshot of the same weights never sharded. (snapshot_weights is the same text in the three files.)"""
+    from safetensors.torch import load_file
+
+    policy = tmp_path / "policy"
+    perturbed_policy(tokenizer, arch, tied, seed=3).save_pretrained(policy)
+    probe = tmp_path / "probe.py"
+    probe.write_text(
+        ZERO3_PROBE.format(root=str(ROOT), module="online_dpo_async", policy=str(policy), out=str(tmp_path))
+    )
+    launch = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", "configs/deepspeed_zero3.yaml"]
+    run_script([*launch, "--num_processes", "1", "--mixed_precision", "no", str(probe)], timeout=300)
+    sharded, plain = load_file(tmp_path / "zero3.safetensors"), load_file(tmp_path / "plain.safetensors")
+    assert sharded.keys() == plain.keys() and len(plain) > 10
+    assert all(torch.equal(sharded[name], plain[name]) for name in plain)
