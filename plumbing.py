@@ -439,9 +439,9 @@ def injected_fault(where: str, step: int) -> bool:
 
 # == The engine's GPU and cores =======================================================================================
 class Placement(NamedTuple):
-    devices: str | None  # CUDA_VISIBLE_DEVICES of the engine's processes; None: CPU
+    devices: str | None  # CUDA_VISIBLE_DEVICES of the engine's processes: its GPU alone; None: CPU
     shared: bool  # the engine shares training rank 0's GPU
-    trainer_gpu: int  # rank 0's GPU, which holds the weight snapshots, as the engine's processes number their GPUs
+    snapshot_gpu: int  # the engine's GPU, as rank 0 numbers its GPUs: the weight snapshots live there
     memory_utilization: float
 
 
@@ -452,61 +452,77 @@ def visible_gpus() -> list[str]:
     return visible.split(",") if visible else [str(i) for i in range(torch.cuda.device_count())]
 
 
-def engine_placement(
-    mode: str, visible: list[str], num_training_processes: int, memory_utilization: float | None
-) -> Placement:
-    """Training process i uses visible GPU i. With an (N+1)-th visible GPU the engine takes it (the paper's split);
-    with fewer, it shares rank 0's within its memory budget. Its processes also see rank 0's GPU, second, to open the
-    snapshots rank 0 shares by CUDA IPC (docs/gpus.md)."""
+def engine_placement(mode: str, visible: list[str], num_processes: int, memory_utilization: float | None) -> Placement:
+    """Training process i of a node uses its visible GPU i; the engine runs on rank 0's node. With an (N+1)-th GPU
+    there, for the N training processes of the node (LOCAL_WORLD_SIZE under a launcher; `num_processes` on one node),
+    the engine takes it (the paper's split); with fewer, it shares rank 0's within its memory budget. Rank 0 writes
+    the weight snapshots straight into the engine's GPU, which the engine reads by CUDA IPC (docs/gpus.md)."""
     if memory_utilization is not None and not 0 < memory_utilization <= 1:
         raise UsageError(f"--vllm_gpu_memory_utilization must be in (0, 1], got {memory_utilization}")
     if not visible:
         return Placement(None, False, 0, memory_utilization or 0.9)
-    separate = len(visible) > num_training_processes if mode == "auto" else mode == "separate"
-    if separate and len(visible) <= num_training_processes:
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", num_processes))  # the processes on rank 0's node
+    separate = len(visible) > local if mode == "auto" else mode == "separate"
+    if separate and len(visible) <= local:
+        nodes = f" on rank 0's node, of {num_processes} in all," if local != num_processes else ""
         raise UsageError(
-            f"--vllm_placement separate: {num_training_processes} training process(es) and the engine need "
-            f"{num_training_processes + 1} GPUs, {len(visible)} are visible; use --vllm_placement shared or fewer processes"
+            f"--vllm_placement separate: {local} training process(es){nodes} and the engine need {local + 1} GPUs "
+            f"there, {len(visible)} are visible; use --vllm_placement shared or one training process fewer on that node"
         )
     if separate:
-        return Placement(f"{visible[num_training_processes]},{visible[0]}", False, 1, memory_utilization or 0.9)
+        return Placement(visible[local], False, local, memory_utilization or 0.9)
     return Placement(visible[0], True, 0, memory_utilization or 0.3)
 
 
 CUDA_CONTEXT = 2**30  # what a process's CUDA context takes on a GPU, about 1 GiB (with the kernels it loads)
 
 
-def check_engine_fits(placement: Placement, free: int, total: int, to_come: dict[str, int]) -> None:
-    """Rank 0's GPU once the trainer's models are loaded (`free` of `total` bytes) must also hold what training
-    allocates later (`to_come`: name -> bytes, e.g. the optimizer state, the gradients, the weight snapshots) and the
-    engine's CUDA context: its own on a shared GPU, the one its processes open there to read the snapshots otherwise.
-    On a shared GPU the engine asks for `memory_utilization` of the whole GPU, and vLLM refuses to start when less is
-    free. Activations come on top: a margin of 5 % of the GPU is kept for them."""
-    engine = placement.memory_utilization * total if placement.shared else 0
-    needed, margin = sum(to_come.values()) + CUDA_CONTEXT, 0.05 * total
-    if needed + engine + margin <= free:
-        return
-    gib = lambda n: f"{n / 2**30:.1f} GiB"  # noqa: E731
-    parts = ", ".join(f"{name} {gib(n)}" for name, n in to_come.items())
-    what = f"rank 0's GPU has {gib(free)} free once the models are loaded; training will add {gib(needed)} ({parts}, a CUDA context {gib(CUDA_CONTEXT)})"
-    utilization = int(100 * (free - needed - margin) / total) / 100
-    if placement.shared and utilization >= 0.05:
-        raise UsageError(
-            f"--vllm_gpu_memory_utilization {placement.memory_utilization}: the engine would take {gib(engine)}, and {what}: lower it to at most {utilization}, or give the engine a GPU of its own"
-        )
-    raise UsageError(
-        f"{what}{f' and the engine {gib(engine)}' if placement.shared else ''}: lower --async_level (fewer snapshots) or the model size, give the engine a GPU of its own, or shard the optimizer state (DeepSpeed ZeRO)"
-    )
-
-
-def training_memory(trained: int, zero_shards: int, snapshot: int, async_level: int) -> dict[str, int]:
+def training_memory(trained: int, zero_shards: int) -> dict[str, int]:
     """What training allocates after its models are loaded, per process, in bytes: AdamW's two fp32 moments and the
-    fp32 gradients of the `trained` parameters (12 bytes each; ZeRO divides the optimizer state and gradients among
-    `zero_shards` processes) and, on rank 0, up to async_level + 2 weight snapshots of `snapshot` bytes each (the
-    versions still owed batches, the one just published and one an evaluation may still hold)."""
-    return {"optimizer state": 8 * trained // zero_shards, "gradients": 4 * trained // zero_shards} | {
-        "weight snapshots": (async_level + 2) * snapshot
-    }
+    fp32 gradients of the `trained` parameters (12 bytes each; ZeRO divides them among `zero_shards` processes)."""
+    return {"optimizer state": 8 * trained // zero_shards, "gradients": 4 * trained // zero_shards}
+
+
+def snapshot_memory(snapshot: int, async_level: int) -> int:
+    """The weight snapshots of `snapshot` bytes that can be alive at once: async_level + 2 (the versions still owed
+    batches, the one just published, one an evaluation may still hold)."""
+    return (async_level + 2) * snapshot
+
+
+def check_engine_fits(placement: Placement, rank0: tuple, engine: tuple, to_come: dict[str, int], snapshots: int):
+    """The GPUs once the trainer's models are loaded ((free, total) bytes of rank 0's and of the engine's, the same on a
+    shared GPU) must hold what training allocates later there (`to_come`: name -> bytes), the weight snapshots and the
+    engine: vLLM takes `memory_utilization` of its whole GPU, and refuses to start when less is free; each process
+    opens a CUDA context on each GPU it uses (the engine's own, rank 0's where it writes the snapshots). 5 % of each
+    GPU is kept for activations and allocator slack. A GPU that cannot: one line naming what to lower."""
+    gib = lambda n: f"{n / 2**30:.1f} GiB"  # noqa: E731
+    free, total = rank0
+    needed = sum(to_come.values()) + (snapshots + 2 * CUDA_CONTEXT if placement.shared else 0)
+    parts = ", ".join(f"{name} {gib(n)}" for name, n in to_come.items())
+    training = f"training will add {gib(needed)} there ({parts}"
+    training += (
+        f", weight snapshots {gib(snapshots)}, CUDA contexts {gib(2 * CUDA_CONTEXT)})" if placement.shared else ")"
+    )
+    share = placement.memory_utilization * total if placement.shared else 0
+    if needed + share + 0.05 * total > free:
+        utilization = int(100 * (free - needed - 0.05 * total) / total) / 100
+        what = f"rank 0's GPU has {gib(free)} free once the models are loaded, and {training}"
+        if placement.shared and utilization >= 0.05:
+            raise UsageError(
+                f"--vllm_gpu_memory_utilization {placement.memory_utilization}: the engine would take {gib(share)} of the GPU it shares with training; {what}: lower it to at most {utilization}, or give the engine a GPU of its own"
+            )
+        raise UsageError(
+            f"{what}{f', beside the engine {gib(share)}' if placement.shared else ''}: lower --async_level (fewer snapshots) or the model size, give the engine a GPU of its own, or shard the models (DeepSpeed ZeRO-3)"
+        )
+    if placement.shared:
+        return
+    free, total = engine
+    needed = placement.memory_utilization * total + snapshots + CUDA_CONTEXT
+    if needed + 0.05 * total > free:
+        utilization = int(100 * (free - snapshots - CUDA_CONTEXT - 0.05 * total) / total) / 100
+        raise UsageError(
+            f"--vllm_gpu_memory_utilization {placement.memory_utilization}: the engine's GPU has {gib(free)} free and the engine would take {gib(placement.memory_utilization * total)}, beside {gib(snapshots)} of weight snapshots and rank 0's CUDA context {gib(CUDA_CONTEXT)}: lower it to at most {utilization} (less KV cache), or --async_level (fewer snapshots)"
+        )
 
 
 @contextmanager
@@ -579,11 +595,11 @@ class WeightReceiver:
     q/k/v as for a checkpoint); the copy is in place, so CUDA graphs see it. The tests read the engine's parameters and
     GPU memory through it after a push."""
 
-    def load_shared_weights(self, handle: tuple, layout: list, trainer_gpu: int) -> None:
+    def load_shared_weights(self, handle: tuple, layout: list) -> None:
         from torch.multiprocessing.reductions import rebuild_cuda_tensor
 
         handle = list(handle)
-        handle[6] = trainer_gpu  # the snapshot's GPU, as this process numbers its GPUs
+        handle[6] = 0  # the snapshot's GPU, this process's only one
         flat = rebuild_cuda_tensor(*handle)
         views = [(name, flat[offset : offset + int(np.prod(shape))].view(shape)) for name, shape, offset in layout]
         self.reload_weights(weights_iterator=iter(views))

@@ -798,13 +798,13 @@ def snapshot_weights(
     return flat, layout
 
 
-def push_weights(llm: "LLM", weights: Weights, directory: str, trainer_gpu: int) -> None:
+def push_weights(llm: "LLM", weights: Weights, directory: str) -> None:
     """Load theta_v into the running engine, in place (plumbing.WeightReceiver). GPU: a CUDA IPC handle of the
     snapshot. CPU: safetensors in a RAM-backed folder. The prefix cache holds KV of the old weights: reset it."""
     if weights.flat.is_cuda:
         from torch.multiprocessing.reductions import reduce_tensor
 
-        llm.collective_rpc("load_shared_weights", args=(reduce_tensor(weights.flat)[1], weights.layout, trainer_gpu))
+        llm.collective_rpc("load_shared_weights", args=(reduce_tensor(weights.flat)[1], weights.layout))
     else:
         save_file(
             {name: view.clone() for name, view in views(weights.flat, weights.layout)},
@@ -1154,18 +1154,20 @@ def load_models(args: Args, inputs: Inputs, dtype: torch.dtype, accelerator: Acc
     return policy, models
 
 
-def start_generation(args: Args, inputs: Inputs, n: int, dtype, schedule, channels: Channels, signals, cores, to_come):
+def start_generation(args: Args, inputs: Inputs, n: int, dtype, schedule, channels: Channels, signals, cores, memory):
     """Rank 0's engine (in processes of its own: plumbing.py) and the generation thread that drives it, on `cores`.
-    On a GPU, the engine must leave room for what training allocates later (`to_come`: plumbing.training_memory)."""
+    On GPUs the engine must leave room for what training allocates later (`memory`: what training adds on rank 0's GPU,
+    and the weight snapshots' bytes)."""
     placement = inputs.placement
     if placement.devices is not None:
         with plumbing.usage_errors():
-            plumbing.check_engine_fits(placement, *torch.cuda.mem_get_info(), to_come)
+            gpus = torch.cuda.mem_get_info(0), torch.cuda.mem_get_info(placement.snapshot_gpu)  # rank 0's, the engine's
+            plumbing.check_engine_fits(placement, *gpus, *memory)
     llm = dict(seed=args.seed, dtype=str(dtype).removeprefix("torch."), trust_remote_code=args.trust_remote_code)
     llm["max_model_len"] = args.max_prompt_length + args.response_length
     llm["enforce_eager"] = placement.devices is None or args.vllm_enforce_eager  # CUDA graphs on GPUs
     engine = plumbing.start_engine(args.sft_model_path, placement, signals, cores, **llm)
-    push = partial(push_weights, engine.llm, directory=engine.weights_dir, trainer_gpu=placement.trainer_gpu)
+    push = partial(push_weights, engine.llm, directory=engine.weights_dir)
     prompts, eos = (inputs.train.token_ids, inputs.evaluation.token_ids), inputs.tokenizer.eos_token_id
     work = (engine.llm, schedule, *prompts, args, n, inputs.sizes.batch_size, eos, channels, push)
     thread = threading.Thread(target=generation_thread, args=work, daemon=True)
@@ -1319,7 +1321,7 @@ def main(args: Args) -> None:
     state = accelerator.unwrap_model(model).state_dict()
     snapshot = sum(plumbing.numel(state[name]) for name in engine_names) * engine_dtype.itemsize
     shards, trained = accelerator.num_processes if deepspeed else 1, sum(plumbing.numel(p) for p in model.parameters())
-    to_come = plumbing.training_memory(trained, shards, snapshot, args.async_level)
+    memory = plumbing.training_memory(trained, shards), plumbing.snapshot_memory(snapshot, args.async_level)
 
     # rank 0 owns the engine and generates for every rank
     channels = Channels(queue.Queue(), queue.Queue(), queue.Queue(), threading.Event(), [])
@@ -1328,11 +1330,11 @@ def main(args: Args) -> None:
         plumbing.open_run_folder(output_dir, asdict(args) | sizes._asdict(), start_step, evals_logged)
         tracking = (args.track, args.wandb_project, args.wandb_entity)
         logger = plumbing.MetricsLogger(output_dir, run_name, asdict(args), *tracking)
-        work = (args, inputs, K, engine_dtype, schedule, channels, signals, engine_cores, to_come)
+        work = (args, inputs, K, engine_dtype, schedule, channels, signals, engine_cores, memory)
         engine, thread = start_generation(*work)
     signals.starting = False
-    # Policy versions the generator may still need (on rank 0's GPU on GPUs): a checkpoint hands them on.
-    snapshots, snapshot_device = {}, device if inputs.placement.devices is not None else torch.device("cpu")
+    # Policy versions the generator may still need (on the engine's GPU on GPUs): a checkpoint hands them on.
+    snapshots, snapshot_device = {}, torch.device("cuda", inputs.placement.snapshot_gpu) if on_gpu else None
     push_to = (accelerator, model, engine_names, engine_dtype, snapshot_device, snapshots, channels)
     publish_owed(to_publish, start_step, inputs.checkpoint, push_to)
 

@@ -75,7 +75,7 @@ def test_engine_after_a_weight_push_matches_the_trainer_on_long_prompts(engine, 
     snapshot = dpo.snapshot_weights(
         new_policy.state_dict(), dpo.checkpoint_names(new_policy), torch.float32, torch.device("cpu")
     )
-    dpo.push_weights(engine, dpo.Weights(1, *snapshot), str(weights_dir), trainer_gpu=0)
+    dpo.push_weights(engine, dpo.Weights(1, *snapshot), str(weights_dir))
     for prompt, (tokens, logprobs) in zip(prompts, greedy_with_engine(engine, prompts, 8)):
         expected_tokens, expected_logprobs = greedy_with_transformers(new_policy, prompt, 8)
         assert tokens == expected_tokens
@@ -129,7 +129,7 @@ def test_engine_logprobs_are_the_trainers_after_temperature(engine, policy_a, to
     snapshot = rloo.snapshot_weights(
         policy.state_dict(), rloo.checkpoint_names(policy), torch.float32, torch.device("cpu")
     )
-    rloo.push_weights(engine, rloo.Weights(0, *snapshot), str(tmp_path / "push"), trainer_gpu=0)
+    rloo.push_weights(engine, rloo.Weights(0, *snapshot), str(tmp_path / "push"))
     prompts = [
         tokenizer(q).input_ids for q in ("sort: fox ant cat ->", "sort: yak bee cow dog elk emu ->", "sort: ape asp ->")
     ]
@@ -217,7 +217,7 @@ def test_each_push_loads_exactly_what_a_checkpoint_would(arch, tied, tokenizer, 
             snapshot = dpo.snapshot_weights(
                 model.state_dict(), dpo.checkpoint_names(model), torch.float32, torch.device("cpu")
             )
-            dpo.push_weights(llm, dpo.Weights(version, *snapshot), str(tmp_path / "push"), trainer_gpu=0)
+            dpo.push_weights(llm, dpo.Weights(version, *snapshot), str(tmp_path / "push"))
             pushed, generated = engine_parameters(llm), greedy_with_engine(llm, prompts, 4)
             model.save_pretrained(tmp_path / f"v{version}")
             llm.collective_rpc("reload_weights", kwargs={"weights_path": str(tmp_path / f"v{version}")})

@@ -72,7 +72,7 @@ def test_each_ipc_push_loads_exactly_what_a_checkpoint_would(arch, tied, tokeniz
             trainer = model.cuda()
             names = dpo.checkpoint_names(trainer)
             flat, layout = dpo.snapshot_weights(trainer.state_dict(), names, torch.bfloat16, torch.device("cuda"))
-            dpo.push_weights(llm, dpo.Weights(version, flat, layout), "", placement.trainer_gpu)
+            dpo.push_weights(llm, dpo.Weights(version, flat, layout), "")
             pushed = engine_parameters(llm)
             outputs = llm.generate(prompts, greedy, use_tqdm=False)
             sampled_outputs = llm.generate(prompts, sampled, use_tqdm=False)

@@ -33,65 +33,105 @@ def test_placement_one_gpu_is_shared_with_training():
     assert plumbing.engine_placement("auto", ["3"], 1, 0.45) == plumbing.Placement("3", True, 0, 0.45)
 
 
-def test_placement_n_plus_one_gpus_gives_the_engine_its_own():
-    # training uses visible GPUs 0..N-1; the engine the next one, and sees rank 0's GPU second (the snapshots are there)
-    assert plumbing.engine_placement("auto", ["0", "1"], 1, None) == plumbing.Placement("1,0", False, 1, 0.9)
-    assert plumbing.engine_placement("auto", ["4", "5", "6", "7"], 3, None) == plumbing.Placement("7,4", False, 1, 0.9)
+def test_placement_n_plus_one_gpus_gives_the_engine_its_own(monkeypatch):
+    # training uses visible GPUs 0..N-1; the engine the next one, alone: rank 0 writes the snapshots there
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    assert plumbing.engine_placement("auto", ["0", "1"], 1, None) == plumbing.Placement("1", False, 1, 0.9)
+    assert plumbing.engine_placement("auto", ["4", "5", "6", "7"], 3, None) == plumbing.Placement("7", False, 3, 0.9)
     # more GPUs than N + 1: the first spare one
-    assert plumbing.engine_placement("auto", ["0", "1", "2", "3"], 2, None) == plumbing.Placement("2,0", False, 1, 0.9)
+    assert plumbing.engine_placement("auto", ["0", "1", "2", "3"], 2, None) == plumbing.Placement("2", False, 2, 0.9)
 
 
-def test_placement_can_be_forced():
+def test_placement_can_be_forced(monkeypatch):
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
     assert plumbing.engine_placement("shared", ["0", "1"], 1, None) == plumbing.Placement("0", True, 0, 0.3)
-    assert plumbing.engine_placement("separate", ["0", "1"], 1, 0.5) == plumbing.Placement("1,0", False, 1, 0.5)
+    assert plumbing.engine_placement("separate", ["0", "1"], 1, 0.5) == plumbing.Placement("1", False, 1, 0.5)
     with pytest.raises(
         plumbing.UsageError,
-        match=r"--vllm_placement separate: 2 training process\(es\) and the engine need 3 GPUs, 2 are visible",
+        match=r"--vllm_placement separate: 2 training process\(es\) and the engine need 3 GPUs there, 2 are visible",
     ):
         plumbing.engine_placement("separate", ["0", "1"], 2, None)
     with pytest.raises(plumbing.UsageError, match=r"--vllm_gpu_memory_utilization must be in \(0, 1\], got 1.5"):
         plumbing.engine_placement("auto", ["0"], 1, 1.5)
 
 
+@pytest.mark.parametrize(
+    "local, total, gpus, placement",
+    [
+        ("7", 14, 8, plumbing.Placement("7", False, 7, 0.9)),  # 2 nodes of 7 training processes: GPU 7 is spare
+        ("8", 16, 8, plumbing.Placement("0", True, 0, 0.3)),  # 2 nodes of 8: none is, the engine shares rank 0's
+        ("4", 8, 8, plumbing.Placement("4", False, 4, 0.9)),  # 2 nodes of 4 on 8-GPU nodes: the first spare one
+    ],
+)
+def test_placement_past_one_node_counts_the_gpus_of_rank_0s_node(monkeypatch, local, total, gpus, placement):
+    """Several nodes, simulated as a launcher sets them up (WORLD_SIZE, LOCAL_WORLD_SIZE): the engine runs on rank 0's
+    node, so what counts is that node's GPUs against its training processes, not the global process count."""
+    monkeypatch.setenv("WORLD_SIZE", str(total))
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", local)
+    assert plumbing.engine_placement("auto", [str(i) for i in range(gpus)], total, None) == placement
+    if placement.shared:
+        with pytest.raises(
+            plumbing.UsageError,
+            match=r"8 training process\(es\) on rank 0's node, of 16 in all, and the engine need 9 GPUs there",
+        ):
+            plumbing.engine_placement("separate", [str(i) for i in range(gpus)], total, None)
+
+
 def test_the_gpu_memory_check_counts_what_training_allocates_later():
-    """Hand-computed: 40 of 80 GiB free once the models are loaded; training will add 8 + 4 + 3 GiB and a 1 GiB CUDA
-    context (16 GiB); 5 % of the GPU (4 GiB) is kept for activations. A shared engine at 0.3 (24 GiB) does not fit
-    (44 > 40); at most (40 - 16 - 4) / 80 = 0.25 does."""
+    """Hand-computed, one shared 80 GiB GPU with 40 free once the models are loaded: training will add 8 + 4 GiB, the
+    snapshots 2 GiB and the CUDA contexts 2 GiB (counted twice on a shared GPU, as both processes use it): 16 GiB;
+    5 % of the GPU (4 GiB) is kept. An engine at 0.3 (24 GiB) does not fit (44 > 40); at most (40 - 16 - 4) / 80 =
+    0.25 does."""
     gib = 2**30
-    to_come = {"optimizer state": 8 * gib, "gradients": 4 * gib, "weight snapshots": 3 * gib}
+    to_come, snapshots = {"optimizer state": 8 * gib, "gradients": 4 * gib}, 2 * gib
     shared = plumbing.Placement("0", True, 0, 0.3)
+    gpu = (40 * gib, 80 * gib)
     with pytest.raises(plumbing.UsageError) as raised:
-        plumbing.check_engine_fits(shared, 40 * gib, 80 * gib, to_come)
+        plumbing.check_engine_fits(shared, gpu, gpu, to_come, snapshots)
     message = str(raised.value)
     assert "\n" not in message and message.startswith(
         "--vllm_gpu_memory_utilization 0.3: the engine would take 24.0 GiB"
     )
-    assert "40.0 GiB free" in message and "training will add 16.0 GiB (optimizer state 8.0 GiB" in message
+    assert "40.0 GiB free" in message and "training will add 16.0 GiB there (optimizer state 8.0 GiB" in message
     assert "lower it to at most 0.25" in message
-    plumbing.check_engine_fits(shared._replace(memory_utilization=0.25), 40 * gib, 80 * gib, to_come)
-    # the engine on a GPU of its own still opens a CUDA context on rank 0's GPU, beside training's
-    separate = plumbing.Placement("1,0", False, 1, 0.9)
-    plumbing.check_engine_fits(separate, 20 * gib, 80 * gib, to_come)  # 16 + 4 <= 20
-    with pytest.raises(plumbing.UsageError, match="lower --async_level .* or shard the optimizer state"):
-        plumbing.check_engine_fits(separate, 19 * gib, 80 * gib, to_come)
+    plumbing.check_engine_fits(shared._replace(memory_utilization=0.25), gpu, gpu, to_come, snapshots)
+
+
+def test_with_a_gpu_of_its_own_the_engine_holds_the_snapshots_beside_its_share():
+    """Hand-computed, N + 1 GPUs of 80 GiB: rank 0's must hold training's 12 GiB and 4 GiB kept (16 <= 20 free); the
+    engine's holds its 0.9 x 80 = 72 GiB, 3 x 16 GiB of snapshots (an 8B policy in bf16 at async level 1) and rank
+    0's CUDA context there: far more than 80. At most (80 - 48 - 1 - 4) / 80 = 0.33 fits beside the snapshots."""
+    gib = 2**30
+    separate = plumbing.Placement("7", False, 7, 0.9)
+    to_come = {"optimizer state": 8 * gib, "gradients": 4 * gib}
+    with pytest.raises(plumbing.UsageError, match="lower --async_level .* or shard the models"):
+        plumbing.check_engine_fits(separate, (15 * gib, 80 * gib), (80 * gib, 80 * gib), to_come, 0)
+    snapshots = plumbing.snapshot_memory(16 * gib, async_level=1)
+    assert snapshots == 48 * gib
+    with pytest.raises(plumbing.UsageError) as raised:
+        plumbing.check_engine_fits(separate, (20 * gib, 80 * gib), (80 * gib, 80 * gib), to_come, snapshots)
+    assert "the engine's GPU has 80.0 GiB free and the engine would take 72.0 GiB, beside 48.0 GiB" in str(raised.value)
+    assert "lower it to at most 0.33" in str(raised.value)
+    plumbing.check_engine_fits(
+        separate._replace(memory_utilization=0.33), (20 * gib, 80 * gib), (80 * gib, 80 * gib), to_come, snapshots
+    )
 
 
 def test_a_2_8b_policy_sharing_one_gpu_is_refused_before_it_runs_out_of_memory():
     """Pythia-2.8B (2.78e9 parameters) on an 80 GiB GPU: fp32 policy and reference and a bf16 reward model leave 54.1
-    GiB free, which holds the engine's 24 GiB (what the check looked at before) but not training's optimizer state,
-    gradients and three bf16 snapshots at async level 1 (46.6 GiB) beside it."""
+    GiB free, which holds the engine's 24 GiB (what the check looked at before) but not training's optimizer state
+    and gradients and three bf16 snapshots at async level 1 (46.6 GiB) beside it."""
     gib, params = 2**30, 2.78e9
-    to_come = plumbing.training_memory(int(params), 1, int(params) * 2, async_level=1)
-    assert to_come == {
-        "optimizer state": 22_240_000_000,
-        "gradients": 11_120_000_000,
-        "weight snapshots": 16_680_000_000,
-    }
+    to_come = plumbing.training_memory(int(params), 1)
+    assert to_come == {"optimizer state": 22_240_000_000, "gradients": 11_120_000_000}
+    snapshots = plumbing.snapshot_memory(int(params) * 2, async_level=1)
+    assert snapshots == 16_680_000_000
     free = 80 * gib - int(params * (4 + 4 + 2))
+    gpu = (free, 80 * gib)
     with pytest.raises(plumbing.UsageError, match="lower --async_level"):
-        plumbing.check_engine_fits(plumbing.Placement("0", True, 0, 0.3), free, 80 * gib, to_come)
+        plumbing.check_engine_fits(plumbing.Placement("0", True, 0, 0.3), gpu, gpu, to_come, snapshots)
     # ZeRO over 7 processes divides the optimizer state and the gradients
-    assert plumbing.training_memory(700, 7, 10, 2)["optimizer state"] == 800
+    assert plumbing.training_memory(700, 7)["optimizer state"] == 800
 
 
 # ---------------------------------------------------------------------------------------------
