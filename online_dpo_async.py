@@ -1096,8 +1096,12 @@ def main(args: Args) -> None:
     # what training allocates later, which the engine must leave room for on a GPU
     state = accelerator.unwrap_model(model).state_dict()
     snapshot = sum(plumbing.numel(state[name]) for name in engine_names) * engine_dtype.itemsize
-    shards, trained = accelerator.num_processes if deepspeed else 1, sum(plumbing.numel(p) for p in model.parameters())
-    memory = plumbing.training_memory(trained, shards), plumbing.snapshot_memory(snapshot, args.async_level)
+    trained = sum(plumbing.numel(p) for p in model.parameters())
+    trained = plumbing.trained_memory(
+        trained, plumbing.zero_stage(accelerator), accelerator.num_processes, precision == "bf16"
+    )
+    to_come = {part: trained[part] for part in ("gradients", "optimizer state")}  # the weights are loaded
+    memory = to_come, plumbing.snapshot_memory(snapshot, args.async_level)
 
     # rank 0 owns the engine and generates for every rank
     channels = Channels(queue.Queue(), queue.Queue(), queue.Queue(), threading.Event(), [])

@@ -477,10 +477,14 @@ def engine_placement(mode: str, visible: list[str], num_processes: int, memory_u
 CUDA_CONTEXT = 2**30  # what a process's CUDA context takes on a GPU, about 1 GiB (with the kernels it loads)
 
 
-def training_memory(trained: int, zero_shards: int) -> dict[str, int]:
-    """What training allocates after its models are loaded, per process, in bytes: AdamW's two fp32 moments and the
-    fp32 gradients of the `trained` parameters (12 bytes each; ZeRO divides them among `zero_shards` processes)."""
-    return {"optimizer state": 8 * trained // zero_shards, "gradients": 4 * trained // zero_shards}
+def trained_memory(params: int, zero_stage: int, processes: int, bf16: bool) -> dict[str, int]:
+    """Bytes per process of the trained models' weights, gradients and AdamW state. Without DeepSpeed: fp32 weights
+    and gradients (bf16 is autocast), two fp32 moments, 4 + 4 + 8 bytes a parameter. DeepSpeed's bf16 keeps bf16 weights
+    and gradients and fp32 master weights beside the moments, 2 + 2 + 12 bytes; ZeRO stage 1 shards the 12 (or 8)
+    among the processes, stage 2 the gradients too, stage 3 the weights too (Rajbhandari et al. 2020, section 5)."""
+    weights, gradients, state = (2, 2, 12) if zero_stage and bf16 else (4, 4, 8)
+    shard = lambda n, stage: params * n // (processes if zero_stage >= stage else 1)  # noqa: E731
+    return {"weights": shard(weights, 3), "gradients": shard(gradients, 2), "optimizer state": shard(state, 1)}
 
 
 def snapshot_memory(snapshot: int, async_level: int) -> int:

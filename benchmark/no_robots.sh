@@ -35,7 +35,9 @@ LOCAL_MICRO_BATCH_SIZE=2  # prompts per forward/backward on an 80 GB GPU, 512 + 
 # bf16 mixed precision; ZeRO-2 shards the 8B policy's optimizer state (PPO also trains an 8B value
 # model and may need more memory than ZeRO-2 gives: offload the optimizer in the config if so).
 
-ACCELERATE_CONFIG=configs/deepspeed_zero2.yaml
+# ZeRO-3 and gradient checkpointing: under ZeRO-2 an 8B policy, its fp32 reference and the reward model take 167 GiB
+# of each training GPU (python benchmark/memory.py; docs/reproducing.md); sharded, 57 GiB.
+ACCELERATE_CONFIG=configs/deepspeed_zero3.yaml
 
 # Table 7
 NO_ROBOTS=(
@@ -61,7 +63,8 @@ NO_ROBOTS=(
     --save_freq 0                            # no checkpoints (a positive value makes the run resumable)
     --local_rollout_forward_batch_size 8
     --vllm_dtype bfloat16
-    --vllm_gpu_memory_utilization 0.9
+    --vllm_gpu_memory_utilization 0.3       # the engine's GPU also holds 3 bf16 snapshots of the 8B policy (45 GiB)
+    --gradient_checkpointing
 )
 # gradient accumulation: the step's prompts per GPU over the micro-batch
 DPO_PROMPTS_PER_GPU=$(exact_div $((EPISODES_PER_STEP / 2)) "$TRAIN_GPUS" "online DPO's prompts per step over the training GPUs")

@@ -77,31 +77,28 @@ def dry_run(script: str, *experiments: str, **env) -> list[Command]:
     return commands
 
 
-def check_names_and_launch(commands: list[Command], bench: str, num_processes: int, runs_dir: str = "runs"):
+def check_names_and_launch(commands: list[Command], bench: str, num_processes: int, zero: int = 2, runs_dir="runs"):
+    config = f"configs/deepspeed_zero{zero}.yaml"
     for c in commands:
-        assert c.launcher == [
-            "accelerate",
-            "launch",
-            "--config_file",
-            "configs/deepspeed_zero2.yaml",
-            "--num_processes",
-            str(num_processes),
-        ]
+        assert c.launcher == ["accelerate", "launch", "--config_file", config, "--num_processes", str(num_processes)]
         name = c.value("--exp_name")
         assert name.split("__")[-1].removesuffix("-dirty") == REV  # the run name carries the git revision
         assert c.value("--output_dir") == f"{runs_dir}/{bench}/{name}"
     assert len({c.value("--exp_name") for c in commands}) == len(commands)
 
 
-def test_the_accelerate_config_is_zero2_with_bf16():
+@pytest.mark.parametrize("zero", [2, 3])
+def test_the_accelerate_configs_are_zero_with_bf16(zero):
     from accelerate.commands.config.config_args import load_config_from_file
 
-    config = load_config_from_file(str(ROOT / "configs" / "deepspeed_zero2.yaml"))
+    config = load_config_from_file(str(ROOT / "configs" / f"deepspeed_zero{zero}.yaml"))
     assert (
         config.distributed_type == "DEEPSPEED"
-        and config.deepspeed_config["zero_stage"] == 2
+        and config.deepspeed_config["zero_stage"] == zero
         and config.mixed_precision == "bf16"
     )
+    if zero == 3:  # the final policy is gathered to be saved
+        assert config.deepspeed_config["zero3_save_16bit_model"]
 
 
 # ------------------------------------------------------------------------------------- GPU commands
@@ -171,7 +168,8 @@ def test_tldr_commands_are_table_4_and_the_figures_sweeps():
 
 def test_no_robots_commands_are_table_7():
     commands = dry_run("no_robots", NO_ROBOTS_SFT="my/sft", NO_ROBOTS_RM="my/rm")
-    check_names_and_launch(commands, "no_robots", 7)
+    check_names_and_launch(commands, "no_robots", 7, zero=3)
+    assert all(c.args.gradient_checkpointing and c.args.vllm_gpu_memory_utilization == 0.3 for c in commands)
     assert sorted((c.script, c.args.async_level) for c in commands) == [
         ("online_dpo_async.py", 0),
         ("online_dpo_async.py", 1),

@@ -1,6 +1,7 @@
 """benchmark/ helpers on hand-made inputs."""
 
 import json
+import os
 import subprocess
 import sys
 
@@ -102,3 +103,77 @@ def test_model_flop_utilisation_by_hand(tmp_path):
         "| model FLOP utilisation: scoring | 20.0% |" in out and "utilisation: update" not in out
     )  # no FLOPs logged for it
     assert "utilisation" not in timing.report([path])  # no peak given: no utilisation rows
+
+
+# ---------------------------------------------------------------------------------------------
+# The memory plan
+# ---------------------------------------------------------------------------------------------
+def test_memory_plan_by_hand():
+    """Random Pythia-1b online DPO, ZeRO-2 over 4 training processes, bf16, micro-batch 8 prompts (16 sequences) of 512
+    + 53 tokens, async level 1, 5 GPUs of 79 GiB: every part by hand from Pythia-1b's 1,011,781,632 parameters
+    (805,736,448 without the embeddings), its reward model's (the causal LM less its 50304 x 2048 output embedding,
+    plus a 2048 x 1 score head), the ZeRO paper's 2 + 2 + 12 bytes, Korthikanti et al.'s 34 s b h."""
+    import memory
+
+    P, hidden, layers, vocab = 1_011_781_632, 2048, 16, 50304
+    R = P - vocab * hidden + hidden
+    command = "accelerate launch --config_file configs/deepspeed_zero2.yaml --num_processes 4 online_dpo_async.py"
+    command += " --sft_model_path pythia1b --reward_model_path pythia1b --max_prompt_length 512 --response_length 53"
+    command += " --local_micro_batch_size 8 --local_rollout_forward_batch_size 64 --vllm_gpu_memory_utilization 0.7"
+    gib = memory.GIB
+    result = memory.plan(command.split(), 79 * gib, None)
+    rank0, engine = result["gpus"]["training rank 0"], result["gpus"]["engine's GPU"]
+    assert result["gpus"]["training ranks 1 ..."] == rank0  # no gold judge
+    s, b = 565, 16
+    expected = {
+        "trained models' weights": 2 * P,
+        "trained models' gradients": 2 * P // 4,
+        "trained models' optimizer state": 12 * P // 4,
+        "reference policy": 4 * P,
+        "reward model": 2 * R,
+        "activations of a micro-batch": layers * 34 * s * b * hidden + 12 * b * 54 * vocab,
+        "largest no-grad forward": 34 * s * 64 * hidden + 12 * 64 * 54 * vocab,
+        "CUDA context": gib,
+    }
+    assert rank0 == expected
+    assert engine == {
+        "engine (vLLM's share)": int(0.7 * 79 * gib),
+        "weight snapshots": 3 * 2 * P,
+        "rank 0's CUDA context (it writes the snapshots)": gib,
+        "engine's CUDA context": gib,
+    }
+    text, fits = memory.table(result, 79 * gib)
+    assert fits and f"| **total** | **{sum(expected.values()) / gib:.1f}** |" in text
+
+
+def test_under_zero3_everything_but_the_gold_judge_is_sharded():
+    import memory
+
+    P = 1_011_781_632
+    command = "accelerate launch --config_file configs/deepspeed_zero3.yaml --num_processes 4 ppo_async.py"
+    command += (
+        " --sft_model_path pythia1b --reward_model_path pythia1b --gold_judge pythia-6.9b --gradient_checkpointing"
+    )
+    gpus = memory.plan(command.split(), 79 * memory.GIB, None)["gpus"]
+    V = P - 50304 * 2048 + 2048  # the value model starts from the reward model
+    assert gpus["training rank 0"]["trained models' weights"] == 2 * (P + V) // 4
+    assert gpus["training rank 0"]["reference policy"] == 2 * P // 4
+    assert gpus["training rank 0"]["reward model"] == 2 * V // 4
+    assert 13.2e9 < gpus["training rank 0"]["gold judge (rank 0 only)"] < 13.4e9  # whole, bf16: 6.65B parameters
+    assert "gold judge (rank 0 only)" not in gpus["training ranks 1 ..."]
+
+
+@pytest.mark.parametrize("bench", ["tldr", "no_robots", "gsm8k"])
+def test_every_benchmark_experiment_fits_and_docs_show_its_plan(bench):
+    """Each command the benchmark script prints (DRY_RUN=1) fits its GPUs by the plan, and docs/reproducing.md shows
+    the plans as the tool prints them today."""
+    import memory
+
+    commands = subprocess.run(
+        ["bash", f"benchmark/{bench}.sh"], cwd=ROOT, env={**os.environ, "DRY_RUN": "1"}, capture_output=True, text=True
+    ).stdout.splitlines()
+    results = memory.plans(commands, int(79 * memory.GIB), None)
+    assert results and all(fits for _, _, fits in results), [names for names, _, fits in results if not fits]
+    shown = "\n".join(f"{', '.join(f'`{name}`' for name in names)}:\n\n{text}\n" for names, text, _ in results)
+    docs = (ROOT / "docs" / "reproducing.md").read_text()
+    assert f"#### {bench}.sh\n\n{shown.strip()}\n" in docs, f"docs/reproducing.md: the {bench}.sh plans changed"

@@ -4,10 +4,12 @@ short and every relative link of the README and docs/ resolves."""
 
 import dataclasses
 import importlib
+import os
 import re
 import shlex
 import sys
 import time
+from pathlib import Path
 
 import pytest
 from conftest import ROOT, SMALL_RUN, check_run, run_script, shared_run
@@ -172,7 +174,7 @@ def test_gpu_commands_parse():
     assert plumbing.engine_placement("auto", ["0"], 1, None).shared
     assert not plumbing.engine_placement("auto", [str(i) for i in range(8)], 7, None).shared
     commands = [line for line in lines if line.startswith("accelerate launch")]
-    assert len(commands) == 2
+    assert len(commands) == 3
     for command in commands:
         words = shlex.split(command.replace(" ...", ""))
         config = load_config_from_file(words[words.index("--config_file") + 1])
@@ -253,9 +255,19 @@ def docs_commands() -> list[str]:
 def test_docs_commands_run_dry_or_name_flags_their_script_has(command, tmp_path):
     """A docs page's command that cannot run here whole: a benchmark shell script runs with DRY_RUN=1 (it prints its
     GPU commands, which tests/test_benchmark_scripts.py checks further), a Python one with --dry_run where it has
-    one; any other names a script that exists and flags its --help lists."""
+    one; the memory plan runs as shown (it loads no model), a pipe through bash; any other names a script that
+    exists and flags its --help lists."""
     if command.startswith("pip install"):
         assert all((ROOT / word).is_file() for word in command.split() if word.endswith(".txt"))
+        return
+    if " -m pytest " in command:  # docs/tests.md's: this is what runs them; the marker they select is registered
+        markers = re.findall(r'-m "not (\w+)"', command)
+        assert all(f'"{marker}: ' in (ROOT / "pyproject.toml").read_text() for marker in markers), markers
+        assert (ROOT / command.split()[-1]).is_dir()
+        return
+    if "|" in command or "benchmark/memory.py" in command:
+        path = f"{Path(sys.executable).parent}:{os.environ['PATH']}"  # `python` is this interpreter
+        run_script(["bash", "-c", command.replace("python ", f"{sys.executable} ")], env={"PATH": path}, timeout=300)
         return
     env, argv = to_argv(command)
     if argv[0] == "bash":

@@ -122,16 +122,25 @@ def test_a_2_8b_policy_sharing_one_gpu_is_refused_before_it_runs_out_of_memory()
     GiB free, which holds the engine's 24 GiB (what the check looked at before) but not training's optimizer state
     and gradients and three bf16 snapshots at async level 1 (46.6 GiB) beside it."""
     gib, params = 2**30, 2.78e9
-    to_come = plumbing.training_memory(int(params), 1)
-    assert to_come == {"optimizer state": 22_240_000_000, "gradients": 11_120_000_000}
+    trained = plumbing.trained_memory(int(params), zero_stage=0, processes=1, bf16=True)  # fp32 under autocast
+    assert trained == {"weights": 11_120_000_000, "gradients": 11_120_000_000, "optimizer state": 22_240_000_000}
+    to_come = {part: trained[part] for part in ("gradients", "optimizer state")}
     snapshots = plumbing.snapshot_memory(int(params) * 2, async_level=1)
     assert snapshots == 16_680_000_000
     free = 80 * gib - int(params * (4 + 4 + 2))
     gpu = (free, 80 * gib)
     with pytest.raises(plumbing.UsageError, match="lower --async_level"):
         plumbing.check_engine_fits(plumbing.Placement("0", True, 0, 0.3), gpu, gpu, to_come, snapshots)
-    # ZeRO over 7 processes divides the optimizer state and the gradients
-    assert plumbing.training_memory(700, 7)["optimizer state"] == 800
+
+
+def test_trained_memory_by_zero_stage_by_hand():
+    """700 parameters over 7 processes: DeepSpeed's bf16 keeps 2 + 2 + 12 bytes a parameter, ZeRO-1 shards the 12,
+    ZeRO-2 the gradients too, ZeRO-3 the weights too; without DeepSpeed, fp32 weights and gradients, 8 bytes of Adam."""
+    assert plumbing.trained_memory(700, 1, 7, True) == {"weights": 1400, "gradients": 1400, "optimizer state": 1200}
+    assert plumbing.trained_memory(700, 2, 7, True) == {"weights": 1400, "gradients": 200, "optimizer state": 1200}
+    assert plumbing.trained_memory(700, 3, 7, True) == {"weights": 200, "gradients": 200, "optimizer state": 1200}
+    assert plumbing.trained_memory(700, 3, 7, False) == {"weights": 400, "gradients": 400, "optimizer state": 800}
+    assert plumbing.trained_memory(700, 0, 7, True) == {"weights": 2800, "gradients": 2800, "optimizer state": 5600}
 
 
 # ---------------------------------------------------------------------------------------------

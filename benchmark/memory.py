@@ -1,0 +1,208 @@
+"""The memory plan of a run, to read before renting GPUs: for each GPU (training rank 0, the other training ranks, the
+engine's), what each part takes, from a script's command line and its accelerate config, and whether the run fits.
+
+    python benchmark/memory.py -- accelerate launch --config_file configs/deepspeed_zero3.yaml --num_processes 7 \\
+        online_dpo_async.py --sft_model_path models/llama-3.1-8b-sft-no-robots ...
+    DRY_RUN=1 bash benchmark/no_robots.sh | python benchmark/memory.py     # every experiment of a benchmark script
+
+A model's parameters are counted from its config.json (a local folder), else from the architecture its name names
+(ARCHITECTURES: the paper's Pythia, Llama 3.1 8B and Rho-1B models), built on the meta device. The parts follow the
+code: the trained models' weights, gradients and AdamW state by ZeRO stage (plumbing.trained_memory); the reference
+(fp32, or sharded in the run's precision under ZeRO-3) and the reward model (--dtype) on every rank, the gold judge on
+rank 0; the weight snapshots on the engine's GPU (plumbing.snapshot_memory); a CUDA context per process and GPU;
+the activations of one micro-batch (Korthikanti et al. 2022, table 2: 34 s b h bytes per layer in 16-bit, without the
+5 a s^2 b of attention scores that transformers' SDPA attention does not keep; 2 s b h with gradient checkpointing,
+plus one layer's), the response logits in fp32 (3 copies), and the largest no-grad forward of
+--local_rollout_forward_batch_size sequences. A GPU fits when its total is at most 95 % of it.
+"""
+
+import argparse
+import importlib
+import shlex
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+GIB = 2**30
+MARGIN = 0.05  # of each GPU, kept free: allocator slack and what the plan does not count
+SCRIPTS = ("online_dpo_async.py", "rloo_async.py", "ppo_async.py")
+# The architectures of the paper's models, by a piece of their hub ids or folder names (published configs).
+PYTHIA = dict(model_type="gpt_neox", vocab_size=50304, max_position_embeddings=2048, tie_word_embeddings=False)
+LLAMA_3_8B = dict(model_type="llama", vocab_size=128256, hidden_size=4096, num_hidden_layers=32)
+LLAMA_3_8B |= dict(num_attention_heads=32, num_key_value_heads=8, intermediate_size=14336, tie_word_embeddings=False)
+ARCHITECTURES = {
+    "pythia410m": PYTHIA | dict(hidden_size=1024, num_hidden_layers=24, num_attention_heads=16, intermediate_size=4096),
+    "pythia1b": PYTHIA | dict(hidden_size=2048, num_hidden_layers=16, num_attention_heads=8, intermediate_size=8192),
+    "pythia2.8b": PYTHIA
+    | dict(hidden_size=2560, num_hidden_layers=32, num_attention_heads=32, intermediate_size=10240),
+    "pythia-6.9b": PYTHIA
+    | dict(hidden_size=4096, num_hidden_layers=32, num_attention_heads=32, intermediate_size=16384),
+    "llama-3.1-8b": LLAMA_3_8B,
+    "rho-1b": dict(model_type="llama", vocab_size=32000, hidden_size=2048, num_hidden_layers=22, num_attention_heads=32)
+    | dict(num_key_value_heads=4, intermediate_size=5632, tie_word_embeddings=False),
+}
+
+
+class Model:
+    """A model's size and shape: parameters (as a causal LM, or as a one-label sequence classifier), and what the
+    activation estimate needs. Built once per name."""
+
+    seen: dict = {}
+
+    def __new__(cls, name: str, classifier: bool = False):
+        if (name, classifier) not in cls.seen:
+            cls.seen[name, classifier] = super().__new__(cls)
+            cls.seen[name, classifier].build(name, classifier)
+        return cls.seen[name, classifier]
+
+    def build(self, name: str, classifier: bool):
+        import torch
+        from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification
+
+        if Path(name, "config.json").exists():
+            config = AutoConfig.from_pretrained(name)
+        else:
+            known = [key for key in ARCHITECTURES if key in name.lower().replace("_", "-").replace("-1b", "1b")]
+            known += [key for key in ARCHITECTURES if key in name.lower()]
+            if not known:
+                raise SystemExit(f"{name}: no local config.json and no known architecture ({', '.join(ARCHITECTURES)})")
+            fields = dict(ARCHITECTURES[known[0]])
+            config = AutoConfig.for_model(fields.pop("model_type"), **fields)
+        config.num_labels = 1
+        with torch.device("meta"):
+            auto = AutoModelForSequenceClassification if classifier else AutoModelForCausalLM
+            model = auto.from_config(config)
+        self.params = sum(p.numel() for p in model.parameters())
+        self.hidden, self.layers = config.hidden_size, config.num_hidden_layers
+        self.vocab = config.vocab_size
+
+
+def activations(model: Model, sequences: int, length: int, logits: int, checkpointing: bool, bytes_: int) -> int:
+    """One micro-batch's activations kept for the backward pass (Korthikanti et al. 2022, table 2, in 16-bit; x2 in
+    fp32) and its response logits in fp32 (the logits, their temperature-scaled copy, the log-softmax's)."""
+    per_layer = sequences * length * model.hidden * 34 * bytes_ // 2
+    kept = (
+        (model.layers * 2 * sequences * length * model.hidden * bytes_ // 2 + per_layer)
+        if checkpointing
+        else model.layers * per_layer
+    )
+    return kept + 3 * 4 * sequences * logits * model.vocab
+
+
+def no_grad_forward(model: Model, sequences: int, length: int, logits: int, bytes_: int) -> int:
+    """The peak of a no-grad forward pass: one layer's activations and the logits in fp32."""
+    layer = sequences * length * model.hidden * 34 * bytes_ // 2
+    return layer + 3 * 4 * sequences * logits * model.vocab
+
+
+def plan(command: list[str], gpu_bytes: int, gpus: int | None) -> dict:
+    """Per GPU: its parts in bytes. `command`: an accelerate launch command line (or `python SCRIPT ...`)."""
+    import tyro
+    from accelerate.commands.config.config_args import load_config_from_file
+
+    import plumbing
+
+    at = next(i for i, word in enumerate(command) if Path(word).name in SCRIPTS)
+    launcher, script, flags = command[:at], Path(command[at]).name, command[at + 1 :]
+    module = importlib.import_module(script.removesuffix(".py"))
+    args = tyro.cli(module.Args, args=flags, use_underscores=True)
+    config = (
+        load_config_from_file(launcher[launcher.index("--config_file") + 1]) if "--config_file" in launcher else None
+    )
+    processes = int(launcher[launcher.index("--num_processes") + 1]) if "--num_processes" in launcher else 1
+    stage = config.deepspeed_config.get("zero_stage", 0) if config and config.deepspeed_config else 0
+    bf16 = args.dtype == "bfloat16" or args.dtype == "auto"  # on GPUs, auto is bf16
+    engine_bytes = {"auto": 2 if bf16 else 4, "float32": 4, "bfloat16": 2}[args.vllm_dtype]
+    samples = getattr(args, "num_samples", getattr(args, "rloo_k", 1))
+    policy = Model(args.sft_model_path)
+    reward = None if args.task == "gsm8k" else Model(args.reward_model_path, classifier=True)
+    gold = None if args.gold_judge == "tiny" else Model(args.gold_judge, classifier=True)
+    value = (reward or Model(args.sft_model_path, classifier=True)) if script == "ppo_async.py" else None
+    trained = policy.params + (value.params if value else 0)
+    shard = processes if stage == 3 else 1
+    L, R, micro = args.max_prompt_length + args.response_length, args.response_length, args.local_micro_batch_size
+    training = plumbing.trained_memory(trained, stage, processes, bf16)
+    rank = {f"trained models' {part}": n for part, n in training.items()}
+    rank["reference policy"] = policy.params * (2 if stage == 3 and bf16 else 4) // shard
+    if reward:
+        rank["reward model"] = reward.params * (2 if bf16 else 4) // shard
+    act = 2 if bf16 else 4
+    sequences = {"online_dpo_async.py": 2 * micro, "rloo_async.py": micro * samples, "ppo_async.py": micro}[script]
+    rank["activations of a micro-batch"] = activations(policy, sequences, L, R + 1, args.gradient_checkpointing, act)
+    if value:
+        rank["activations of a micro-batch"] += activations(value, micro, L, 0, args.gradient_checkpointing, act)
+    forward = args.local_rollout_forward_batch_size
+    rank["largest no-grad forward"] = max(
+        no_grad_forward(policy, forward, L, R + 1, act), no_grad_forward(reward, forward, L, 0, act) if reward else 0
+    )
+    rank["CUDA context"] = plumbing.CUDA_CONTEXT
+    rank0 = dict(rank)
+    if gold:
+        rank0["gold judge (rank 0 only)"] = gold.params * 2
+    snapshots = plumbing.snapshot_memory(policy.params * engine_bytes, args.async_level)
+    gpus = gpus or processes + 1
+    utilization = args.vllm_gpu_memory_utilization
+    if gpus > processes:  # the engine's GPU of its own
+        engine = {"engine (vLLM's share)": int((utilization or 0.9) * gpu_bytes), "weight snapshots": snapshots}
+        engine["rank 0's CUDA context (it writes the snapshots)"] = plumbing.CUDA_CONTEXT
+        engine["engine's CUDA context"] = plumbing.CUDA_CONTEXT
+        result = {"training rank 0": rank0, "engine's GPU": engine}
+    else:
+        rank0 |= {"engine (vLLM's share)": int((utilization or 0.3) * gpu_bytes), "weight snapshots": snapshots}
+        rank0["engine's CUDA context"] = plumbing.CUDA_CONTEXT
+        result = {"training rank 0, shared with the engine": rank0}
+    if processes > 1:
+        result["training ranks 1 ..."] = rank
+    summary = f"{script}: {policy.params / 1e9:.2f}B policy, {processes} training process(es)"
+    summary += f", ZeRO-{stage}" if stage else ", no ZeRO" if not config or not config.deepspeed_config else ""
+    summary += (
+        f", micro-batch {micro} x {L} tokens, async level {args.async_level}, {gpus} GPUs of {gpu_bytes / GIB:.0f} GiB"
+    )
+    return {"summary": summary, "gpus": result}
+
+
+def table(result: dict, gpu_bytes: int) -> tuple[str, bool]:
+    """Markdown: one column per GPU, one row per part (GiB), the total and whether it fits."""
+    columns = list(result["gpus"])
+    parts = list(dict.fromkeys(part for gpu in result["gpus"].values() for part in gpu))
+    lines = [f"{result['summary']}", "", "| GiB | " + " | ".join(columns) + " |", "|---|" + "---|" * len(columns)]
+    for part in parts:
+        cells = [f"{result['gpus'][c][part] / GIB:.1f}" if part in result["gpus"][c] else "" for c in columns]
+        lines.append(f"| {part} | " + " | ".join(cells) + " |")
+    totals = [sum(result["gpus"][c].values()) for c in columns]
+    fits = all(total <= (1 - MARGIN) * gpu_bytes for total in totals)
+    lines.append("| **total** | " + " | ".join(f"**{t / GIB:.1f}**" for t in totals) + " |")
+    left = [f"{((1 - MARGIN) * gpu_bytes - t) / GIB:+.1f}" for t in totals]
+    lines.append(f"| left of {100 * (1 - MARGIN):.0f} % of the GPU | " + " | ".join(left) + " |")
+    lines += ["", f"fits: {'yes' if fits else 'NO'}"]
+    return "\n".join(lines), fits
+
+
+def plans(lines: list[str], gpu_bytes: int, gpus: int | None) -> list[tuple[list[str], str, bool]]:
+    """The plan of each command line, those with the same table together: (the runs' names, the table, fits)."""
+    grouped = {}
+    for line in (line for line in lines if line.strip() and not line.startswith("#")):
+        words = shlex.split(line)
+        text, fits = table(plan(words, gpu_bytes, gpus), gpu_bytes)
+        name = words[words.index("--exp_name") + 1].split("__")[0] if "--exp_name" in words else "plan"
+        grouped.setdefault((text, fits), []).append(name)
+    return [(names, text, fits) for (text, fits), names in grouped.items()]
+
+
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--gpu_gib", type=float, default=79.0, help="memory of each GPU (an H100 80GB: 79.0 GiB)")
+    parser.add_argument("--gpus", type=int, default=None, help="GPUs of the node (default: training processes + 1)")
+    parser.add_argument("command", nargs=argparse.REMAINDER, help="after --: one command line (else: read from stdin)")
+    options = parser.parse_args(argv)
+    command = options.command[1:] if options.command[:1] == ["--"] else options.command
+    lines = [shlex.join(command)] if command else sys.stdin.read().splitlines()
+    results = plans(lines, int(options.gpu_gib * GIB), options.gpus)
+    for names, text, _ in results:
+        print(f"{', '.join(f'`{name}`' for name in names)}:\n\n{text}\n")
+    return 0 if all(fits for _, _, fits in results) else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main(sys.argv[1:]))
