@@ -23,7 +23,7 @@ import numpy as np
 import psutil
 import torch
 from accelerate import Accelerator, PartialState
-from accelerate.utils import broadcast_object_list, gather_object
+from accelerate.utils import broadcast_object_list, gather_object, parse_flag_from_env
 from safetensors.torch import load_file, save_file
 from transformers import AutoConfig, AutoModelForSequenceClassification, AutoTokenizer
 
@@ -368,7 +368,20 @@ def save_policy(accelerator: Accelerator, model, tokenizer, path: str, prefix: s
     accelerator.wait_for_everyone()
 
 
-# == DeepSpeed ZeRO-3 ===================================================================================================
+# == DeepSpeed ===========================================================================================================
+def process_state() -> PartialState:
+    """accelerate's process group and device (made before the Accelerator, which needs the dtype, which needs the
+    device), with DeepSpeed's processes counted on CPUs too: accelerate 1.15 picks no backend for them there (it picks
+    gloo only under ACCELERATE_USE_CPU, which turns DeepSpeed off), so each would take itself for the only process of a
+    group DeepSpeed has already set up."""
+    state = PartialState(cpu=parse_flag_from_env("ACCELERATE_USE_CPU"))
+    if state.distributed_type == "DEEPSPEED" and state.backend is None and torch.distributed.is_initialized():
+        state.backend = torch.distributed.get_backend()
+        state.num_processes, state.process_index = torch.distributed.get_world_size(), torch.distributed.get_rank()
+        state.local_process_index = int(os.environ.get("LOCAL_RANK", 0))
+    return state
+
+
 def zero_stage(accelerator: Accelerator) -> int:
     plugin = accelerator.state.deepspeed_plugin
     return 0 if plugin is None else plugin.zero_stage

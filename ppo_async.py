@@ -24,8 +24,8 @@ from typing import TYPE_CHECKING, Literal, NamedTuple
 import numpy as np
 import torch
 import tyro
-from accelerate import Accelerator, PartialState
-from accelerate.utils import broadcast_object_list, parse_flag_from_env
+from accelerate import Accelerator
+from accelerate.utils import broadcast_object_list
 from datasets import load_dataset
 from safetensors.torch import save_file
 from tqdm import tqdm
@@ -1255,7 +1255,7 @@ def owed_snapshots(snapshots: dict[int, Weights], schedule, next_step: int, eval
 
 def main(args: Args) -> None:
     # the process group and device first: the Accelerator needs the dtype, which depends on the device
-    on_gpu = PartialState(cpu=parse_flag_from_env("ACCELERATE_USE_CPU")).device.type == "cuda"
+    on_gpu = plumbing.process_state().device.type == "cuda"
     dtype = torch.bfloat16 if args.dtype == "bfloat16" or (args.dtype == "auto" and on_gpu) else torch.float32
     engine_dtype = {"auto": dtype, "float32": torch.float32, "bfloat16": torch.bfloat16}[args.vllm_dtype]
     # bf16: autocast in the forward passes of the policy (accelerate's mixed precision) and of every frozen model
