@@ -116,6 +116,9 @@ class Args:
     # evaluation and checkpoints
     eval_freq: int = 25  # evaluate every this many steps (and at step 0 and at the end)
     save_freq: int = 0  # checkpoint every this many steps (0: none; one is also written on SIGTERM / Ctrl-C)
+    keep_checkpoints: int = (
+        3  # the newest checkpoints kept; older ones are deleted (the newest, which --resume reads, never)
+    )
     resume: bool = False  # continue the run in --output_dir from its latest checkpoint (none: start over)
     num_sample_completions: int = 4  # eval completions printed and logged as a table at each evaluation
 
@@ -131,29 +134,45 @@ class Sizes(NamedTuple):
     num_updates: int
 
 
-def check_algorithm_flags(args: Args) -> int:
-    """The flags of this algorithm only; returns the completions sampled per prompt."""
-    if args.num_samples < 2:
-        raise UsageError(
-            f"--num_samples must be >= 2 (DPO needs a best and a worst completion), got {args.num_samples}"
-        )
+# The domain of every numeric flag, checked before any model loads (plumbing.check_domains): flag -> (domain, why).
+FLAG_DOMAINS = {
+    "seed": (">= 0", "numpy's generators take no negative seed"),
+    "num_eval_prompts": (">= 1", "a count of prompts (left out: all of the split)"),
+    "max_prompt_length": (">= 1", "a count of tokens"),
+    "response_length": (">= 1", "a count of tokens"),
+    "total_episodes": (">= 1", "a count of completions"),
+    "local_micro_batch_size": (">= 1", "a count of prompts"),
+    "gradient_accumulation_steps": (">= 1", "a count of micro-batches"),
+    "num_mini_batches": (">= 1", "a count of mini-batches"),
+    "num_ppo_epochs": (">= 1", "a count of passes"),
+    "local_rollout_forward_batch_size": (">= 1", "a count of sequences"),
+    "learning_rate": ("> 0", "0 would not train, < 0 would climb the loss"),
+    "adam_epsilon": ("> 0", "AdamW divides by the root of the second moment plus it"),
+    "async_level": (">= 0", "a count of policy versions"),
+    "temperature": ("> 0", "logprobs divide logits by it"),
+    "vllm_gpu_memory_utilization": ("in (0, 1]", "a share of the GPU"),
+    "missing_eos_penalty": ("finite", "a score"),
+    "eval_freq": (">= 0", "0 evaluates at step 0 and at the end only"),
+    "save_freq": (">= 0", "0 writes no periodic checkpoint"),
+    "keep_checkpoints": (">= 1", "the latest checkpoint is the one a resume needs"),
+    "num_sample_completions": (">= 0", "a count of completions"),
+}
+
+# The domains of this algorithm's flags (with FLAG_DOMAINS).
+ALGORITHM_DOMAINS = {
+    "num_samples": (">= 2", "DPO needs a best and a worst completion"),
+    "beta": ("> 0", "0 learns nothing, < 0 learns to prefer the rejected completion"),
+}
+
+
+def completions_per_prompt(args: Args) -> int:
     return args.num_samples
 
 
 def compute_sizes(args: Args, world_size: int) -> Sizes:
-    """Check the flags and derive every batch size; errors name the flags to change."""
-    if args.async_level < 0:
-        raise UsageError(f"--async_level must be >= 0, got {args.async_level}")
-    samples = check_algorithm_flags(args)
-    if args.temperature <= 0:
-        raise UsageError(f"--temperature must be > 0 (logprobs divide logits by it), got {args.temperature}")
-    if not math.isfinite(args.missing_eos_penalty):
-        raise UsageError(f"--missing_eos_penalty must be a finite number, got {args.missing_eos_penalty}")
-    at_least = dict.fromkeys(["local_micro_batch_size", "gradient_accumulation_steps", "num_mini_batches"], 1)
-    at_least |= {"num_ppo_epochs": 1, "max_prompt_length": 1, "response_length": 1, "eval_freq": 0, "save_freq": 0}
-    for flag, least in at_least.items():
-        if getattr(args, flag) < least:
-            raise UsageError(f"--{flag} must be >= {least}, got {getattr(args, flag)}")
+    """Check every flag's domain and derive every batch size; errors name the flags to change."""
+    plumbing.check_domains(asdict(args), FLAG_DOMAINS | ALGORITHM_DOMAINS)
+    samples = completions_per_prompt(args)
     local_mini_batch_size = args.local_micro_batch_size * args.gradient_accumulation_steps
     local_batch_size = local_mini_batch_size * args.num_mini_batches
     episodes_per_step = local_batch_size * world_size * samples
@@ -230,6 +249,7 @@ def check_inputs(args: Args, accelerator: Accelerator, output_dir: str, on_gpu: 
 # == Data: prompts, batches ===========================================================================================
 def load_split(name: str, split: str, config: str | None = None):
     """A split from a hub id, a local dataset folder (its README declares its configs, as on the hub) or one file."""
+    plumbing.check_local(name, "--dataset_name")
     if os.path.isfile(name):
         builders = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".csv": "csv"}
         if Path(name).suffix not in builders:
@@ -636,7 +656,7 @@ def get_or_raise(q: queue.Queue, channels: Channels, engine_processes=(), interr
     (vLLM's client can then wait forever). Returns None once `interrupt` is non-empty (a SIGTERM / Ctrl-C)."""
     while not interrupt:
         if channels.error:
-            raise RuntimeError("generation thread failed (its traceback is above)") from channels.error[0]
+            raise RuntimeError(f"the generation thread failed: {channels.error[0]!r}") from channels.error[0]
         if channels.stop.is_set():
             raise SystemExit("stopped")
         if dead := plumbing.dead_processes(engine_processes):
@@ -1024,11 +1044,11 @@ def log_evaluation(rollout: EvalRollout, evaluation: Prompts, models: Models, ar
     evals_logged.add(rollout.version)
 
 
-def write_checkpoint(accelerator, output_dir: str, progress, snapshots: dict, schedule, step: int) -> str:
+def write_checkpoint(accelerator, output_dir: str, keep: int, progress, snapshots: dict, schedule, step: int) -> str:
     """A checkpoint for a trainer about to run `step`, with the older policy versions the generator still needs."""
     progress.step, owed = step, owed_snapshots(snapshots, schedule, step, progress.evals_logged)
     owed = {v: views(w.flat, w.layout) for v, w in owed.items() if v < step}  # theta_step is the policy's weights
-    return plumbing.save_checkpoint(accelerator, output_dir, progress, owed)
+    return plumbing.save_checkpoint(accelerator, output_dir, progress, owed, keep)
 
 
 def owed_snapshots(snapshots: dict[int, Weights], schedule, next_step: int, evals_logged: set[int]) -> dict:
@@ -1103,15 +1123,16 @@ def main(args: Args) -> None:
     to_come = {part: trained[part] for part in ("gradients", "optimizer state")}  # the weights are loaded
     memory = to_come, plumbing.snapshot_memory(snapshot, args.async_level)
 
-    # rank 0 owns the engine and generates for every rank
+    # rank 0 owns the engine and generates for every rank; the run folder is written once the engine is up, so a
+    # start-up stopped by a signal or a failure leaves none
     channels = Channels(queue.Queue(), queue.Queue(), queue.Queue(), threading.Event(), [])
     engine = logger = thread = None
     if accelerator.is_main_process:
+        work = (args, inputs, K, engine_dtype, schedule, channels, signals, engine_cores, memory)
+        engine, thread = start_generation(*work)
         plumbing.open_run_folder(output_dir, asdict(args) | sizes._asdict(), start_step, evals_logged)
         tracking = (args.track, args.wandb_project, args.wandb_entity)
         logger = plumbing.MetricsLogger(output_dir, run_name, asdict(args), *tracking)
-        work = (args, inputs, K, engine_dtype, schedule, channels, signals, engine_cores, memory)
-        engine, thread = start_generation(*work)
     signals.starting = False
     # Policy versions the generator may still need (on the engine's GPU on GPUs): a checkpoint hands them on.
     snapshots, snapshot_device = {}, torch.device("cuda", inputs.placement.snapshot_gpu) if on_gpu else None
@@ -1121,7 +1142,9 @@ def main(args: Args) -> None:
     run = (sizes.episodes_per_step, evals_logged, engine.started if engine else 0.0)
     log_eval = partial(log_evaluation, evaluation=inputs.evaluation, models=models, args=args, accelerator=accelerator)
     log_eval = partial(log_eval, logger=logger, run=run)
-    checkpoint = partial(write_checkpoint, accelerator, output_dir, progress, snapshots, schedule)
+    checkpoint = partial(
+        write_checkpoint, accelerator, output_dir, args.keep_checkpoints, progress, snapshots, schedule
+    )
     last_checkpoint, exit_code, main_process = inputs.checkpoint, 0, accelerator.is_main_process
     try:
         steps = range(start_step, sizes.num_steps)
@@ -1206,4 +1229,4 @@ def main(args: Args) -> None:
 
 
 if __name__ == "__main__":
-    main(tyro.cli(Args, use_underscores=True))
+    plumbing.run(main, tyro.cli(Args, use_underscores=True))

@@ -6,6 +6,7 @@ a fork of an algorithm file uses this module unchanged. What each algorithm does
 import gc
 import inspect
 import json
+import logging
 import os
 import re
 import shutil
@@ -14,6 +15,8 @@ import subprocess
 import sys
 import tempfile
 import time
+import traceback
+import warnings
 from contextlib import contextmanager
 from multiprocessing import shared_memory
 from pathlib import Path
@@ -31,6 +34,32 @@ if TYPE_CHECKING:  # vLLM is imported when the engine starts: --help and a bad f
     from vllm import LLM
 
 
+# == Quiet by default ===================================================================================================
+def quiet_known_noise() -> None:
+    """Silence, where they are raised, the third-party messages every run printed that are known to be harmless, so that
+    stderr shows what matters; ASYNC_RLHF_VERBOSE=1 shows them all. Called when this module loads: the engine's
+    processes, spawned, load it again (they import the script) before they import vLLM, and get the same filters."""
+    if os.environ.get("ASYNC_RLHF_VERBOSE"):
+        return
+    import datasets
+    import transformers
+
+    # vLLM's Triton dispatcher reads `torch.distributed.reduce_op` when it loads, which torch deprecates: vLLM's
+    # code, on its import; nothing of ours uses it
+    warnings.filterwarnings("ignore", message="`torch.distributed.reduce_op` is deprecated", category=FutureWarning)
+    # torch looks for Triton kernels when vLLM loads; the CPU build has no Triton, and vLLM's CPU backend needs none
+    logging.getLogger("torch._library.triton").setLevel(logging.ERROR)
+    # DeepSpeed says it found no GPU and uses its CPU accelerator, on every CPU run that imports it (a filter: DeepSpeed
+    # sets its logger's level when it loads, after us)
+    logging.getLogger("DeepSpeed").addFilter(lambda record: not record.getMessage().startswith("Setting accelerator"))
+    # progress bars of every model loaded or saved and of the datasets' caches: seconds each, in every run
+    transformers.utils.logging.disable_progress_bar()
+    datasets.disable_progress_bars()
+
+
+quiet_known_noise()
+
+
 # == Bad input ========================================================================================================
 class UsageError(ValueError):
     """Bad flags or input files: reported in one line, before any model loads."""
@@ -43,6 +72,46 @@ def usage_errors():
         yield
     except UsageError as exc:
         raise SystemExit(f"error: {exc}")
+
+
+def run(main, args) -> None:
+    """main(args). A failure during the run (a NaN score, a dead engine, any exception) ends with its traceback, which
+    helps, and then one line saying what failed, last: `error: ...`, exit status 1."""
+    try:
+        main(args)
+    except Exception as exc:
+        traceback.print_exc()
+        sys.stderr.write(f"error: {exc}\n")
+        exit_quickly()
+        raise SystemExit(1)
+
+
+def check_domains(flags: dict, domains: dict[str, tuple[str, str]]) -> None:
+    """Each flag's value in its domain, as the maths of the flag reads it: "> 0", ">= 1", "in [0, 1]", "in (0, 1]" or
+    "finite" (every bound finite too); None (an optional flag left out) is not checked. `domains`: flag -> (domain,
+    why). A value outside is a UsageError naming the flag, its domain and why."""
+    for flag, (domain, why) in domains.items():
+        value = flags[flag]
+        if value is None:
+            continue
+        if domain.startswith("in "):
+            low, high = (float(x) for x in domain[4:-1].split(", "))
+            inside = (low <= value if domain[3] == "[" else low < value) and value <= high
+        else:
+            bound = domain.split()[-1] if domain != "finite" else "0"
+            inside = {">": value > float(bound), ">=": value >= float(bound)}.get(domain.split()[0], True)
+        if not (inside and np.isfinite(value)):
+            raise UsageError(
+                f"--{flag} must be {domain if domain != 'finite' else 'a finite number'} ({why}), got {value}"
+            )
+
+
+def check_local(path: str, flag: str) -> None:
+    """A path that cannot be a hub id (org/name) must exist: "/nowhere" or "models/x/y" is a missing folder, and saying
+    so beats the hub client's complaint about repository names."""
+    if path.startswith(("/", ".", "~")) or path.count("/") > 1:
+        if not os.path.exists(os.path.expanduser(path)):
+            raise UsageError(f"{flag} {path}: no such file or folder")
 
 
 def load_tokenizer(path: str, flag: str, trust_remote_code: bool):
@@ -61,6 +130,7 @@ def not_a_reward_model(path: str, flag: str) -> str:
 def check_model(path: str, flag: str, lengths: tuple[int, int], trust_remote_code: bool, reward: bool = False):
     """The model exists, has safetensors weights (pickled ones are never loaded), prompt + response (`lengths`) fit
     its positions, and a reward model is a sequence classifier (its config says so; a causal LM is not)."""
+    check_local(path, flag)
     if os.path.isdir(path) and not list(Path(path).glob("*.safetensors")):
         raise UsageError(f"{flag} {path} has no .safetensors weights (pickled .bin weights are not loaded)")
     try:
@@ -101,7 +171,7 @@ def holds_a_run(output_dir: str) -> bool:
 
 # Flags that may change when a run is resumed; any other must be what the run started with.
 RESUMABLE_CHANGES = {"resume", "output_dir", "track", "wandb_project", "wandb_entity", "save_freq"}
-RESUMABLE_CHANGES |= {"num_sample_completions"}
+RESUMABLE_CHANGES |= {"keep_checkpoints", "num_sample_completions"}
 CHECKPOINT_FORMAT = 2  # 2: the shuffle generators in Progress; 1 (before): in files of their own
 
 
@@ -327,11 +397,11 @@ class Progress:
         self.shuffle.bit_generator.state = state["shuffle"][PartialState().process_index]
 
 
-def save_checkpoint(accelerator: Accelerator, output_dir: str, progress: Progress, owed: dict[int, list]) -> str:
+def save_checkpoint(accelerator: Accelerator, output_dir: str, progress: Progress, owed: dict[int, list], keep: int):
     """Everything a resumed run needs to go on exactly: accelerate's `save_state` (the trained weights as safetensors,
     the optimizer, the registered objects such as the scheduler and Progress, RNG states) and the older policy versions
     the generator still owes batches or evaluations (`owed`: version -> [(name, tensor)]), so no engine state is
-    needed. Written to a temporary folder, then renamed."""
+    needed. Written to a temporary folder, then renamed; then all but the `keep` newest checkpoints are deleted."""
     path = os.path.join(output_dir, "checkpoints", f"step_{progress.step:06d}")
     if accelerator.is_main_process:
         shutil.rmtree(f"{path}.tmp", ignore_errors=True)
@@ -342,10 +412,26 @@ def save_checkpoint(accelerator: Accelerator, output_dir: str, progress: Progres
             tensors = {name: tensor.cpu().clone() for name, tensor in tensors}
             save_file(tensors, os.path.join(f"{path}.tmp", f"version_{version:06d}.safetensors"))
         Path(f"{path}.tmp", "format.json").write_text(json.dumps({"format": CHECKPOINT_FORMAT}))
+        follow_umask(f"{path}.tmp")
         shutil.rmtree(path, ignore_errors=True)
         os.replace(f"{path}.tmp", path)
+        written = sorted(
+            p for p in Path(output_dir, "checkpoints").glob("step_*") if re.fullmatch(r"step_\d{6}", p.name)
+        )
+        for old in written[:-keep]:  # the newest, just written, is the one a resume reads
+            shutil.rmtree(old)
     accelerator.wait_for_everyone()
     return path
+
+
+def follow_umask(path: str) -> None:
+    """Give the files under `path` the permissions the umask allows, as any file the run writes: safetensors (and so
+    save_pretrained and save_state) creates its files with 0600, which another user of a shared cluster cannot read."""
+    mask = os.umask(0)
+    os.umask(mask)
+    for file in [Path(path)] if os.path.isfile(path) else Path(path).rglob("*"):
+        if file.is_file():
+            os.chmod(file, 0o666 & ~mask)
 
 
 def load_owed_version(checkpoint: str, version: int) -> dict[str, torch.Tensor]:
@@ -363,6 +449,7 @@ def save_policy(accelerator: Accelerator, model, tokenizer, path: str, prefix: s
         shutil.rmtree(tmp := f"{path}.tmp", ignore_errors=True)
         policy.save_pretrained(tmp, state_dict=state_dict, safe_serialization=True)
         tokenizer.save_pretrained(tmp)
+        follow_umask(tmp)
         shutil.rmtree(path, ignore_errors=True)
         os.replace(tmp, path)
     accelerator.wait_for_everyone()
@@ -590,6 +677,10 @@ def make_engine(model: str, placement: Placement, **llm_kwargs) -> "LLM":
         os.environ["CUDA_VISIBLE_DEVICES"] = placement.devices
     else:
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB; vLLM's default reserves far more
+        if not os.environ.get("ASYNC_RLHF_VERBOSE"):
+            # vLLM's CPU worker binds its memory to its core's NUMA node, as the core split asks, and says so in a C++
+            # warning, which no Python filter reaches: the engine's processes log C++ errors only
+            os.environ["TORCH_CPP_LOG_LEVEL"] = "ERROR"
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")  # it warns at every push that rotary caches are not pushed
     try:
         return LLM(
@@ -717,37 +808,70 @@ def release_shared_memory(names: list[str]) -> None:
         segment.unlink()
 
 
-# The watchdog (`python -c`, with dead_processes and kill_process_trees): it blocks reading a pipe whose only write end
-# the trainer holds. When the trainer dies, however it dies (kill -9 included), the pipe closes: it then kills the
-# engine's processes, which would live on re-parented to init, and removes the weights folder. Its input: lines
-# "<pid> <create time>" (the time guards against a re-used pid), then the folder.
+def release_orphaned_shared_memory(
+    paths: list[str] | None = None, folder: str = "/dev/shm", min_age: float = 60
+) -> list[str]:
+    """Unlink the message queues (psm_*) and multiprocessing's named semaphores (sem.mp-*) that no process maps any
+    more: what a run killed together with its resource tracker (SIGKILL to its process group, the out-of-memory
+    killer) leaves in RAM until the machine reboots (400 MiB an engine). `paths`: these (an engine's own queues), of
+    any age; None: every such file of ours in `folder` unchanged for `min_age` seconds (a queue in use is written to,
+    a newer one may belong to a run still starting). Returns what was unlinked."""
+    mapped = set()
+    for maps in Path("/proc").glob("[0-9]*/maps"):
+        try:
+            mapped.update(line.split()[-1] for line in maps.read_text().splitlines() if folder in line)
+        except OSError:
+            pass  # a process gone, or not ours
+    if paths is None:
+        paths = [str(p) for pattern in ("psm_*", "sem.mp-*") for p in Path(folder).glob(pattern)]
+        paths = [p for p in paths if os.stat(p).st_uid == os.getuid() and time.time() - os.stat(p).st_mtime > min_age]
+    released = []
+    for path in paths:
+        try:
+            if path not in mapped:
+                os.unlink(path)
+                released.append(path)
+        except OSError:
+            pass  # gone, or not ours
+    return released
+
+
+# The watchdog (`python -c`, with dead_processes, kill_process_trees and release_orphaned_shared_memory): it blocks
+# reading a pipe whose only write end the trainer holds. When the trainer dies, however it dies (kill -9 of it or of its
+# process group included), the pipe closes: it then kills the engine's processes, which would live on re-parented to
+# init, removes the weights folder and unlinks the engine's message queues (the resource tracker that would have may
+# be dead too). Its input, one JSON line: the processes as [pid, create time] (the time guards against a re-used pid),
+# the folder, the queues' paths.
 WATCHDOG = """
-lines, processes = sys.stdin.read().splitlines(), []
-for pid, create_time in (line.split() for line in lines[:-1]):
+todo, processes = json.loads(sys.stdin.read()), []
+for pid, create_time in todo["processes"]:
     try:
-        if abs((process := psutil.Process(int(pid))).create_time() - float(create_time)) < 0.01:
+        if abs((process := psutil.Process(pid)).create_time() - create_time) < 0.01:
             processes.append(process)
     except psutil.Error:
         pass
 kill_process_trees(processes)
-shutil.rmtree(lines[-1], ignore_errors=True)
+shutil.rmtree(todo["folder"], ignore_errors=True)
+release_orphaned_shared_memory(todo["segments"])
 """
 
 
-def start_watchdog(processes: list[psutil.Process], folder: str) -> subprocess.Popen:
+def start_watchdog(processes: list[psutil.Process], folder: str, segments: list[str]) -> subprocess.Popen:
     """A process of its own session (a Ctrl-C to the terminal does not reach it) that cleans up after a trainer that
     died without doing so; closing its stdin lets it go. Started after the engine, whose processes must not hold the
     pipe's write end."""
-    functions = [inspect.getsource(function) for function in (dead_processes, kill_process_trees)]
-    code = "\n".join(["import shutil, sys, time", "import psutil", *functions, WATCHDOG])
+    functions = (dead_processes, kill_process_trees, release_orphaned_shared_memory)
+    code = "\n".join(["import json, os, shutil, sys, time", "from pathlib import Path", "import psutil"])
+    code += "\n" + "\n".join(inspect.getsource(function) for function in functions) + WATCHDOG
     watchdog = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, start_new_session=True, text=True)
-    lines = []
+    pids = []
     for process in processes:
         try:
-            lines.append(f"{process.pid} {process.create_time()!r}\n")
+            pids.append([process.pid, process.create_time()])
         except psutil.Error:
             pass
-    watchdog.stdin.write("".join(lines) + f"{folder}\n")
+    segments = [f"/dev/shm/{name}" for name in segments]
+    watchdog.stdin.write(json.dumps({"processes": pids, "folder": folder, "segments": segments}) + "\n")
     watchdog.stdin.flush()
     return watchdog
 
@@ -809,9 +933,11 @@ def start_engine(model: str, placement: Placement, signals: StopSignals, cores: 
         processes = started_processes(before)
         ram = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
         remove_stale_weights_folders(ram)
+        release_orphaned_shared_memory()  # what runs killed with their watchdog left
         weights_dir = signals.weights_dir = tempfile.mkdtemp(prefix=f"policy-weights-{os.getpid()}-", dir=ram)
-        watchdog = start_watchdog(processes, weights_dir)
-    return Engine(llm, processes, shared_memory_of(processes), weights_dir, watchdog, time.perf_counter())
+        segments = shared_memory_of(processes)
+        watchdog = start_watchdog(processes, weights_dir, segments)
+    return Engine(llm, processes, segments, weights_dir, watchdog, time.perf_counter())
 
 
 def stop_engine(engine: Engine | None, thread, stop) -> None:

@@ -289,6 +289,11 @@ def shared_stderr(output_dir: Path) -> str:
     return (output_dir / "stderr.txt").read_text()
 
 
+def stderr_noise(stderr: str) -> list[str]:
+    """The lines of a run's stderr other than its progress bar ("steps: ..."): none, by default."""
+    return [line for line in stderr.replace("\r", "\n").splitlines() if line.strip() and not line.startswith("steps:")]
+
+
 def assert_default_run_learns(script: str, output_dir: Path) -> None:
     """`python <script>` with no flags but the output folder: the tiny task visibly learns."""
     import time
@@ -318,14 +323,20 @@ def training_lines_without_timings(output_dir: Path) -> tuple[list[dict], list[d
 def start_and_stop(
     argv: list[str], output_dir: Path, after_steps: int, sig: int, timeout: float = 300
 ) -> tuple[int, str]:
-    """Start a run and, once it has logged `after_steps` training steps, send `sig` to the trainer (SIGKILL:
-    to the trainer and its engine at once, like a machine going away). Returns exit code and output."""
+    """Start a run and, once it has logged `after_steps` training steps, send `sig` to the trainer (SIGKILL: to its
+    whole process group, the engine and the resource trackers that would unlink the engine's message queues included,
+    like the out-of-memory killer or a job scheduler; the watchdog, in a session of its own, is left to clean up: no
+    process and none of the message queues in RAM outlive the run). Returns exit code and output."""
     import signal
     import time
 
     import psutil
 
-    proc = subprocess.Popen(argv, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    import plumbing
+
+    proc = subprocess.Popen(
+        argv, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
+    )
     family = []
     try:
         metrics, deadline = Path(output_dir) / "metrics.jsonl", time.time() + timeout
@@ -335,10 +346,14 @@ def start_and_stop(
             )
             time.sleep(0.05)
         family = [psutil.Process(proc.pid), *psutil.Process(proc.pid).children(recursive=True)]
-        for process in family if sig == signal.SIGKILL else family[:1]:
-            process.send_signal(sig)
+        segments = plumbing.shared_memory_of(family)
+        if sig == signal.SIGKILL:
+            os.killpg(proc.pid, sig)
+        else:
+            proc.send_signal(sig)
         output, _ = proc.communicate(timeout=120)
         assert not psutil.wait_procs(family[1:], timeout=15)[1], "processes left behind"
+        assert segments and not [s for s in segments if os.path.exists(f"/dev/shm/{s}")], "message queues left in RAM"
         return proc.returncode, output
     finally:
         for process in family:
@@ -352,7 +367,8 @@ def start_and_stop(
 def assert_resumed_run_matches(script: str, flags: list[str], tmp_path: Path, stop_after: int, sig: int):
     """A run stopped by `sig` after `stop_after` steps (SIGKILL: to the trainer and its engine at once) and resumed
     with --resume ends with the same metrics.jsonl (wall-clock figures aside) and the same final policy as an
-    uninterrupted run. Returns the resumed run's folder, the uninterrupted one's, and what the stopped run printed."""
+    uninterrupted run. Returns the resumed run's folder, the uninterrupted one's, what the stopped run printed and the
+    checkpoints it left."""
     import signal
 
     import torch
@@ -363,15 +379,14 @@ def assert_resumed_run_matches(script: str, flags: list[str], tmp_path: Path, st
     argv = [sys.executable, script, *flags, "--output_dir", str(interrupted)]
     code, output = start_and_stop(argv, interrupted, stop_after, sig)
     assert code == (-signal.SIGKILL if sig == signal.SIGKILL else 128 + sig), output[-4000:]
-    print(
-        f"stopped with exit code {code}; checkpoints: {sorted(p.name for p in (interrupted / 'checkpoints').iterdir())}"
-    )
+    stopped = sorted(p.name for p in (interrupted / "checkpoints").iterdir())
+    print(f"stopped with exit code {code}; checkpoints: {stopped}")
     assert not (interrupted / "policy").exists(), "the run finished before it was stopped: stop it earlier"
     run_script(argv + ["--resume"])
     assert training_lines_without_timings(interrupted) == training_lines_without_timings(reference)
     final, expected = (load_file(d / "policy" / "model.safetensors") for d in (interrupted, reference))
     assert all(torch.equal(final[k], expected[k]) for k in expected)
-    return interrupted, reference, output
+    return interrupted, reference, output, stopped
 
 
 def run_tracking_children(

@@ -20,31 +20,78 @@ def script(request):
     return importlib.import_module(request.param.removesuffix(".py"))
 
 
-def test_flag_values_out_of_range_name_the_flag(script):
+def test_flag_values_out_of_range_name_the_flag_its_domain_and_why(script):
     for flags, message in [
-        ({"async_level": -1}, "--async_level must be >= 0"),
-        ({"response_length": 0}, "--response_length must be >= 1"),
-        ({"save_freq": -2}, "--save_freq must be >= 0"),
-        ({"temperature": 0.0}, "--temperature must be > 0"),
-        ({"missing_eos_penalty": float("nan")}, "--missing_eos_penalty must be a finite number, got nan"),
+        ({"async_level": -1}, r"--async_level must be >= 0 \(a count of policy versions\), got -1$"),
+        ({"response_length": 0}, r"--response_length must be >= 1 \(a count of tokens\), got 0$"),
+        ({"temperature": 0.0}, r"--temperature must be > 0 \(logprobs divide logits by it\), got 0.0$"),
+        ({"missing_eos_penalty": float("nan")}, r"--missing_eos_penalty must be a finite number \(a score\), got nan$"),
+        ({"vllm_gpu_memory_utilization": 1.5}, r"--vllm_gpu_memory_utilization must be in \(0, 1\] .*, got 1.5$"),
+        ({"keep_checkpoints": 0}, r"--keep_checkpoints must be >= 1 \(the latest checkpoint is the one a resume"),
         ({"total_episodes": 100}, "change --total_episodes or one of those flags"),
     ]:
         with pytest.raises(script.UsageError, match=message):
             script.compute_sizes(script.Args(**flags), world_size=1)
 
 
-def test_dpo_needs_two_samples_per_prompt():
+def test_the_algorithms_own_domains():
     import online_dpo_async as dpo
-
-    with pytest.raises(dpo.UsageError, match="--num_samples must be >= 2"):
-        dpo.compute_sizes(dpo.Args(num_samples=1), world_size=1)
-
-
-def test_rloo_needs_two_samples_per_prompt():
+    import ppo_async as ppo
     import rloo_async as rloo
 
-    with pytest.raises(rloo.UsageError, match="--rloo_k must be >= 2"):
-        rloo.compute_sizes(rloo.Args(rloo_k=1), world_size=1)
+    for module, flags, message in [
+        (dpo, {"num_samples": 1}, "--num_samples must be >= 2 (DPO needs a best and a worst completion), got 1"),
+        (dpo, {"beta": -0.1}, "--beta must be > 0 (0 learns nothing, < 0 learns to prefer the rejected completion)"),
+        (rloo, {"rloo_k": 1}, "--rloo_k must be >= 2 (the leave-one-out baseline needs another completion"),
+        (rloo, {"tis_cap": 0.5}, "--tis_cap must be >= 1"),
+        (ppo, {"gamma": 1.01}, "--gamma must be in [0, 1] (a discount), got 1.01"),
+        (ppo, {"lam": -0.5}, "--lam must be in [0, 1] (GAE's lambda), got -0.5"),
+        (ppo, {"kl_coef": -0.05}, "--kl_coef must be >= 0 (< 0 would reward moving away from the reference)"),
+    ]:
+        with pytest.raises(module.UsageError, match=re.escape(message)):
+            module.compute_sizes(module.Args(**flags), world_size=1)
+
+
+def numeric_flags(script) -> dict[str, type]:
+    import typing
+
+    kinds = {int: int, float: float, int | None: int, float | None: float}
+    return {name: kinds[kind] for name, kind in typing.get_type_hints(script.Args).items() if kind in kinds}
+
+
+def edges(domain: str, kind: type) -> tuple[list, list]:
+    """Values just inside and just outside a domain, worked out from its text by a second reading of it."""
+    step = 1 if kind is int else 1e-6
+    if domain == "finite":
+        return [0.0, -1e30, 1e30], [float("nan"), float("inf"), float("-inf")]
+    if domain.startswith("in "):
+        low, high = (float(x) for x in domain[4:-1].split(", "))
+        closed = domain[3] == "["
+        inside = [low if closed else low + step, high]
+        return inside, [low - step if closed else low, high + step, float("nan")]
+    op, bound = domain.split()
+    bound = kind(bound)
+    if op == ">=":
+        return [bound, bound + step, 10**9], [bound - step] + ([float("nan")] if kind is float else [])
+    assert op == ">", domain
+    return [bound + step], [bound, bound - step] + ([float("nan"), float("inf")] if kind is float else [])
+
+
+def test_every_numeric_flag_has_a_domain_and_both_sides_of_each_bound_are_checked(script):
+    """A flag added without a domain fails here; every domain is exercised just inside and just outside its bounds."""
+    domains = script.FLAG_DOMAINS | script.ALGORITHM_DOMAINS
+    numbers = numeric_flags(script)
+    assert sorted(numbers) == sorted(domains), "give each numeric flag a domain in FLAG_DOMAINS or ALGORITHM_DOMAINS"
+    defaults = vars(script.Args())
+    plumbing.check_domains(defaults, domains)  # the defaults are in their domains
+    for flag, (domain, why) in domains.items():
+        inside, outside = edges(domain, numbers[flag])
+        for value in inside:
+            plumbing.check_domains({**defaults, flag: value}, domains)
+        for value in outside:
+            with pytest.raises(plumbing.UsageError, match=rf"^--{flag} must be .* \({re.escape(why)}\), got "):
+                plumbing.check_domains({**defaults, flag: value}, domains)
+    plumbing.check_domains({**defaults, "num_eval_prompts": None}, domains)  # an optional flag left out
 
 
 @pytest.mark.parametrize("flag", ["--task", "--loss_type or --old_logprobs", "--lr_schedule"])
@@ -73,7 +120,7 @@ def test_missing_models_and_pickled_weights_are_refused(script, tokenizer, tmp_p
     import torch
     from transformers import AutoModelForCausalLM
 
-    with pytest.raises(plumbing.UsageError, match="--reward_model_path .*nowhere"):
+    with pytest.raises(plumbing.UsageError, match=f"^--reward_model_path {tmp_path}/nowhere: no such file or folder$"):
         plumbing.check_model(str(tmp_path / "nowhere"), "--reward_model_path", (12, 12), False)
     model = AutoModelForCausalLM.from_config(small_config(tokenizer))
     model.config.save_pretrained(tmp_path / "bin")
@@ -100,6 +147,8 @@ def test_datasets_of_an_unknown_kind_or_split_name_the_flag(script, tokenizer, t
         script.load_split(str(tmp_path / "prompts.txt"), "train")
     with pytest.raises(script.UsageError, match="--dataset_name .* split validation"):
         script.load_split(str(TINY / "data"), "validation")
+    with pytest.raises(script.UsageError, match=f"^--dataset_name {tmp_path}/nowhere: no such file or folder$"):
+        script.load_split(str(tmp_path / "nowhere"), "train")
 
 
 def test_an_output_dir_holding_a_run_needs_resume_with_the_same_flags(script, tmp_path):
@@ -130,18 +179,40 @@ def test_an_output_dir_holding_a_run_needs_resume_with_the_same_flags(script, tm
         resume(str(tmp_path), {**resumed, "learning_rate": 0.5}, True, world_size=2)
 
 
-@pytest.mark.parametrize("name", SCRIPTS)
-def test_the_command_line_prints_one_line_and_loads_no_model(name, tmp_path):
-    """From the shell: exit 1, one line on stderr, no traceback, well before a model could have loaded."""
-    (tmp_path / "metrics.jsonl").write_text('{"step": 0, "episode": 0, "eval/win_rate": 0.5}\n')
+@pytest.mark.parametrize(
+    "name, flags, line",
+    [
+        (
+            "online_dpo_async.py",
+            ["--beta", "-1"],
+            "--beta must be > 0 (0 learns nothing, < 0 learns to prefer the rejected completion), got -1.0",
+        ),
+        (
+            "rloo_async.py",
+            ["--sft_model_path", "/nowhere/policy"],
+            "--sft_model_path /nowhere/policy: no such file or folder",
+        ),
+        (
+            "ppo_async.py",
+            [],
+            "--output_dir {run} holds another run: pass --resume to continue it, or choose another --output_dir",
+        ),
+    ],
+)
+def test_the_command_line_prints_one_line_and_writes_nothing(name, flags, line, tmp_path):
+    """From the shell: exit 1, one line on stderr, no traceback, well before a model could have loaded, and nothing
+    written to --output_dir (the PPO case's folder holds another run's metrics, which stay as they were)."""
+    run = tmp_path / "run"
+    if not flags:
+        run.mkdir()
+        (run / "metrics.jsonl").write_text('{"step": 0, "episode": 0, "eval/win_rate": 0.5}\n')
+    before = sorted(p.name for p in tmp_path.rglob("*"))
     proc = subprocess.run(
-        [sys.executable, name, "--output_dir", str(tmp_path)], cwd=ROOT, capture_output=True, text=True, timeout=120
+        [sys.executable, name, "--output_dir", str(run), *flags], cwd=ROOT, capture_output=True, text=True, timeout=120
     )
     assert proc.returncode == 1
-    assert proc.stderr.strip().splitlines() == [
-        f"error: --output_dir {tmp_path} holds another run: pass --resume to continue it, or choose another --output_dir"
-    ]
-    assert not (tmp_path / "args.json").exists()
+    assert proc.stderr.strip().splitlines() == ["error: " + line.format(run=run)]
+    assert sorted(p.name for p in tmp_path.rglob("*")) == before
 
 
 def not_a_reward_model(flag: str, path) -> str:

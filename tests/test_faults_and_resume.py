@@ -124,20 +124,26 @@ STOPS = [pytest.param(*stop, marks=pytest.mark.xdist_group(f"resume_{stop[0]}"))
 def test_a_run_stopped_mid_way_resumes_exactly(script, flags, sig, after, tmp_path):
     """A run stopped after `after` steps and resumed with --resume ends with the same metrics.jsonl (wall-clock
     figures aside) and the same final policy as the run that was not stopped."""
-    run, reference, output = assert_resumed_run_matches(script, flags, tmp_path, stop_after=after, sig=sig)
-    checkpoints = sorted(p.name for p in (run / "checkpoints").glob("step_*"))
-    steps = [
-        torch.load(run / "checkpoints" / c / "custom_checkpoint_1.pkl", weights_only=False)["step"] for c in checkpoints
-    ]
-    if sig == signal.SIGKILL:  # the --save_freq checkpoints before the kill, then those of the resumed run
-        num_steps = json.loads((run / "args.json").read_text())["num_steps"]
-        assert checkpoints == [f"step_{s:06d}" for s in range(5, num_steps, 5)]
-        return
-    # the --save_freq one, then the one written at the step boundary on the signal, then the resumed run's
-    assert steps[0] == 5 and after <= steps[1] < 10 and steps[2:] == list(range(10, steps[-1] + 1, 5)), steps
-    signalled = run / "checkpoints" / f"step_{steps[1]:06d}"
-    assert f"resume from {signalled} with --resume" in output
-    assert (signalled / "model.safetensors").exists() and (signalled / "optimizer.bin").exists()
+    run, reference, output, stopped = assert_resumed_run_matches(script, flags, tmp_path, stop_after=after, sig=sig)
+    names = [int(name.removeprefix("step_")) for name in stopped]
+    if sig == signal.SIGKILL:  # the --save_freq checkpoints before the kill
+        assert names == [5, 10], stopped
+    else:  # the --save_freq one, then the one written at the step boundary on the signal
+        assert names[0] == 5 and after <= names[1] < 10 and len(names) == 2, stopped
+        assert f"resume from {run / 'checkpoints' / stopped[1]} with --resume" in output
+    # the resumed run goes on writing every 5 steps and keeps the newest --keep_checkpoints (3): the stopped run's go
+    checkpoints = sorted(p.name for p in (run / "checkpoints").iterdir())
+    num_steps = json.loads((run / "args.json").read_text())["num_steps"]
+    assert checkpoints == [f"step_{s:06d}" for s in range(5, num_steps, 5)][-3:]
+    for name in checkpoints:  # each holds the step of its name
+        progress = torch.load(run / "checkpoints" / name / "custom_checkpoint_1.pkl", weights_only=False)
+        assert f"step_{progress['step']:06d}" == name
+    # every file of the run may be read as the umask allows (safetensors alone would write 0600)
+    mask = os.umask(0)
+    os.umask(mask)
+    modes = {f: f.stat().st_mode & 0o777 for f in run.rglob("*") if f.is_file()}
+    assert {f.relative_to(run) for f, mode in modes.items() if mode != 0o666 & ~mask} == set()
+    assert any(f.name == "model.safetensors" for f in modes) and len(modes) > 20
     if script == "ppo_async.py":
         last = checkpoints[-1]
         assert (reference / "checkpoints" / last).is_dir()
@@ -223,7 +229,7 @@ STARTUP_SIGNALS = [
 def test_a_signal_while_the_engine_starts_stops_the_run_at_once(script, sig, to_group, starting, tmp_path):
     """vLLM's start-up swallows a KeyboardInterrupt and then waits 10 minutes for an engine that a Ctrl-C
     killed: the trainer stops the start-up itself, exits 128 + signal within 5 s, leaves no process behind,
-    and its folder (args.json, no metrics) does not hold a run that would refuse a plain re-run."""
+    and it leaves no run folder behind (it is written once the engine is up)."""
     run, log = tmp_path / "run", tmp_path / "output.log"
     with open(log, "w") as output:
         proc = subprocess.Popen(
@@ -258,9 +264,7 @@ def test_a_signal_while_the_engine_starts_stops_the_run_at_once(script, sig, to_
         assert not alive(list(seen)), f"left behind: {[seen[p] for p in seen if p[0] in alive(list(seen))]}"
         output = log.read_text()
         assert "TimeoutError" not in output and (to_group or "Traceback" not in output), output[-4000:]
-        module = importlib.import_module(script.removesuffix(".py"))
-        flags = vars(module.Args(output_dir=str(run)))
-        assert (run / "args.json").exists() and plumbing.checkpoint_to_resume(str(run), flags, False, 1) is None
+        assert not run.exists(), sorted(p.name for p in run.iterdir())
     finally:
         proc.kill()
         kill_all(list(seen))
@@ -323,3 +327,24 @@ def test_weights_folders_of_dead_trainers_are_removed(tmp_path):
         (tmp_path / name / "model.safetensors").write_bytes(b"weights")
     assert plumbing.remove_stale_weights_folders(str(tmp_path)) == [str(tmp_path / names[0])]
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted(names[1:])
+
+
+def test_orphaned_message_queues_and_semaphores_are_released_and_only_those(tmp_path):
+    """What a run killed with its resource tracker leaves in RAM: the next run's engine start unlinks the message queues
+    and semaphores that no process maps, once unchanged for `min_age`; a mapped one, a new one and files of other
+    kinds stay. The watchdog unlinks the queues its engine mapped (the resume test kills a whole process group)."""
+    import mmap
+
+    old = time.time() - 120
+    for name in ["psm_orphan", "sem.mp-orphan", "psm_mapped", "psm_new", "other"]:
+        (tmp_path / name).write_bytes(b"\0" * 4096)
+        if name != "psm_new":
+            os.utime(tmp_path / name, (old, old))
+    with open(tmp_path / "psm_mapped", "r+b") as file, mmap.mmap(file.fileno(), 4096):
+        released = plumbing.release_orphaned_shared_memory(folder=str(tmp_path), min_age=60)
+        assert sorted(released) == [str(tmp_path / "psm_orphan"), str(tmp_path / "sem.mp-orphan")]
+        assert sorted(p.name for p in tmp_path.iterdir()) == ["other", "psm_mapped", "psm_new"]
+        # a watchdog names its engine's queues: those go whatever their age, if unmapped
+        named = [str(tmp_path / name) for name in ("psm_new", "psm_mapped", "other")]
+        assert plumbing.release_orphaned_shared_memory(named, folder=str(tmp_path)) == [named[0], named[2]]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["psm_mapped"]

@@ -14,7 +14,8 @@ from conftest import ROOT
 FILES = ["online_dpo_async.py", "rloo_async.py", "ppo_async.py"]
 DIFFERENT = {
     "Args": "each algorithm's flags",
-    "check_algorithm_flags": "each algorithm's own flag checks and completions per prompt",
+    "ALGORITHM_DOMAINS": "the domains of each algorithm's own flags",
+    "completions_per_prompt": "DPO's --num_samples, RLOO's --rloo_k, PPO's one",
     "ROLLOUT_LOGPROBS": "whether rollouts carry the engine's logprobs: DPO's loss does not use them",
     "main": "each algorithm's training loop",
     "Targets": "what RLOO and PPO compute from a rollout before their update: different quantities",
