@@ -784,22 +784,11 @@ def started_processes(before: set[int]) -> list[psutil.Process]:
     return started
 
 
-def shared_memory_of(processes: list[psutil.Process]) -> list[str]:
-    """The POSIX shared memory segments (Python's psm_*) these processes map: vLLM's message queues."""
-    names = set()
-    for process in processes:
-        try:
-            names.update(os.path.basename(m.path) for m in process.memory_maps() if m.path.startswith("/dev/shm/psm_"))
-        except psutil.Error:
-            pass
-    return sorted(names)
-
-
-def release_shared_memory(names: list[str]) -> None:
-    """Unlink the message queues of the engine's processes, dead now: killed by their shutdown's timeout, they could not
-    (vLLM's scheduler unlinks its queue only after its worker exits, seconds later). This also tells Python's resource
-    tracker, which would otherwise unlink them at exit with a "leaked shared_memory objects" warning."""
-    for name in names:
+def release_shared_memory(paths: list[str]) -> None:
+    """Unlink the message queues (psm_*) of the engine's processes, dead now: killed by their shutdown's timeout, they
+    could not (vLLM's scheduler unlinks its queue only after its worker exits, seconds later). This also tells Python's
+    resource tracker, which would otherwise unlink them at exit with a "leaked shared_memory objects" warning."""
+    for name in [os.path.basename(path) for path in paths if os.path.basename(path).startswith("psm_")]:
         try:
             segment = shared_memory.SharedMemory(name=name)
         except FileNotFoundError:
@@ -808,27 +797,44 @@ def release_shared_memory(names: list[str]) -> None:
         segment.unlink()
 
 
+def mapped_inodes(folder: str = "/dev/shm", pids: list[int] | None = None) -> set[int]:
+    """The inodes of the files in `folder` that these processes (None: any process) map. By inode, not name: glibc
+    creates a named semaphore under a temporary name and then links it to its own, so the maps show the temporary
+    name, deleted."""
+    maps_files = Path("/proc").glob("[0-9]*/maps") if pids is None else [Path(f"/proc/{pid}/maps") for pid in pids]
+    inodes = set()
+    for maps in maps_files:
+        try:
+            inodes.update(int(line.split()[4]) for line in maps.read_text().splitlines() if f" {folder}/" in line)
+        except OSError:
+            pass  # a process gone, or not ours
+    return inodes
+
+
+def shared_memory_files(processes: list[psutil.Process], folder: str = "/dev/shm") -> list[str]:
+    """The message queues (psm_*) and multiprocessing's named semaphores (sem.mp-*) in `folder` that these processes
+    map: what their resource trackers would unlink at exit."""
+    inodes = mapped_inodes(folder, [process.pid for process in processes])
+    paths = [p for pattern in ("psm_*", "sem.mp-*") for p in Path(folder).glob(pattern)]
+    return sorted(str(p) for p in paths if p.exists() and p.stat().st_ino in inodes)
+
+
 def release_orphaned_shared_memory(
     paths: list[str] | None = None, folder: str = "/dev/shm", min_age: float = 60
 ) -> list[str]:
     """Unlink the message queues (psm_*) and multiprocessing's named semaphores (sem.mp-*) that no process maps any
-    more: what a run killed together with its resource tracker (SIGKILL to its process group, the out-of-memory
-    killer) leaves in RAM until the machine reboots (400 MiB an engine). `paths`: these (an engine's own queues), of
-    any age; None: every such file of ours in `folder` unchanged for `min_age` seconds (a queue in use is written to,
-    a newer one may belong to a run still starting). Returns what was unlinked."""
-    mapped = set()
-    for maps in Path("/proc").glob("[0-9]*/maps"):
-        try:
-            mapped.update(line.split()[-1] for line in maps.read_text().splitlines() if folder in line)
-        except OSError:
-            pass  # a process gone, or not ours
+    more: what a run killed together with its resource trackers (SIGKILL to its process group, the out-of-memory
+    killer) leaves in RAM until the machine reboots (400 MiB an engine). `paths`: these (an engine's own), of any age;
+    None: every such file of ours in `folder` unchanged for `min_age` seconds (a queue in use is written to, a newer
+    one may belong to a run still starting). Returns what was unlinked."""
+    mapped = mapped_inodes(folder)
     if paths is None:
         paths = [str(p) for pattern in ("psm_*", "sem.mp-*") for p in Path(folder).glob(pattern)]
         paths = [p for p in paths if os.stat(p).st_uid == os.getuid() and time.time() - os.stat(p).st_mtime > min_age]
     released = []
     for path in paths:
         try:
-            if path not in mapped:
+            if os.stat(path).st_ino not in mapped:
                 os.unlink(path)
                 released.append(path)
         except OSError:
@@ -836,12 +842,12 @@ def release_orphaned_shared_memory(
     return released
 
 
-# The watchdog (`python -c`, with dead_processes, kill_process_trees and release_orphaned_shared_memory): it blocks
+# The watchdog (`python -c`, with dead_processes, kill_process_trees, mapped_inodes, release_orphaned_shared_memory): it blocks
 # reading a pipe whose only write end the trainer holds. When the trainer dies, however it dies (kill -9 of it or of its
 # process group included), the pipe closes: it then kills the engine's processes, which would live on re-parented to
-# init, removes the weights folder and unlinks the engine's message queues (the resource tracker that would have may
-# be dead too). Its input, one JSON line: the processes as [pid, create time] (the time guards against a re-used pid),
-# the folder, the queues' paths.
+# init, removes the weights folder and unlinks the message queues and semaphores of the trainer and its engine (the
+# resource trackers that would have may be dead too). Its input, one JSON line: the processes as [pid, create time]
+# (the time guards against a re-used pid), the folder, the shared memory files' paths.
 WATCHDOG = """
 todo, processes = json.loads(sys.stdin.read()), []
 for pid, create_time in todo["processes"]:
@@ -852,15 +858,15 @@ for pid, create_time in todo["processes"]:
         pass
 kill_process_trees(processes)
 shutil.rmtree(todo["folder"], ignore_errors=True)
-release_orphaned_shared_memory(todo["segments"])
+release_orphaned_shared_memory(todo["shared_memory"])
 """
 
 
-def start_watchdog(processes: list[psutil.Process], folder: str, segments: list[str]) -> subprocess.Popen:
+def start_watchdog(processes: list[psutil.Process], folder: str, shared_memory: list[str]) -> subprocess.Popen:
     """A process of its own session (a Ctrl-C to the terminal does not reach it) that cleans up after a trainer that
     died without doing so; closing its stdin lets it go. Started after the engine, whose processes must not hold the
     pipe's write end."""
-    functions = (dead_processes, kill_process_trees, release_orphaned_shared_memory)
+    functions = (dead_processes, kill_process_trees, mapped_inodes, release_orphaned_shared_memory)
     code = "\n".join(["import json, os, shutil, sys, time", "from pathlib import Path", "import psutil"])
     code += "\n" + "\n".join(inspect.getsource(function) for function in functions) + WATCHDOG
     watchdog = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, start_new_session=True, text=True)
@@ -870,8 +876,8 @@ def start_watchdog(processes: list[psutil.Process], folder: str, segments: list[
             pids.append([process.pid, process.create_time()])
         except psutil.Error:
             pass
-    segments = [f"/dev/shm/{name}" for name in segments]
-    watchdog.stdin.write(json.dumps({"processes": pids, "folder": folder, "segments": segments}) + "\n")
+    todo = {"processes": pids, "folder": folder, "shared_memory": shared_memory}
+    watchdog.stdin.write(json.dumps(todo) + "\n")
     watchdog.stdin.flush()
     return watchdog
 
@@ -916,7 +922,7 @@ class StopSignals:
 class Engine(NamedTuple):
     llm: "LLM"
     processes: list[psutil.Process]
-    segments: list[str]  # their shared memory
+    shared_memory: list[str]  # the files in /dev/shm it and the trainer map
     weights_dir: str  # a RAM-backed folder for the weights (CPUs)
     watchdog: subprocess.Popen
     started: float  # time.perf_counter() once it was up: the timeline's origin
@@ -935,9 +941,9 @@ def start_engine(model: str, placement: Placement, signals: StopSignals, cores: 
         remove_stale_weights_folders(ram)
         release_orphaned_shared_memory()  # what runs killed with their watchdog left
         weights_dir = signals.weights_dir = tempfile.mkdtemp(prefix=f"policy-weights-{os.getpid()}-", dir=ram)
-        segments = shared_memory_of(processes)
-        watchdog = start_watchdog(processes, weights_dir, segments)
-    return Engine(llm, processes, segments, weights_dir, watchdog, time.perf_counter())
+        shared_memory = shared_memory_files([psutil.Process(), *processes])
+        watchdog = start_watchdog(processes, weights_dir, shared_memory)
+    return Engine(llm, processes, shared_memory, weights_dir, watchdog, time.perf_counter())
 
 
 def stop_engine(engine: Engine | None, thread, stop) -> None:
@@ -952,7 +958,7 @@ def stop_engine(engine: Engine | None, thread, stop) -> None:
     # The engine's worker outlives its scheduler process, killed after 1 s, by seconds (a garbage collection), and
     # their message queues stay in shared memory: end both.
     kill_process_trees(engine.processes)
-    release_shared_memory(engine.segments)
+    release_shared_memory(engine.shared_memory)
     shutil.rmtree(engine.weights_dir, ignore_errors=True)
     engine.watchdog.stdin.close()  # nothing is left for it to clean up: it exits
     try:

@@ -326,7 +326,7 @@ def start_and_stop(
     """Start a run and, once it has logged `after_steps` training steps, send `sig` to the trainer (SIGKILL: to its
     whole process group, the engine and the resource trackers that would unlink the engine's message queues included,
     like the out-of-memory killer or a job scheduler; the watchdog, in a session of its own, is left to clean up: no
-    process and none of the message queues in RAM outlive the run). Returns exit code and output."""
+    process and none of the message queues or semaphores in /dev/shm outlive the run). Returns exit code and output."""
     import signal
     import time
 
@@ -346,14 +346,16 @@ def start_and_stop(
             )
             time.sleep(0.05)
         family = [psutil.Process(proc.pid), *psutil.Process(proc.pid).children(recursive=True)]
-        segments = plumbing.shared_memory_of(family)
+        shared_memory = plumbing.shared_memory_files(family)
         if sig == signal.SIGKILL:
             os.killpg(proc.pid, sig)
         else:
             proc.send_signal(sig)
         output, _ = proc.communicate(timeout=120)
         assert not psutil.wait_procs(family[1:], timeout=15)[1], "processes left behind"
-        assert segments and not [s for s in segments if os.path.exists(f"/dev/shm/{s}")], "message queues left in RAM"
+        # vLLM's message queues and a multiprocessing lock's semaphore
+        assert any("/psm_" in path for path in shared_memory) and any("/sem.mp-" in p for p in shared_memory)
+        assert [path for path in shared_memory if os.path.exists(path)] == [], "shared memory left in RAM"
         return proc.returncode, output
     finally:
         for process in family:

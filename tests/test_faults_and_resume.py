@@ -330,21 +330,35 @@ def test_weights_folders_of_dead_trainers_are_removed(tmp_path):
 
 
 def test_orphaned_message_queues_and_semaphores_are_released_and_only_those(tmp_path):
-    """What a run killed with its resource tracker leaves in RAM: the next run's engine start unlinks the message queues
-    and semaphores that no process maps, once unchanged for `min_age`; a mapped one, a new one and files of other
-    kinds stay. The watchdog unlinks the queues its engine mapped (the resume test kills a whole process group)."""
+    """What a run killed with its resource trackers leaves in RAM: the next run's engine start unlinks the message
+    queues and semaphores that no process maps, once unchanged for `min_age`; a mapped one (a semaphore mapped under
+    the temporary name glibc created it with included), a new one and files of other kinds stay. The watchdog unlinks
+    the files its trainer and engine mapped (the resume test kills a whole process group)."""
     import mmap
 
     old = time.time() - 120
-    for name in ["psm_orphan", "sem.mp-orphan", "psm_mapped", "psm_new", "other"]:
+    for name in ["psm_orphan", "sem.mp-orphan", "psm_mapped", "sem.Xy12ab", "psm_new", "other"]:
         (tmp_path / name).write_bytes(b"\0" * 4096)
         if name != "psm_new":
             os.utime(tmp_path / name, (old, old))
-    with open(tmp_path / "psm_mapped", "r+b") as file, mmap.mmap(file.fileno(), 4096):
+    with (
+        open(tmp_path / "psm_mapped", "r+b") as queue,
+        mmap.mmap(queue.fileno(), 4096),
+        open(tmp_path / "sem.Xy12ab", "r+b") as semaphore,
+        mmap.mmap(semaphore.fileno(), 4096),
+    ):
+        os.link(tmp_path / "sem.Xy12ab", tmp_path / "sem.mp-mapped")  # as sem_open does: the maps name sem.Xy12ab
+        os.unlink(tmp_path / "sem.Xy12ab")
+        os.utime(tmp_path / "sem.mp-mapped", (old, old))
+        assert plumbing.shared_memory_files([psutil.Process()], str(tmp_path)) == [
+            str(tmp_path / "psm_mapped"),
+            str(tmp_path / "sem.mp-mapped"),
+        ]
         released = plumbing.release_orphaned_shared_memory(folder=str(tmp_path), min_age=60)
         assert sorted(released) == [str(tmp_path / "psm_orphan"), str(tmp_path / "sem.mp-orphan")]
-        assert sorted(p.name for p in tmp_path.iterdir()) == ["other", "psm_mapped", "psm_new"]
-        # a watchdog names its engine's queues: those go whatever their age, if unmapped
-        named = [str(tmp_path / name) for name in ("psm_new", "psm_mapped", "other")]
-        assert plumbing.release_orphaned_shared_memory(named, folder=str(tmp_path)) == [named[0], named[2]]
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["psm_mapped"]
+        assert sorted(p.name for p in tmp_path.iterdir()) == ["other", "psm_mapped", "psm_new", "sem.mp-mapped"]
+        # a watchdog names the files: those go whatever their age, if unmapped
+        named = [str(tmp_path / name) for name in ("psm_new", "psm_mapped", "sem.mp-mapped", "other")]
+        assert plumbing.release_orphaned_shared_memory(named, folder=str(tmp_path)) == [named[0], named[3]]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["psm_mapped", "sem.mp-mapped"]
+    assert plumbing.release_orphaned_shared_memory(named, folder=str(tmp_path)) == named[1:3]  # unmapped now
