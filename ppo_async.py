@@ -675,11 +675,13 @@ def get_or_raise(q: queue.Queue, channels: Channels, engine_processes=(), interr
     (vLLM's client can then wait forever). Returns None once `interrupt` is non-empty (a SIGTERM / Ctrl-C)."""
     while not interrupt:
         if channels.error:
-            raise RuntimeError(f"the generation thread failed: {channels.error[0]!r}") from channels.error[0]
+            error = channels.error[0]
+            raise RuntimeError(f"the generation thread failed: {type(error).__name__}: {error}") from error
         if channels.stop.is_set():
             raise SystemExit("stopped")
         if dead := plumbing.dead_processes(engine_processes):
-            raise RuntimeError(f"the generation engine's process(es) {dead} died")
+            why = "a crash prints its traceback above; none: killed from outside, e.g. by the out-of-memory killer"
+            raise RuntimeError(f"the generation engine's process(es) {dead} died ({why})")
         try:
             return q.get(timeout=timeout)
         except queue.Empty:

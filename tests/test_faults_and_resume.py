@@ -49,6 +49,10 @@ def test_a_fault_surfaces_promptly_and_shuts_the_engine_down(script, fault, tmp_
     code, output, seconds, children = run_with_fault(script, fault, SMALL, tmp_path)
     print(f"{script} {fault}: exit {code} {seconds:.1f} s after the fault")
     assert code not in (0, None) and "Traceback" in output and "injected test fault in" in output, output[-3000:]
+    # after the traceback, one line saying what failed (the generation thread's failure is the trainer's error)
+    last = output.strip().splitlines()[-1]
+    where = "the generation thread failed: RuntimeError: " if fault.startswith("generation") else ""
+    assert last.startswith(f"error: {where}injected test fault in "), last
     assert seconds < PROMPTLY, output[-3000:]
     assert children, "the engine should have been started"
     assert not psutil.wait_procs(children, timeout=10)[1], "processes left behind"
@@ -62,6 +66,7 @@ def test_a_nan_loss_stops_the_run_and_keeps_the_last_good_checkpoint(script, tmp
     logged or checkpointed, naming the last good checkpoint, and its processes are gone."""
     code, output, _, children = run_with_fault(script, "nan_loss:5", [*SMALL, "--save_freq", "2"], tmp_path)
     assert code not in (0, None) and "loss is nan at step 5" in output, output[-3000:]
+    assert output.strip().splitlines()[-1].startswith("error: loss is nan at step 5"), output[-3000:]
     assert f"the last good one is {tmp_path}/checkpoints/step_000004" in output
     assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step_000002", "step_000004"]
     train, _ = read_metrics(tmp_path)
@@ -96,6 +101,7 @@ def test_a_nan_score_stops_the_run_at_its_step_before_it_trains(tmp_path):
     num_completions = json.loads((tmp_path / "args.json").read_text())["episodes_per_step"]
     message = f"reward model --reward_model_path {TINY / 'reward'} gave nan/inf scores at step 3 (1 of {num_completions} completions: nan)"
     assert code not in (0, None) and f"RuntimeError: {message}" in output, output[-3000:]
+    assert output.strip().splitlines()[-1] == f"error: {message}"  # after the traceback, the one line that matters
     train, _ = read_metrics(tmp_path)
     assert [m["step"] for m in train] == [0, 1, 2]  # step 3 is neither trained nor logged
     assert not (tmp_path / "policy").exists()
