@@ -3,8 +3,11 @@ the signals and watchdog that stop them; the run folder, checkpoints and resume;
 files; FLOP counting; the tests' fault hooks. Every function takes plain values, so nothing imports in a circle, and
 a fork of an algorithm file uses this module unchanged. What each algorithm does is in its own file (docs/)."""
 
+import ast
+import dataclasses
 import gc
 import inspect
+import io
 import json
 import logging
 import os
@@ -14,17 +17,20 @@ import signal
 import subprocess
 import sys
 import tempfile
+import textwrap
 import time
+import tokenize
 import traceback
 import warnings
 from contextlib import contextmanager
 from multiprocessing import shared_memory
 from pathlib import Path
-from typing import TYPE_CHECKING, NamedTuple
+from typing import TYPE_CHECKING, Annotated, NamedTuple
 
 import numpy as np
 import psutil
 import torch
+import tyro
 from accelerate import Accelerator, PartialState
 from accelerate.utils import broadcast_object_list, gather_object, parse_flag_from_env
 from safetensors.torch import load_file, save_file
@@ -58,6 +64,67 @@ def quiet_known_noise() -> None:
 
 
 quiet_known_noise()
+
+
+# == Command line =====================================================================================================
+def flag_sections(cls: type) -> list[tuple[str, list[tuple[str, str]]]]:
+    """The sections of the dataclass `cls`'s body as [(title, [(field, help)])]: a section starts at the first field or
+    after a blank line, with a comment line naming it; a field's help is its trailing comment, or the comment lines
+    right above it."""
+    source = textwrap.dedent(inspect.getsource(cls))
+    lines = source.splitlines()
+    comments = {
+        token.start[0]: token.string.lstrip("#").strip()
+        for token in tokenize.generate_tokens(io.StringIO(source).readline)
+        if token.type == tokenize.COMMENT
+    }
+    sections = []
+    for node in ast.parse(source).body[0].body:
+        if isinstance(node, ast.AnnAssign):
+            trailing = [comments[n] for n in range(node.lineno, node.end_lineno + 1) if n in comments]
+            above, line = [], node.lineno - 1
+            while line in comments and lines[line - 1].lstrip().startswith("#"):
+                above, line = [comments[line], *above], line - 1
+            if not sections or not lines[line - 1].strip():
+                sections.append((above.pop(0), []))
+            sections[-1][1].append((node.target.id, " ".join(above + trailing)))
+    return sections
+
+
+def parse_args(cls: type, doc: str, args: list[str] | None = None):
+    """tyro's command line of the dataclass `cls`, its --help in the class's sections (flag_sections) and headed by
+    the first paragraph of `doc`. Returns a `cls`."""
+    fields = {field.name: field for field in dataclasses.fields(cls)}
+    groups = []
+    for title, flags in flag_sections(cls):
+        members = [
+            (
+                name,
+                Annotated[fields[name].type, tyro.conf.arg(help=text)],
+                dataclasses.field(default=fields[name].default),
+            )
+            for name, text in flags
+        ]
+        groups.append(dataclasses.make_dataclass(title, members))
+    command_line = dataclasses.make_dataclass(
+        cls.__name__,
+        [
+            (
+                f"group{i}",
+                Annotated[group, tyro.conf.OmitArgPrefixes, tyro.conf.arg(name=group.__name__)],
+                dataclasses.field(default_factory=group),
+            )
+            for i, group in enumerate(groups)
+        ],
+    )
+    description = doc.strip().split("\n\n")[0] + "\n\n" + NONE_FLAGS
+    parsed = tyro.cli(command_line, args=args, description=description, use_underscores=True)
+    return cls(
+        **{name: value for i in range(len(groups)) for name, value in vars(getattr(parsed, f"group{i}")).items()}
+    )
+
+
+NONE_FLAGS = "A flag shown {None}|INT (STR, FLOAT) is optional: left out, it is None, which its text explains."
 
 
 # == Bad input ========================================================================================================

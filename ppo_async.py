@@ -23,7 +23,6 @@ from typing import TYPE_CHECKING, Literal, NamedTuple
 
 import numpy as np
 import torch
-import tyro
 from accelerate import Accelerator
 from accelerate.utils import broadcast_object_list
 from datasets import load_dataset
@@ -54,52 +53,63 @@ GSM8K_ANSWER = re.compile(r"#### (\-?[0-9\.\,]+)")
 # == Arguments ========================================================================================================
 @dataclass
 class Args:
-    # common
-    exp_name: str = "ppo_async"  # name of this experiment (part of the run name)
-    seed: int = 1  # seed of the prompt order, sampling and initialisation
-    output_dir: str | None = None  # metrics, TensorBoard logs, checkpoints, final policy (None: runs/<run name>)
-    track: bool = False  # log to Weights & Biases (WANDB_MODE=offline on machines without network)
-    wandb_project: str = "async-rlhf"  # wandb project
-    wandb_entity: str | None = None  # wandb entity (team)
+    # run
+    exp_name: str = "ppo_async"  # name of the experiment: runs are named <exp_name>__<seed>__<unix time>
+    seed: int = 1  # seed of the prompt order, the sampling and the initialisation: same seed and flags, same run
+    # the run's folder: metrics, TensorBoard logs, checkpoints, final policy (None: runs/<run name>)
+    output_dir: str | None = None
+    track: bool = False  # also log to Weights & Biases (WANDB_MODE=offline on machines without network)
+    wandb_project: str = "async-rlhf"  # Weights & Biases project, with --track
+    wandb_entity: str | None = None  # Weights & Biases team or user, with --track (None: wandb's default for you)
 
-    # data and models (local paths or hub ids)
+    # data and models (local folders or files, or hub ids)
     task: Literal["tiny", "tldr", "no_robots", "gsm8k"] = "tiny"  # prompt format, reward and evaluation (docs/tasks.md)
-    dataset_name: str = str(TINY_TASK / "data")  # a hub dataset id, a local dataset folder or a .jsonl/.json/.parquet
-    dataset_config: str | None = None  # config name of the dataset (`main` for openai/gsm8k)
+    # the prompts: a hub dataset id, a local dataset folder, or a .jsonl/.json/.parquet file
+    dataset_name: str = str(TINY_TASK / "data")
+    dataset_config: str | None = None  # the dataset's config, e.g. `main` for openai/gsm8k (None: its default)
     dataset_train_split: str = "train"  # split whose prompts are trained on
     dataset_eval_split: str = "test"  # split whose prompts (and reference responses) are evaluated on
-    num_eval_prompts: int | None = None  # evaluate on the first this many eval prompts (None: all)
-    sft_model_path: str = str(TINY_TASK / "sft")  # initial policy; also the frozen reference policy
-    # proxy reward model trained on (one-label sequence classifier); also the value model's start (gsm8k: none, the
+    num_eval_prompts: int | None = None  # evaluate on the first this many prompts of the eval split (None: all)
+    sft_model_path: str = str(TINY_TASK / "sft")  # initial policy, also the frozen reference policy
+    # proxy reward model trained on (a one-label sequence classifier); also the value model's start (gsm8k: none, the
     # value model starts from the SFT policy)
     reward_model_path: str = str(TINY_TASK / "reward")
-    # evaluation-only judge: `tiny` (the tiny task's exact scorer; none on other tasks) or a reward model (not gsm8k)
+    # evaluation-only judge: `tiny` (the tiny task's exact scorer; no other task) or a reward model (not gsm8k, which
+    # its verifier judges)
     gold_judge: str = "tiny"
     trust_remote_code: bool = False  # allow model repositories to run their own code
-    max_prompt_length: int = 12  # prompts longer than this many tokens are dropped (the count is printed)
-    response_length: int = 12  # maximum number of generated tokens per completion
+    max_prompt_length: int = 12  # in tokens: longer prompts are dropped (how many is printed)
+    # in tokens: the most a completion generates (one cut there has no EOS: --missing_eos_penalty)
+    response_length: int = 12
 
-    # batch sizes (in prompts; each prompt gets one completion)
-    total_episodes: int = 12800  # prompt-completion pairs to sample (one per prompt); sets the number of steps
+    # batch sizes (in prompts; each gets one completion)
+    # completions sampled over the run, which sets its number of steps: a multiple of the completions per step,
+    # local_micro_batch_size x gradient_accumulation_steps x num_mini_batches x processes
+    total_episodes: int = 12800
     local_micro_batch_size: int = 32  # prompts per forward/backward pass on one process
     gradient_accumulation_steps: int = 1  # micro-batches accumulated into one optimizer step
-    num_mini_batches: int = 1  # N: mini-batches per generated batch, N optimizer steps (paper section 3.2)
-    num_ppo_epochs: int = 1  # T: passes over each generated batch (paper section 4.1)
-    local_rollout_forward_batch_size: int = 64  # sequences per no-grad forward (reward, reference, old logprobs/values)
+    num_mini_batches: int = 1  # N: mini-batches per step's batch, an optimizer step each (paper section 3.2)
+    num_ppo_epochs: int = 1  # T: passes over each step's batch (paper section 4.1)
+    # sequences per no-grad forward on one process (reward, reference, old logprobs and values)
+    local_rollout_forward_batch_size: int = 64
 
     # optimisation
-    learning_rate: float = 1e-4  # initial learning rate of the policy and the value model (see --lr_schedule)
-    lr_schedule: Literal["linear", "constant"] = "linear"  # linear: to 0 over all updates; constant: GSM8k's
-    adam_epsilon: float = 1e-5  # AdamW epsilon
+    learning_rate: float = 1e-4  # AdamW's initial learning rate of the policy and the value model (see --lr_schedule)
+    # linear: to 0 over the run's optimizer steps (the paper's TLDR, No Robots); constant: GSM8k's (table 10)
+    lr_schedule: Literal["linear", "constant"] = "linear"
+    adam_epsilon: float = 1e-5  # AdamW's epsilon
 
-    # generation / async
-    async_level: int = 1  # k: step n trains on a batch from policy version max(0, n - k); 0 is on-policy
-    temperature: float = 0.7  # sampling temperature (gsm8k evaluates greedily); logprobs divide logits by it
-    vllm_dtype: Literal["auto", "float32", "bfloat16"] = "auto"  # engine's weights (auto: --dtype's)
+    # generation and the engine
+    # k: step n trains on completions sampled by policy version max(0, n - k), k steps old; 0: on-policy (synchronous)
+    async_level: int = 1
+    # sampling temperature (gsm8k evaluates greedily); the trainer's logprobs divide the logits by it too
+    temperature: float = 0.7
+    vllm_dtype: Literal["auto", "float32", "bfloat16"] = "auto"  # the engine's weights (auto: --dtype's)
     # GPU of the engine: separate = the one after the N training GPUs (the paper's split), shared = rank 0's,
     # within --vllm_gpu_memory_utilization; auto = separate when N + 1 GPUs are visible (docs/gpus.md)
     vllm_placement: Literal["auto", "separate", "shared"] = "auto"
-    vllm_gpu_memory_utilization: float | None = None  # engine's share of its GPU (None: 0.9 own GPU, 0.3 shared)
+    # the engine's share of its GPU's memory (None: 0.9 of a GPU of its own, 0.3 of a shared one)
+    vllm_gpu_memory_utilization: float | None = None
     vllm_enforce_eager: bool = False  # run the engine without CUDA graphs (always so on CPUs)
 
     # trainer numerics and memory
@@ -108,8 +118,10 @@ class Args:
     dtype: Literal["auto", "float32", "bfloat16"] = "auto"
     gradient_checkpointing: bool = False  # recompute activations in the backward pass: less memory, ~1/3 more compute
 
-    # algorithm
-    kl_coef: float = 0.05  # beta of the per-token reward -beta (log pi_old - log pi_ref) (initial, with --adaptive_kl)
+    # PPO
+    # beta of the per-token reward -beta (log pi_old - log pi_ref), the initial one with --adaptive_kl (0: no KL
+    # penalty)
+    kl_coef: float = 0.05
     adaptive_kl: bool = False  # adapt kl_coef after each step so the KL tracks kl_target (Ziegler et al. 2019)
     kl_target: float = 6.0  # --adaptive_kl: target of the sequence KL sum_t (log pi_old - log pi_ref)
     kl_horizon: int = 10000  # --adaptive_kl: horizon in episodes of the controller (docs/algorithms.md)
@@ -126,13 +138,13 @@ class Args:
     missing_eos_penalty: float = -3.0  # score of a completion without EOS (not gsm8k: its table 10 has none)
 
     # evaluation and checkpoints
-    eval_freq: int = 25  # evaluate every this many steps (and at step 0 and at the end)
-    save_freq: int = 0  # checkpoint every this many steps (0: none; one is also written on SIGTERM / Ctrl-C)
-    keep_checkpoints: int = (
-        3  # the newest checkpoints kept; older ones are deleted (the newest, which --resume reads, never)
-    )
-    resume: bool = False  # continue the run in --output_dir from its latest checkpoint (none: start over)
-    num_sample_completions: int = 4  # eval completions printed and logged as a table at each evaluation
+    eval_freq: int = 25  # evaluate every this many steps, and at step 0 and at the end (0: at step 0 and the end only)
+    # checkpoint every this many steps (0: none on a schedule; one is also written on SIGTERM / Ctrl-C)
+    save_freq: int = 0
+    # the checkpoints kept, the newest; older ones are deleted (never the newest, which --resume reads)
+    keep_checkpoints: int = 3
+    resume: bool = False  # continue the run in --output_dir from its newest checkpoint (none there: start over)
+    num_sample_completions: int = 4  # eval completions printed and logged as a table at each evaluation (0: none)
 
 
 class Sizes(NamedTuple):
@@ -1464,4 +1476,4 @@ def main(args: Args) -> None:
 
 
 if __name__ == "__main__":
-    plumbing.run(main, tyro.cli(Args, use_underscores=True))
+    plumbing.run(main, plumbing.parse_args(Args, __doc__))

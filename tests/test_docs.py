@@ -332,3 +332,100 @@ def test_the_flag_domains_in_the_docs_are_the_checked_ones():
     text = DOCS[ROOT / "docs" / "flags.md"]
     shown = text.split("<!-- flag-domains -->\n")[1].split("\n<!-- end of flag domains -->")[0]
     assert shown == domain_table(), "paste tests/test_docs.py's domain_table() into docs/flags.md"
+
+
+SCRIPTS = {name: importlib.import_module(name) for name in ("online_dpo_async", "rloo_async", "ppo_async")}
+ALGORITHM_SECTIONS = {"online_dpo_async": "online DPO", "rloo_async": "RLOO", "ppo_async": "PPO"}
+# shared flags whose text says what differs between the algorithms: completions per prompt, the value model
+SAID_PER_FILE = {"exp_name", "total_episodes", "local_rollout_forward_batch_size", "learning_rate"}
+SAID_PER_FILE |= {"reward_model_path", "dtype"}
+
+
+@dataclasses.dataclass
+class Example:
+    # first
+    a: int = 1  # a's help
+
+    # second (with a note)
+    # b's help, on
+    # two lines
+    b: str | None = None
+    c: bool = False  # c's
+
+
+def test_flag_sections_read_the_titles_and_helps_of_the_class_body():
+    assert plumbing.flag_sections(Example) == [
+        ("first", [("a", "a's help")]),
+        ("second (with a note)", [("b", "b's help, on two lines"), ("c", "c's")]),
+    ]
+    assert plumbing.parse_args(Example, "Doc.\n\nMore.", ["--b", "x", "--c"]) == Example(1, "x", True)
+
+
+@pytest.mark.parametrize("name", SCRIPTS)
+def test_the_grouped_command_line_reads_flags_as_tyro_reads_the_flat_args(name):
+    import tyro
+
+    module = SCRIPTS[name]
+    for flags in [[], ["--seed", "3", "--track", "--output_dir", "x", "--num_eval_prompts", "8"], ["--resume"]]:
+        expected = tyro.cli(module.Args, args=flags, use_underscores=True)
+        assert plumbing.parse_args(module.Args, module.__doc__, flags) == expected
+
+
+def test_help_is_grouped_the_same_way_in_the_three_files_and_says_what_every_flag_means():
+    """--help's groups are Args' sections, in the same order in the three files (the algorithm's own section is
+    named after it); a flag the files share has the same section and text (except SAID_PER_FILE); every flag has a
+    text, an optional one says what None means, and one whose domain starts at 0 says what 0 means."""
+    sections = {name: plumbing.flag_sections(module.Args) for name, module in SCRIPTS.items()}
+    titles = {name: [title for title, _ in s] for name, s in sections.items()}
+    for name, names in titles.items():
+        assert names[:2] + names[3:] == [
+            "run",
+            "data and models (local folders or files, or hub ids)",
+            "optimisation",
+            "generation and the engine",
+            "trainer numerics and memory",
+            ALGORITHM_SECTIONS[name],
+            "evaluation and checkpoints",
+        ]
+        assert names[2].startswith("batch sizes (in prompts; each gets "), names[2]
+    where = {}  # flag -> {(section index, help)}
+    for name, module in SCRIPTS.items():
+        domains = module.FLAG_DOMAINS | module.ALGORITHM_DOMAINS
+        for index, (title, flags) in enumerate(sections[name]):
+            for flag, text in flags:
+                assert text, f"{name} --{flag} has no help"
+                default = {f.name: f.default for f in dataclasses.fields(module.Args)}[flag]
+                if default is None:
+                    assert "(None: " in text, f"{name} --{flag}: what does None mean?"
+                if domains.get(flag, ("",))[0] == ">= 0" and flag != "seed":
+                    assert "0: " in text, f"{name} --{flag}: what does 0 mean?"
+                if title != ALGORITHM_SECTIONS[name]:
+                    where.setdefault(flag, set()).add((index, None if flag in SAID_PER_FILE else text))
+    assert {flag: w for flag, w in where.items() if len(w) > 1} == {}
+    for name in SCRIPTS:
+        total_episodes = dict(sections[name][2][1])["total_episodes"]
+        assert "a multiple of the completions per step" in total_episodes, total_episodes
+
+
+@pytest.mark.parametrize("script", sorted(p.name for p in ROOT.glob("*_async.py")))
+def test_help_shows_each_section_as_a_box_of_its_flags(script):
+    boxes = re.findall(r"╭─ ([^\n]+?) options ─+╮\n(.*?)╰", help_text(script), re.S)
+    shown = [(title, re.findall(r"^│ --(\w+)", body, re.M)) for title, body in boxes if title != "options"]
+    module = SCRIPTS[script.removesuffix(".py")]
+    assert shown == [(title, [flag for flag, _ in flags]) for title, flags in plumbing.flag_sections(module.Args)]
+    assert "{None}|INT (STR, FLOAT) is optional" in help_text(script)
+
+
+def test_the_docs_list_the_flags_by_the_help_groups():
+    """docs/flags.md's list: a bullet per --help group, **its title** (the algorithm sections: one per file), with
+    exactly that group's flags."""
+    text = DOCS[ROOT / "docs" / "flags.md"]
+    listed = text.split("## Flag groups")[1].split("\n\n## ")[0]
+    bullets = re.findall(r"^- \*\*(.+?)\*\*(.*?)(?=^- |\Z)", listed, re.M | re.S)
+    documented = [(title, sorted(set(re.findall(r"`--(\w+)`", body)))) for title, body in bullets]
+    expected = {}
+    for module in SCRIPTS.values():
+        for title, flags in plumbing.flag_sections(module.Args):
+            title = title.split(" (")[0]
+            expected[title] = sorted(set(expected.get(title, [])) | {flag for flag, _ in flags})
+    assert len(documented) == len(dict(documented)) and dict(documented) == expected
