@@ -909,44 +909,47 @@ def release_orphaned_shared_memory(
     return released
 
 
-# The watchdog (`python -c`, with dead_processes, kill_process_trees, mapped_inodes, release_orphaned_shared_memory): it blocks
-# reading a pipe whose only write end the trainer holds. When the trainer dies, however it dies (kill -9 of it or of its
-# process group included), the pipe closes: it then kills the engine's processes, which would live on re-parented to
-# init, removes the weights folder and unlinks the message queues and semaphores of the trainer and its engine (the
-# resource trackers that would have may be dead too). Its input, one JSON line: the processes as [pid, create time]
-# (the time guards against a re-used pid), the folder, the shared memory files' paths.
+# The watchdog (`python -c`, with the functions WATCHDOG_FUNCTIONS names), started before the engine. It watches the
+# trainer's children (a second apart) and the shared memory files they and the trainer map, and blocks reading a pipe
+# whose only write end the trainer holds. If the trainer dies, however it dies (kill -9 of it or of its process group
+# included, during the engine's start too), the pipe closes: it then kills those children, which would live on
+# re-parented to init (an engine holding its GPU), removes the weights folder, lets the trainer's resource tracker
+# (if alive) unlink what it knows of and unlinks the rest of those files, unmapped now. Its input, a line each: the
+# weights folder as JSON, then "done" when the trainer stopped its engine itself (it exits).
 WATCHDOG = """
-todo, processes = json.loads(sys.stdin.read()), []
-for pid, create_time in todo["processes"]:
+trainer, watched, trackers, files, folder, received = psutil.Process(os.getppid()), {}, {}, set(), None, b""
+while True:
+    if select.select([0], [], [], 1.0)[0]:
+        if not (data := os.read(0, 65536)):
+            break  # the trainer is dead: its end of the pipe closed
+        *lines, received = (received + data).split(b"\\n")
+        if b"done" in lines:
+            sys.exit()
+        folder = json.loads(lines[-1])["folder"] if lines else folder
     try:
-        if abs((process := psutil.Process(pid)).create_time() - create_time) < 0.01:
-            processes.append(process)
+        for process in trainer.children(recursive=True):
+            if process.pid != os.getpid() and process.pid not in watched and process.pid not in trackers:
+                tracker = "multiprocessing.resource_tracker" in " ".join(process.cmdline())
+                (trackers if tracker else watched)[process.pid] = process
+        watched = {pid: process for pid, process in watched.items() if process.is_running()}
+        files.update(shared_memory_files([trainer, *watched.values()]))
     except psutil.Error:
-        pass
-kill_process_trees(processes)
-shutil.rmtree(todo["folder"], ignore_errors=True)
-release_orphaned_shared_memory(todo["shared_memory"])
+        pass  # the trainer is gone, or a child: the pipe says so next
+kill_process_trees(list(watched.values()))
+if folder:
+    shutil.rmtree(folder, ignore_errors=True)
+psutil.wait_procs(list(trackers.values()), timeout=5)
+release_orphaned_shared_memory(sorted(files))
 """
 
 
-def start_watchdog(processes: list[psutil.Process], folder: str, shared_memory: list[str]) -> subprocess.Popen:
+def start_watchdog() -> subprocess.Popen:
     """A process of its own session (a Ctrl-C to the terminal does not reach it) that cleans up after a trainer that
-    died without doing so; closing its stdin lets it go. Started after the engine, whose processes must not hold the
-    pipe's write end."""
-    functions = (dead_processes, kill_process_trees, mapped_inodes, release_orphaned_shared_memory)
-    code = "\n".join(["import json, os, shutil, sys, time", "from pathlib import Path", "import psutil"])
+    died without doing so (WATCHDOG). Its stdin takes the weights folder (tell_watchdog) and "done"."""
+    functions = (dead_processes, kill_process_trees, mapped_inodes, shared_memory_files, release_orphaned_shared_memory)
+    code = "\n".join(["import json, os, select, shutil, sys, time", "from pathlib import Path", "import psutil"])
     code += "\n" + "\n".join(inspect.getsource(function) for function in functions) + WATCHDOG
-    watchdog = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, start_new_session=True, text=True)
-    pids = []
-    for process in processes:
-        try:
-            pids.append([process.pid, process.create_time()])
-        except psutil.Error:
-            pass
-    todo = {"processes": pids, "folder": folder, "shared_memory": shared_memory}
-    watchdog.stdin.write(json.dumps(todo) + "\n")
-    watchdog.stdin.flush()
-    return watchdog
+    return subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, start_new_session=True, text=True)
 
 
 def remove_stale_weights_folders(parent: str) -> list[str]:
@@ -968,7 +971,7 @@ class StopSignals:
     notice the engine dying (as a Ctrl-C to the process group makes it), so it waits out a 10-minute timeout."""
 
     def __init__(self):
-        self.received, self.starting, self.weights_dir = [], True, None
+        self.received, self.starting, self.weights_dir, self.watchdog = [], True, None, None
         for signum in (signal.SIGINT, signal.SIGTERM):
             signal.signal(signum, self.handle)
 
@@ -976,7 +979,8 @@ class StopSignals:
         name = signal.Signals(signum).name
         if self.starting:
             os.write(2, f"\n{name} while starting: stopping the engine and exiting\n".encode())
-            kill_process_trees(started_processes(set()))
+            watchdog = self.watchdog.pid if self.watchdog else None  # it goes on to clean up after the exit
+            kill_process_trees([process for process in started_processes(set()) if process.pid != watchdog])
             if self.weights_dir is not None:
                 shutil.rmtree(self.weights_dir, ignore_errors=True)
             gc.freeze()  # see exit_quickly
@@ -996,8 +1000,9 @@ class Engine(NamedTuple):
 
 
 def start_engine(model: str, placement: Placement, signals: StopSignals, cores: list[int] | None, **llm_kwargs):
-    """Rank 0's engine, started on `cores` (None: anywhere), with a watchdog that ends its processes if the trainer
+    """Rank 0's engine, started on `cores` (None: anywhere), after a watchdog that ends its processes if the trainer
     dies. `llm_kwargs` go to vLLM's LLM."""
+    watchdog = signals.watchdog = start_watchdog()
     with on_cores(cores):
         before = {p.pid for p in psutil.Process().children(recursive=True)}
         if placement.devices is not None:  # the push's CUDA IPC handle is pickled, between our processes
@@ -1008,8 +1013,9 @@ def start_engine(model: str, placement: Placement, signals: StopSignals, cores: 
         remove_stale_weights_folders(ram)
         release_orphaned_shared_memory()  # what runs killed with their watchdog left
         weights_dir = signals.weights_dir = tempfile.mkdtemp(prefix=f"policy-weights-{os.getpid()}-", dir=ram)
-        shared_memory = shared_memory_files([psutil.Process(), *processes])
-        watchdog = start_watchdog(processes, weights_dir, shared_memory)
+        watchdog.stdin.write(json.dumps({"folder": weights_dir}) + "\n")
+        watchdog.stdin.flush()
+    shared_memory = shared_memory_files([psutil.Process(), *processes])
     return Engine(llm, processes, shared_memory, weights_dir, watchdog, time.perf_counter())
 
 
@@ -1027,7 +1033,8 @@ def stop_engine(engine: Engine | None, thread, stop) -> None:
     kill_process_trees(engine.processes)
     release_shared_memory(engine.shared_memory)
     shutil.rmtree(engine.weights_dir, ignore_errors=True)
-    engine.watchdog.stdin.close()  # nothing is left for it to clean up: it exits
+    engine.watchdog.stdin.write("done\n")  # nothing is left for it to clean up: it exits
+    engine.watchdog.stdin.close()
     try:
         engine.watchdog.wait(timeout=5)
     except subprocess.TimeoutExpired:
