@@ -852,16 +852,27 @@ def started_processes(before: set[int]) -> list[psutil.Process]:
 
 
 def release_shared_memory(paths: list[str]) -> None:
-    """Unlink the message queues (psm_*) of the engine's processes, dead now: killed by their shutdown's timeout, they
-    could not (vLLM's scheduler unlinks its queue only after its worker exits, seconds later). This also tells Python's
-    resource tracker, which would otherwise unlink them at exit with a "leaked shared_memory objects" warning."""
-    for name in [os.path.basename(path) for path in paths if os.path.basename(path).startswith("psm_")]:
+    """Unlink the message queues (psm_*) and the semaphores (sem.mp-*) of the engine's processes, dead now: killed by
+    their shutdown's timeout or by a fault, they could not (vLLM's scheduler unlinks its queue only after its worker
+    exits, seconds later). This also tells Python's resource tracker, which would otherwise unlink them at exit with a
+    "leaked shared_memory (semaphore) objects" warning, after the run's last line. A file still mapped is left."""
+    from multiprocessing import resource_tracker
+
+    mapped = mapped_inodes(os.path.dirname(paths[0])) if paths else set()
+    for path in paths:
+        name = os.path.basename(path)
         try:
-            segment = shared_memory.SharedMemory(name=name)
+            if os.stat(path).st_ino in mapped:
+                continue
         except FileNotFoundError:
             continue  # its creator unlinked it
-        segment.close()
-        segment.unlink()
+        if name.startswith("psm_"):
+            segment = shared_memory.SharedMemory(name=name)
+            segment.close()
+            segment.unlink()
+        elif name.startswith("sem.mp-"):
+            os.unlink(path)
+            resource_tracker.unregister("/" + name.removeprefix("sem."), "semaphore")
 
 
 def mapped_inodes(folder: str = "/dev/shm", pids: list[int] | None = None) -> set[int]:
@@ -993,7 +1004,7 @@ class StopSignals:
 class Engine(NamedTuple):
     llm: "LLM"
     processes: list[psutil.Process]
-    shared_memory: list[str]  # the files in /dev/shm it and the trainer map
+    shared_memory: list[str]  # the files in /dev/shm it maps
     weights_dir: str  # a RAM-backed folder for the weights (CPUs)
     watchdog: subprocess.Popen
     started: float  # time.perf_counter() once it was up: the timeline's origin
@@ -1015,7 +1026,7 @@ def start_engine(model: str, placement: Placement, signals: StopSignals, cores: 
         weights_dir = signals.weights_dir = tempfile.mkdtemp(prefix=f"policy-weights-{os.getpid()}-", dir=ram)
         watchdog.stdin.write(json.dumps({"folder": weights_dir}) + "\n")
         watchdog.stdin.flush()
-    shared_memory = shared_memory_files([psutil.Process(), *processes])
+    shared_memory = shared_memory_files(processes)
     return Engine(llm, processes, shared_memory, weights_dir, watchdog, time.perf_counter())
 
 
