@@ -920,7 +920,7 @@ def release_orphaned_shared_memory(
     return released
 
 
-# The watchdog (`python -c`, with the functions WATCHDOG_FUNCTIONS names), started before the engine. It watches the
+# The watchdog (`python -c`, with the functions start_watchdog lists), started before the engine. It watches the
 # trainer's children (a second apart) and the shared memory files they and the trainer map, and blocks reading a pipe
 # whose only write end the trainer holds. If the trainer dies, however it dies (kill -9 of it or of its process group
 # included, during the engine's start too), the pipe closes: it then kills those children, which would live on
@@ -956,7 +956,7 @@ release_orphaned_shared_memory(sorted(files))
 
 def start_watchdog() -> subprocess.Popen:
     """A process of its own session (a Ctrl-C to the terminal does not reach it) that cleans up after a trainer that
-    died without doing so (WATCHDOG). Its stdin takes the weights folder (tell_watchdog) and "done"."""
+    died without doing so (WATCHDOG). Its stdin takes the weights folder (start_engine writes it), then "done"."""
     functions = (dead_processes, kill_process_trees, mapped_inodes, shared_memory_files, release_orphaned_shared_memory)
     code = "\n".join(["import json, os, select, shutil, sys, time", "from pathlib import Path", "import psutil"])
     code += "\n" + "\n".join(inspect.getsource(function) for function in functions) + WATCHDOG
