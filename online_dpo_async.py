@@ -793,8 +793,6 @@ def snapshot_weights(
     buffer stays in GPU memory and one CUDA IPC handle shares it with the engine; on a CPU it goes through a file."""
     if isinstance(tensors, dict):
         tensors, shapes = tensors.items(), {name: tensor.shape for name, tensor in tensors.items()}
-    if missing := [key for key in names if key not in shapes]:
-        raise RuntimeError(f"the weights to push lack {len(missing)} tensor(s) of the policy, e.g. {missing[0]}")
     keys = [key for key in shapes if key in names]
     offsets = np.cumsum([0] + [math.prod(shapes[key]) for key in keys]).tolist()
     layout = [(names[key], list(shapes[key]), offset) for key, offset in zip(keys, offsets)]
@@ -803,10 +801,8 @@ def snapshot_weights(
     for key, tensor in tensors:
         if key in unfilled:
             unfilled.pop(key).copy_(tensor.detach())
-    if unfilled:
-        raise RuntimeError(
-            f"the weights to push lack {len(unfilled)} tensor(s) of the policy, e.g. {next(iter(unfilled))}"
-        )
+    if missing := [key for key in names if key not in shapes] + list(unfilled):
+        raise RuntimeError(f"the weights to push lack {len(missing)} tensor(s) of the policy, e.g. {missing[0]}")
     if flat.is_cuda:
         torch.cuda.current_stream(flat.device).synchronize()  # the engine's process reads it without our stream
     return flat, layout
@@ -1031,19 +1027,20 @@ def score_step(batch: Batch, references: list[str], models: Models, args: Args, 
 
 
 def arrived_evaluations(channels: Channels, accelerator: Accelerator, engine=None) -> list[EvalRollout]:
-    """The evaluations the generation thread has finished (given the engine: at least one, waited for), handed to
-    every process: under ZeRO-3 they all take part in the sharded frozen models' forward passes."""
+    """The evaluations the generation thread has finished (given the engine: at least one, waited for), which rank 0
+    evaluates; under ZeRO-3 every process does (they are handed to all), as all take part in the sharded frozen
+    models' forward passes."""
     evaluations = []
     if accelerator.is_main_process:
         if engine is not None:
             evaluations.append(get_or_raise(channels.evals, channels, engine.processes))
         while not channels.evals.empty():
             evaluations.append(channels.evals.get())
-    return broadcast_object_list([evaluations])[0]
+    return broadcast_object_list([evaluations])[0] if plumbing.zero_stage(accelerator) == 3 else evaluations
 
 
 def log_evaluation(rollout: EvalRollout, evaluation: Prompts, models: Models, args: Args, accelerator, logger, run):
-    """Evaluate the completions of policy version `rollout.version` (every process) and log them (rank 0's logger):
+    """Evaluate the completions of policy version `rollout.version` (arrived_evaluations says where) and log them:
     metrics, a sample table, the completions (plumbing.py). `run`: the episodes per step, the evaluations logged so
     far, the timeline's origin."""
     episodes_per_step, evals_logged, origin = run
@@ -1225,7 +1222,8 @@ def main(args: Args) -> None:
                 last_checkpoint = checkpoint(step + 1)
 
         if not exit_code:
-            while len(evals_logged) < len(eval_steps):
+            evaluator = main_process or plumbing.zero_stage(accelerator) == 3
+            while evaluator and len(evals_logged) < len(eval_steps):
                 for eval_rollout in arrived_evaluations(channels, accelerator, engine):
                     log_eval(eval_rollout)
             plumbing.save_policy(accelerator, model, tokenizer, os.path.join(output_dir, "policy"))

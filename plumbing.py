@@ -23,7 +23,6 @@ import tokenize
 import traceback
 import warnings
 from contextlib import contextmanager
-from multiprocessing import shared_memory
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, NamedTuple
 
@@ -624,8 +623,6 @@ def engine_placement(mode: str, visible: list[str], num_processes: int, memory_u
     there, for the N training processes of the node (LOCAL_WORLD_SIZE under a launcher; `num_processes` on one node),
     the engine takes it (the paper's split); with fewer, it shares rank 0's within its memory budget. Rank 0 writes
     the weight snapshots straight into the engine's GPU, which the engine reads by CUDA IPC (docs/gpus.md)."""
-    if memory_utilization is not None and not 0 < memory_utilization <= 1:
-        raise UsageError(f"--vllm_gpu_memory_utilization must be in (0, 1], got {memory_utilization}")
     if not visible:
         return Placement(None, False, 0, memory_utilization or 0.9)
     local = int(os.environ.get("LOCAL_WORLD_SIZE", num_processes))  # the processes on rank 0's node
@@ -838,13 +835,17 @@ def kill_process_trees(processes: list[psutil.Process], timeout: float = 5) -> N
         time.sleep(0.02)
 
 
+def is_resource_tracker(process: psutil.Process) -> bool:
+    return "multiprocessing.resource_tracker" in " ".join(process.cmdline())
+
+
 def started_processes(before: set[int]) -> list[psutil.Process]:
     """Children of this process not in `before`, but for Python's resource tracker (multiprocessing starts it here for
     the engine: it must outlive the engine to clean up after it)."""
     started = []
     for process in psutil.Process().children(recursive=True):
         try:
-            if process.pid not in before and "multiprocessing.resource_tracker" not in " ".join(process.cmdline()):
+            if process.pid not in before and not is_resource_tracker(process):
                 started.append(process)
         except psutil.Error:
             pass
@@ -854,25 +855,14 @@ def started_processes(before: set[int]) -> list[psutil.Process]:
 def release_shared_memory(paths: list[str]) -> None:
     """Unlink the message queues (psm_*) and the semaphores (sem.mp-*) of the engine's processes, dead now: killed by
     their shutdown's timeout or by a fault, they could not (vLLM's scheduler unlinks its queue only after its worker
-    exits, seconds later). This also tells Python's resource tracker, which would otherwise unlink them at exit with a
-    "leaked shared_memory (semaphore) objects" warning, after the run's last line. A file still mapped is left."""
+    exits, seconds later). Python's resource tracker is told, or it would unlink them again at exit with a "leaked
+    shared_memory (semaphore) objects" warning, after the run's last line. A file still mapped is left."""
     from multiprocessing import resource_tracker
 
-    mapped = mapped_inodes(os.path.dirname(paths[0])) if paths else set()
-    for path in paths:
+    for path in release_orphaned_shared_memory(paths):
         name = os.path.basename(path)
-        try:
-            if os.stat(path).st_ino in mapped:
-                continue
-        except FileNotFoundError:
-            continue  # its creator unlinked it
-        if name.startswith("psm_"):
-            segment = shared_memory.SharedMemory(name=name)
-            segment.close()
-            segment.unlink()
-        elif name.startswith("sem.mp-"):
-            os.unlink(path)
-            resource_tracker.unregister("/" + name.removeprefix("sem."), "semaphore")
+        kind = "shared_memory" if name.startswith("psm_") else "semaphore"
+        resource_tracker.unregister("/" + name.removeprefix("sem."), kind)  # the names Python registered
 
 
 def mapped_inodes(folder: str = "/dev/shm", pids: list[int] | None = None) -> set[int]:
@@ -940,8 +930,7 @@ while True:
     try:
         for process in trainer.children(recursive=True):
             if process.pid != os.getpid() and process.pid not in watched and process.pid not in trackers:
-                tracker = "multiprocessing.resource_tracker" in " ".join(process.cmdline())
-                (trackers if tracker else watched)[process.pid] = process
+                (trackers if is_resource_tracker(process) else watched)[process.pid] = process
         watched = {pid: process for pid, process in watched.items() if process.is_running()}
         files.update(shared_memory_files([trainer, *watched.values()]))
     except psutil.Error:
@@ -957,7 +946,8 @@ release_orphaned_shared_memory(sorted(files))
 def start_watchdog() -> subprocess.Popen:
     """A process of its own session (a Ctrl-C to the terminal does not reach it) that cleans up after a trainer that
     died without doing so (WATCHDOG). Its stdin takes the weights folder (start_engine writes it), then "done"."""
-    functions = (dead_processes, kill_process_trees, mapped_inodes, shared_memory_files, release_orphaned_shared_memory)
+    functions = [dead_processes, kill_process_trees, is_resource_tracker, mapped_inodes, shared_memory_files]
+    functions += [release_orphaned_shared_memory]
     code = "\n".join(["import json, os, select, shutil, sys, time", "from pathlib import Path", "import psutil"])
     code += "\n" + "\n".join(inspect.getsource(function) for function in functions) + WATCHDOG
     return subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, start_new_session=True, text=True)

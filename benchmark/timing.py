@@ -20,13 +20,8 @@ import sys
 from statistics import fmean as mean
 
 WARMUP = 2
-PHASES = (
-    "time/scoring",
-    "time/old_logprobs",
-    "time/reference",
-    "time/update",
-    "time/snapshot",
-)  # the trainer's, in order
+# the trainer's phases, in the scripts' order
+PHASES = ("time/scoring", "time/old_logprobs", "time/reference", "time/update", "time/snapshot")
 
 
 def read_lines(path: str) -> list[dict]:
