@@ -160,12 +160,14 @@ def check_domains(flags: dict, domains: dict[str, tuple[str, str]]) -> None:
         value = flags[flag]
         if value is None:
             continue
-        if domain.startswith("in "):
+        if domain == "finite":
+            inside = True
+        elif domain.startswith("in "):
             low, high = (float(x) for x in domain[4:-1].split(", "))
             inside = (low <= value if domain[3] == "[" else low < value) and value <= high
         else:
-            bound = domain.split()[-1] if domain != "finite" else "0"
-            inside = {">": value > float(bound), ">=": value >= float(bound)}.get(domain.split()[0], True)
+            op, bound = domain.split()
+            inside = value > float(bound) if op == ">" else value >= float(bound)
         if not (inside and np.isfinite(value)):
             raise UsageError(
                 f"--{flag} must be {domain if domain != 'finite' else 'a finite number'} ({why}), got {value}"

@@ -199,15 +199,15 @@ def test_plan_keeps_optimizer_updates_fixed_across_n_and_halves_them_for_k4():
 def test_plan_spells_out_every_flag_that_defines_a_run(script):
     """No run relies on a default: every field of the file's Args is given, except where output goes
     (--output_dir, added per run), tracking, --resume, how many checkpoints are kept and how many samples are
-    printed. The file's parser
-    accepts them, and they are the tiny task's defaults but for what the plan sets on purpose."""
+    printed. The file's parser accepts them, and they are the tiny task's defaults but for what the plan sets on
+    purpose."""
     import importlib
 
     import tyro
 
     module = importlib.import_module(script[:-3])
-    not_defining = {"output_dir", "track", "wandb_project", "wandb_entity", "resume", "num_sample_completions"}
-    not_defining |= {"keep_checkpoints"}
+    not_defining = {"output_dir", "track", "wandb_project", "wandb_entity", "resume", "keep_checkpoints"}
+    not_defining |= {"num_sample_completions"}
     # GPU flags added after the reproduction ran; on a CPU their defaults are what it ran with (float32, an engine
     # without CUDA graphs and GPU placement, no recomputation; the memory fraction, given as 0.9, is not used)
     gpu_flags = {"dtype", "vllm_placement", "vllm_enforce_eager", "gradient_checkpointing"}
