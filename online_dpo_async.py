@@ -61,6 +61,9 @@ class Args:
     track: bool = False  # also log to Weights & Biases (WANDB_MODE=offline on machines without network)
     wandb_project: str = "async-rlhf"  # Weights & Biases project, with --track
     wandb_entity: str | None = None  # Weights & Biases team or user, with --track (None: wandb's default for you)
+    # in minutes: how long a training process waits for the others in a collective before failing (ranks 1..N wait
+    # while rank 0 starts the engine, which compiles on a GPU, and generates the first batch)
+    collective_timeout_minutes: float = 60.0
 
     # data and models (local folders or files, or hub ids)
     task: Literal["tiny", "tldr", "no_robots", "gsm8k"] = "tiny"  # prompt format, reward and evaluation (docs/tasks.md)
@@ -108,7 +111,8 @@ class Args:
     # GPU of the engine: separate = the one after the N training GPUs (the paper's split), shared = rank 0's,
     # within --vllm_gpu_memory_utilization; auto = separate when N + 1 GPUs are visible (docs/gpus.md)
     vllm_placement: Literal["auto", "separate", "shared"] = "auto"
-    # the engine's share of its GPU's memory (None: 0.9 of a GPU of its own, 0.3 of a shared one)
+    # the engine's share of its GPU's memory (None: the largest the run leaves, at most 0.9 of a GPU of its own and
+    # 0.3 of a shared one; printed at start)
     vllm_gpu_memory_utilization: float | None = None
     vllm_enforce_eager: bool = False  # run the engine without CUDA graphs (always so on CPUs)
 
@@ -148,6 +152,7 @@ class Sizes(NamedTuple):
 # The domain of every numeric flag, checked before any model loads (plumbing.check_domains): flag -> (domain, why).
 FLAG_DOMAINS = {
     "seed": (">= 0", "numpy's generators take no negative seed"),
+    "collective_timeout_minutes": ("> 0", "a time to wait"),
     "num_eval_prompts": (">= 1", "a count of prompts (left out: all of the split)"),
     "max_prompt_length": (">= 1", "a count of tokens"),
     "response_length": (">= 1", "a count of tokens"),
@@ -832,7 +837,7 @@ def publish(
     are, GPU memory on GPUs (`accelerator.get_state_dict` would copy each to the CPU under DeepSpeed), under ZeRO-3
     gathered a layer at a time, with every process taking part."""
     module = accelerator.unwrap_model(model)
-    tensors = plumbing.gathered_tensors(accelerator, module)
+    tensors = plumbing.gathered_tensors(accelerator, module, names)
     if not accelerator.is_main_process:
         for _ in tensors:  # the gathers of ZeRO-3 are collective
             pass
@@ -852,6 +857,13 @@ def select_chosen_rejected(scores: torch.Tensor) -> tuple[torch.Tensor, torch.Te
     chosen = scores.argmax(1)  # first maximal index
     rejected = scores.shape[1] - 1 - scores.flip(1).argmin(1)  # last minimal index
     return chosen, rejected, scores.max(1).values == scores.min(1).values
+
+
+def preference_pairs(batch: Batch, scores: torch.Tensor, K: int) -> tuple[Batch, torch.Tensor]:
+    """B prompts x K completions -> 2B rows, prompt i's chosen at row i and its rejected at B + i; and `tied`."""
+    chosen, rejected, tied = select_chosen_rejected(scores.view(-1, K))
+    first = torch.arange(len(tied), device=scores.device) * K  # each prompt's first completion
+    return Batch(*(t[torch.cat([first + chosen, first + rejected])] for t in batch)), tied
 
 
 def dpo_loss(
@@ -970,12 +982,18 @@ def load_models(args: Args, inputs: Inputs, dtype: torch.dtype, accelerator: Acc
 def start_generation(args: Args, inputs: Inputs, n: int, dtype, schedule, channels: Channels, signals, cores, memory):
     """Rank 0's engine (in processes of its own: plumbing.py) and the generation thread that drives it, on `cores`.
     On GPUs the engine must leave room for what training allocates later (`memory`: what training adds on rank 0's GPU,
-    and the weight snapshots' bytes)."""
-    placement = inputs.placement
+    and one weight snapshot's bytes)."""
+    placement, (to_come, snapshot) = inputs.placement, memory
+    snapshots, total = plumbing.snapshot_memory(snapshot, args.async_level), 0
     if placement.devices is not None:
         with plumbing.usage_errors():
             gpus = torch.cuda.mem_get_info(0), torch.cuda.mem_get_info(placement.snapshot_gpu)  # rank 0's, the engine's
-            plumbing.check_engine_fits(placement, *gpus, *memory)
+            placement = placement._replace(
+                memory_utilization=plumbing.engine_share(placement, *gpus, to_come, snapshots)
+            )
+        total = gpus[1][1]
+    given = args.vllm_gpu_memory_utilization is not None
+    print(plumbing.engine_line(placement, total, snapshot, snapshots, given, args.vllm_enforce_eager))
     llm = dict(seed=args.seed, dtype=str(dtype).removeprefix("torch."), trust_remote_code=args.trust_remote_code)
     llm["max_model_len"] = args.max_prompt_length + args.response_length
     llm["enforce_eager"] = placement.devices is None or args.vllm_enforce_eager  # CUDA graphs on GPUs
@@ -1069,7 +1087,7 @@ def owed_snapshots(snapshots: dict[int, Weights], schedule, next_step: int, eval
 
 def main(args: Args) -> None:
     # the process group and device first: the Accelerator needs the dtype, which depends on the device
-    on_gpu = plumbing.process_state().device.type == "cuda"
+    on_gpu = plumbing.process_state(args.collective_timeout_minutes).device.type == "cuda"
     dtype = torch.bfloat16 if args.dtype == "bfloat16" or (args.dtype == "auto" and on_gpu) else torch.float32
     engine_dtype = {"auto": dtype, "float32": torch.float32, "bfloat16": torch.bfloat16}[args.vllm_dtype]
     # bf16: autocast in the forward passes of the policy (accelerate's mixed precision) and of every frozen model
@@ -1124,14 +1142,13 @@ def main(args: Args) -> None:
     to_publish = published_versions(schedule)
 
     # what training allocates later, which the engine must leave room for on a GPU
-    state = accelerator.unwrap_model(model).state_dict()
-    snapshot = sum(plumbing.numel(state[name]) for name in engine_names) * engine_dtype.itemsize
+    snapshot = plumbing.snapshot_bytes(accelerator.unwrap_model(model), engine_names, engine_dtype)
     trained = sum(plumbing.numel(p) for p in model.parameters())
     trained = plumbing.trained_memory(
         trained, plumbing.zero_stage(accelerator), accelerator.num_processes, precision == "bf16"
     )
     to_come = {part: trained[part] for part in ("gradients", "optimizer state")}  # the weights are loaded
-    memory = to_come, plumbing.snapshot_memory(snapshot, args.async_level)
+    memory = to_come, snapshot
 
     # rank 0 owns the engine and generates for every rank; the run folder is written once the engine is up, so a
     # start-up stopped by a signal or a failure leaves none
@@ -1184,9 +1201,7 @@ def main(args: Args) -> None:
             laps.lap("scoring")
 
             # 3. pairs: best and worst of K (paper section 4.2), and their reference logprobs
-            chosen, rejected, tied = select_chosen_rejected(scores.view(B, K))
-            first = torch.arange(B, device=device) * K  # each prompt's first completion
-            pairs = Batch(*(t[torch.cat([first + chosen, first + rejected])] for t in batch))
+            pairs, tied = preference_pairs(batch, scores, K)
             with accelerator.autocast():
                 ref_logps = batch_logprobs(models.ref_policy, pairs, args.temperature, bs).sum(1)
             laps.lap("reference")

@@ -5,11 +5,13 @@ a fork of an algorithm file uses this module unchanged. What each algorithm does
 
 import ast
 import dataclasses
+import datetime
 import gc
 import inspect
 import io
 import json
 import logging
+import math
 import os
 import re
 import shutil
@@ -524,17 +526,31 @@ def save_policy(accelerator: Accelerator, model, tokenizer, path: str, prefix: s
 
 
 # == DeepSpeed ===========================================================================================================
-def process_state() -> PartialState:
+def process_state(timeout_minutes: float) -> PartialState:
     """accelerate's process group and device (made before the Accelerator, which needs the dtype, which needs the
     device), with DeepSpeed's processes counted on CPUs too: accelerate 1.15 picks no backend for them there (it picks
     gloo only under ACCELERATE_USE_CPU, which turns DeepSpeed off), so each would take itself for the only process of a
-    group DeepSpeed has already set up."""
-    state = PartialState(cpu=parse_flag_from_env("ACCELERATE_USE_CPU"))
+    group DeepSpeed has already set up. A collective waits `timeout_minutes` for the other processes before it fails:
+    ranks 1..N wait in one while rank 0 starts the engine and generates the first batch (NCCL's and DeepSpeed's
+    default, 10 minutes, is shorter than an 8B engine's first start with its compilation)."""
+    timeout = datetime.timedelta(minutes=timeout_minutes)
+    state = PartialState(cpu=parse_flag_from_env("ACCELERATE_USE_CPU"), timeout=timeout)
     if state.distributed_type == "DEEPSPEED" and state.backend is None and torch.distributed.is_initialized():
         state.backend = torch.distributed.get_backend()
         state.num_processes, state.process_index = torch.distributed.get_world_size(), torch.distributed.get_rank()
         state.local_process_index = int(os.environ.get("LOCAL_RANK", 0))
+    if state.num_processes > 1 and state.is_main_process:
+        print(f"{state.num_processes} training processes; a collective waits {collective_timeout()} for them at most")
     return state
+
+
+def collective_timeout() -> datetime.timedelta | None:
+    """How long a collective of the default process group waits, as its backend holds it (None: no group)."""
+    if not torch.distributed.is_initialized():
+        return None
+    group = torch.distributed.distributed_c10d._get_default_group()
+    device = torch.device("cuda") if torch.distributed.get_backend() == "nccl" else torch.device("cpu")
+    return group._get_backend(device).options._timeout
 
 
 def zero_stage(accelerator: Accelerator) -> int:
@@ -549,6 +565,12 @@ def prepare_frozen(model, accelerator: Accelerator):
     must run those forward passes together."""
     model = model.to(accelerator.device).eval().requires_grad_(False)
     if zero_stage(accelerator) != 3:
+        # accelerate's autocast does nothing under DeepSpeed (1.15), whose bf16 runs the policy on bf16 parameters
+        # (buffers, such as the rotary frequencies, stay fp32): a frozen model runs on the same, or the reference's
+        # logprobs would not be the policy's at step 0
+        if accelerator.state.deepspeed_plugin is not None and accelerator.mixed_precision == "bf16":
+            for parameter in model.parameters():
+                parameter.data = parameter.data.to(torch.bfloat16)
         return model
     import deepspeed
 
@@ -575,29 +597,38 @@ def whole_models(accelerator: Accelerator):
         accelerator.state.deepspeed_plugin.set_deepspeed_weakref()
 
 
-def gathered_tensors(accelerator: Accelerator, module):
-    """Every tensor of a module's state, (name, tensor), where it is. Under ZeRO-3 the parameters are gathered a
-    transformer layer at a time, each valid while the iteration is on its layer: never a whole copy of the model, and
-    never through the CPU. Every process must go through the whole iteration, as each gather is collective."""
+def gathered_tensors(accelerator: Accelerator, module, names):
+    """The tensors of a module's state named in `names`, (name, tensor), where they are. Under ZeRO-3 the parameters are
+    gathered a transformer layer at a time, each valid while the iteration is on its layer: never a whole copy of the
+    model, never through the CPU, and never a parameter not asked for (PPO's value model). Every process must go through
+    the whole iteration, as each gather is collective."""
     if zero_stage(accelerator) != 3:
-        yield from module.state_dict().items()
+        yield from ((name, tensor) for name, tensor in module.state_dict().items() if name in names)
         return
     import deepspeed
 
     layers = {}
     for name, parameter in module.named_parameters():
-        layer = re.match(r"(.*?\.\d+)\.", name)  # model.layers.3. ...: the 4th layer
-        layers.setdefault(layer.group(1) if layer else name, []).append((name, parameter))
+        if name in names:
+            layer = re.match(r"(.*?\.\d+)\.", name)  # model.layers.3. ...: the 4th layer
+            layers.setdefault(layer.group(1) if layer else name, []).append((name, parameter))
     for group in layers.values():
         with deepspeed.zero.GatheredParameters([parameter for _, parameter in group]):
             yield from group
-    yield from module.named_buffers()
+    yield from ((name, buffer) for name, buffer in module.named_buffers() if name in names)
 
 
 def full_shapes(module) -> dict[str, torch.Size]:
     """The shape of every tensor of a module's state, whole (ZeRO-3 keeps each parameter's in `ds_shape`)."""
     shapes = {name: getattr(p, "ds_shape", p.shape) for name, p in module.named_parameters()}
     return shapes | {name: buffer.shape for name, buffer in module.named_buffers()}
+
+
+def snapshot_bytes(module, names, dtype: torch.dtype) -> int:
+    """The bytes of one weight snapshot: the tensors `names` of `module`, whole, in `dtype`. From the shapes, not from
+    `state_dict()`, whose tensors ZeRO-3 leaves empty (it would count 0 bytes)."""
+    shapes = full_shapes(module)
+    return sum(math.prod(shapes[name]) for name in names) * dtype.itemsize
 
 
 def injected_fault(where: str, step: int) -> bool:
@@ -610,7 +641,7 @@ class Placement(NamedTuple):
     devices: str | None  # CUDA_VISIBLE_DEVICES of the engine's processes: its GPU alone; None: CPU
     shared: bool  # the engine shares training rank 0's GPU
     snapshot_gpu: int  # the engine's GPU, as rank 0 numbers its GPUs: the weight snapshots live there
-    memory_utilization: float
+    memory_utilization: float | None  # None on a GPU: the largest share the run leaves (engine_share), at its start
 
 
 def visible_gpus() -> list[str]:
@@ -625,8 +656,8 @@ def engine_placement(mode: str, visible: list[str], num_processes: int, memory_u
     there, for the N training processes of the node (LOCAL_WORLD_SIZE under a launcher; `num_processes` on one node),
     the engine takes it (the paper's split); with fewer, it shares rank 0's within its memory budget. Rank 0 writes
     the weight snapshots straight into the engine's GPU, which the engine reads by CUDA IPC (docs/gpus.md)."""
-    if not visible:
-        return Placement(None, False, 0, memory_utilization or 0.9)
+    if not visible:  # vLLM's CPU backend sizes its KV cache by VLLM_CPU_KVCACHE_SPACE instead
+        return Placement(None, False, 0, memory_utilization or DEFAULT_SHARE["separate"])
     local = int(os.environ.get("LOCAL_WORLD_SIZE", num_processes))  # the processes on rank 0's node
     separate = len(visible) > local if mode == "auto" else mode == "separate"
     if separate and len(visible) <= local:
@@ -636,8 +667,8 @@ def engine_placement(mode: str, visible: list[str], num_processes: int, memory_u
             f"there, {len(visible)} are visible; use --vllm_placement shared or one training process fewer on that node"
         )
     if separate:
-        return Placement(visible[local], False, local, memory_utilization or 0.9)
-    return Placement(visible[0], True, 0, memory_utilization or 0.3)
+        return Placement(visible[local], False, local, memory_utilization)
+    return Placement(visible[0], True, 0, memory_utilization)
 
 
 CUDA_CONTEXT = 2**30  # what a process's CUDA context takes on a GPU, about 1 GiB (with the kernels it loads)
@@ -659,13 +690,21 @@ def snapshot_memory(snapshot: int, async_level: int) -> int:
     return (async_level + 2) * snapshot
 
 
-def check_engine_fits(placement: Placement, rank0: tuple, engine: tuple, to_come: dict[str, int], snapshots: int):
-    """The GPUs once the trainer's models are loaded ((free, total) bytes of rank 0's and of the engine's, the same on a
-    shared GPU) must hold what training allocates later there (`to_come`: name -> bytes), the weight snapshots and the
-    engine: vLLM takes `memory_utilization` of its whole GPU, and refuses to start when less is free; each process
-    opens a CUDA context on each GPU it uses (the engine's own, rank 0's where it writes the snapshots). 5 % of each
-    GPU is kept for activations and allocator slack. A GPU that cannot: one line naming what to lower."""
+# The engine's share of its GPU when --vllm_gpu_memory_utilization is left out: the largest that fits, up to vLLM's
+# default on a GPU of its own, and up to 0.3 of one it shares, whose rest training's activations need (not counted).
+DEFAULT_SHARE = {"separate": 0.9, "shared": 0.3}
+MIN_SHARE = 0.05  # less holds the weights of no model worth generating with, and no KV cache
+
+
+def engine_share(placement: Placement, rank0: tuple, engine: tuple, to_come: dict[str, int], snapshots: int) -> float:
+    """The engine's share of its GPU: --vllm_gpu_memory_utilization if it fits, or (left out) the largest that fits up
+    to DEFAULT_SHARE. The GPUs once the trainer's models are loaded ((free, total) bytes of rank 0's and of the
+    engine's, the same on a shared GPU) must hold what training allocates later there (`to_come`: name -> bytes), the
+    weight snapshots and the engine: vLLM takes its share of its whole GPU, and refuses to start when less is free;
+    each process opens a CUDA context on each GPU it uses (the engine's own, rank 0's where it writes the snapshots).
+    5 % of each GPU is kept for activations and allocator slack. A GPU that cannot: one line naming what to lower."""
     gib = lambda n: f"{n / 2**30:.1f} GiB"  # noqa: E731
+    asked = placement.memory_utilization
     free, total = rank0
     needed = sum(to_come.values()) + (snapshots + 2 * CUDA_CONTEXT if placement.shared else 0)
     parts = ", ".join(f"{name} {gib(n)}" for name, n in to_come.items())
@@ -673,26 +712,56 @@ def check_engine_fits(placement: Placement, rank0: tuple, engine: tuple, to_come
     training += (
         f", weight snapshots {gib(snapshots)}, CUDA contexts {gib(2 * CUDA_CONTEXT)})" if placement.shared else ")"
     )
-    share = placement.memory_utilization * total if placement.shared else 0
-    if needed + share + 0.05 * total > free:
-        utilization = int(100 * (free - needed - 0.05 * total) / total) / 100
-        what = f"rank 0's GPU has {gib(free)} free once the models are loaded, and {training}"
-        if placement.shared and utilization >= 0.05:
-            raise UsageError(
-                f"--vllm_gpu_memory_utilization {placement.memory_utilization}: the engine would take {gib(share)} of the GPU it shares with training; {what}: lower it to at most {utilization}, or give the engine a GPU of its own"
-            )
-        raise UsageError(
-            f"{what}{f', beside the engine {gib(share)}' if placement.shared else ''}: lower --async_level (fewer snapshots) or the model size, give the engine a GPU of its own, or shard the models (DeepSpeed ZeRO-3)"
-        )
+    what = f"rank 0's GPU has {gib(free)} free once the models are loaded, and {training}"
+    smaller = "lower --async_level (fewer snapshots) or the model size, give the engine a GPU of its own, or shard the models (DeepSpeed ZeRO-3)"
     if placement.shared:
-        return
-    free, total = engine
-    needed = placement.memory_utilization * total + snapshots + CUDA_CONTEXT
-    if needed + 0.05 * total > free:
-        utilization = int(100 * (free - snapshots - CUDA_CONTEXT - 0.05 * total) / total) / 100
-        raise UsageError(
-            f"--vllm_gpu_memory_utilization {placement.memory_utilization}: the engine's GPU has {gib(free)} free and the engine would take {gib(placement.memory_utilization * total)}, beside {gib(snapshots)} of weight snapshots and rank 0's CUDA context {gib(CUDA_CONTEXT)}: lower it to at most {utilization} (less KV cache), or --async_level (fewer snapshots)"
-        )
+        largest = int(100 * (free - needed - 0.05 * total) / total) / 100
+    else:
+        if needed + 0.05 * total > free:
+            raise UsageError(f"{what}: {smaller}")
+        free, total = engine
+        largest = int(100 * (free - snapshots - CUDA_CONTEXT - 0.05 * total) / total) / 100
+    if asked is None:
+        if largest < MIN_SHARE:
+            beside = f"beside {gib(snapshots)} of weight snapshots, " if not placement.shared else ""
+            raise UsageError(
+                f"the engine would get {max(largest, 0)} of its GPU, {beside}less than {MIN_SHARE}: {smaller}"
+            )
+        return min(largest, DEFAULT_SHARE["shared" if placement.shared else "separate"])
+    if asked <= largest:
+        return asked
+    if placement.shared:
+        if largest >= MIN_SHARE:
+            raise UsageError(
+                f"--vllm_gpu_memory_utilization {asked}: the engine would take {gib(asked * total)} of the GPU it shares with training; {what}: lower it to at most {largest}, or give the engine a GPU of its own"
+            )
+        raise UsageError(f"{what}, beside the engine {gib(asked * total)}: {smaller}")
+    raise UsageError(
+        f"--vllm_gpu_memory_utilization {asked}: the engine's GPU has {gib(free)} free and the engine would take {gib(asked * total)}, beside {gib(snapshots)} of weight snapshots and rank 0's CUDA context {gib(CUDA_CONTEXT)}: lower it to at most {largest} (less KV cache), or --async_level (fewer snapshots)"
+    )
+
+
+def engine_line(placement: Placement, total: int, snapshot: int, snapshots: int, flag_given: bool, eager: bool) -> str:
+    """What the engine gets, printed as it starts: its device, its share of its GPU and why, the weight snapshots, and
+    (on a GPU with CUDA graphs) that its first start compiles, which takes minutes."""
+    gib = lambda n: f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.2f} MiB"  # noqa: E731
+    each = f"weight snapshots of {gib(snapshot)} each"
+    if placement.devices is None:
+        return f"engine: on the CPU; {each}"
+    where = (
+        f"GPU {placement.snapshot_gpu}, shared with training rank 0"
+        if placement.shared
+        else f"GPU {placement.snapshot_gpu} of its own"
+    )
+    why = (
+        "--vllm_gpu_memory_utilization"
+        if flag_given
+        else "the largest share the run leaves (--vllm_gpu_memory_utilization)"
+    )
+    line = f"engine: {where}, {placement.memory_utilization} of its {gib(total)} ({why}), beside {each} ({gib(snapshots)} at most)"
+    if not eager:  # vLLM compiles (torch.compile) and captures CUDA graphs at its first start on a GPU
+        line += "; its first start compiles the model and captures CUDA graphs: minutes (--vllm_enforce_eager skips both, for slower generation)"
+    return line
 
 
 @contextmanager

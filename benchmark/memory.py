@@ -124,7 +124,7 @@ def plan(command: list[str], gpu_bytes: int, gpus: int | None) -> dict:
     L, R, micro = args.max_prompt_length + args.response_length, args.response_length, args.local_micro_batch_size
     training = plumbing.trained_memory(trained, stage, processes, bf16)
     rank = {f"trained models' {part}": n for part, n in training.items()}
-    rank["reference policy"] = policy.params * (2 if stage == 3 and bf16 else 4) // shard
+    rank["reference policy"] = policy.params * (2 if stage and bf16 else 4) // shard  # DeepSpeed's bf16 parameters
     if reward:
         rank["reward model"] = reward.params * (2 if bf16 else 4) // shard
     act = 2 if bf16 else 4

@@ -29,22 +29,22 @@ def test_placement_on_a_cpu_has_no_gpu():
 
 
 def test_placement_one_gpu_is_shared_with_training():
-    assert plumbing.engine_placement("auto", ["0"], 1, None) == plumbing.Placement("0", True, 0, 0.3)
+    assert plumbing.engine_placement("auto", ["0"], 1, None) == plumbing.Placement("0", True, 0, None)
     assert plumbing.engine_placement("auto", ["3"], 1, 0.45) == plumbing.Placement("3", True, 0, 0.45)
 
 
 def test_placement_n_plus_one_gpus_gives_the_engine_its_own(monkeypatch):
     # training uses visible GPUs 0..N-1; the engine the next one, alone: rank 0 writes the snapshots there
     monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
-    assert plumbing.engine_placement("auto", ["0", "1"], 1, None) == plumbing.Placement("1", False, 1, 0.9)
-    assert plumbing.engine_placement("auto", ["4", "5", "6", "7"], 3, None) == plumbing.Placement("7", False, 3, 0.9)
+    assert plumbing.engine_placement("auto", ["0", "1"], 1, None) == plumbing.Placement("1", False, 1, None)
+    assert plumbing.engine_placement("auto", ["4", "5", "6", "7"], 3, None) == plumbing.Placement("7", False, 3, None)
     # more GPUs than N + 1: the first spare one
-    assert plumbing.engine_placement("auto", ["0", "1", "2", "3"], 2, None) == plumbing.Placement("2", False, 2, 0.9)
+    assert plumbing.engine_placement("auto", ["0", "1", "2", "3"], 2, None) == plumbing.Placement("2", False, 2, None)
 
 
 def test_placement_can_be_forced(monkeypatch):
     monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
-    assert plumbing.engine_placement("shared", ["0", "1"], 1, None) == plumbing.Placement("0", True, 0, 0.3)
+    assert plumbing.engine_placement("shared", ["0", "1"], 1, None) == plumbing.Placement("0", True, 0, None)
     assert plumbing.engine_placement("separate", ["0", "1"], 1, 0.5) == plumbing.Placement("1", False, 1, 0.5)
     with pytest.raises(
         plumbing.UsageError,
@@ -56,9 +56,9 @@ def test_placement_can_be_forced(monkeypatch):
 @pytest.mark.parametrize(
     "local, total, gpus, placement",
     [
-        ("7", 14, 8, plumbing.Placement("7", False, 7, 0.9)),  # 2 nodes of 7 training processes: GPU 7 is spare
-        ("8", 16, 8, plumbing.Placement("0", True, 0, 0.3)),  # 2 nodes of 8: none is, the engine shares rank 0's
-        ("4", 8, 8, plumbing.Placement("4", False, 4, 0.9)),  # 2 nodes of 4 on 8-GPU nodes: the first spare one
+        ("7", 14, 8, plumbing.Placement("7", False, 7, None)),  # 2 nodes of 7 training processes: GPU 7 is spare
+        ("8", 16, 8, plumbing.Placement("0", True, 0, None)),  # 2 nodes of 8: none is, the engine shares rank 0's
+        ("4", 8, 8, plumbing.Placement("4", False, 4, None)),  # 2 nodes of 4 on 8-GPU nodes: the first spare one
     ],
 )
 def test_placement_past_one_node_counts_the_gpus_of_rank_0s_node(monkeypatch, local, total, gpus, placement):
@@ -85,14 +85,18 @@ def test_the_gpu_memory_check_counts_what_training_allocates_later():
     shared = plumbing.Placement("0", True, 0, 0.3)
     gpu = (40 * gib, 80 * gib)
     with pytest.raises(plumbing.UsageError) as raised:
-        plumbing.check_engine_fits(shared, gpu, gpu, to_come, snapshots)
+        plumbing.engine_share(shared, gpu, gpu, to_come, snapshots)
     message = str(raised.value)
     assert "\n" not in message and message.startswith(
         "--vllm_gpu_memory_utilization 0.3: the engine would take 24.0 GiB"
     )
     assert "40.0 GiB free" in message and "training will add 16.0 GiB there (optimizer state 8.0 GiB" in message
     assert "lower it to at most 0.25" in message
-    plumbing.check_engine_fits(shared._replace(memory_utilization=0.25), gpu, gpu, to_come, snapshots)
+    assert plumbing.engine_share(shared._replace(memory_utilization=0.25), gpu, gpu, to_come, snapshots) == 0.25
+    # left out, the share is the largest that fits, 0.25, within the 0.3 a shared GPU's engine gets at most
+    assert plumbing.engine_share(shared._replace(memory_utilization=None), gpu, gpu, to_come, snapshots) == 0.25
+    roomy = (60 * gib, 80 * gib)  # (60 - 16 - 4) / 80 = 0.5 would fit: the engine still gets 0.3
+    assert plumbing.engine_share(shared._replace(memory_utilization=None), roomy, roomy, to_come, snapshots) == 0.3
 
 
 def test_with_a_gpu_of_its_own_the_engine_holds_the_snapshots_beside_its_share():
@@ -103,16 +107,18 @@ def test_with_a_gpu_of_its_own_the_engine_holds_the_snapshots_beside_its_share()
     separate = plumbing.Placement("7", False, 7, 0.9)
     to_come = {"optimizer state": 8 * gib, "gradients": 4 * gib}
     with pytest.raises(plumbing.UsageError, match="lower --async_level .* or shard the models"):
-        plumbing.check_engine_fits(separate, (15 * gib, 80 * gib), (80 * gib, 80 * gib), to_come, 0)
+        plumbing.engine_share(separate, (15 * gib, 80 * gib), (80 * gib, 80 * gib), to_come, 0)
     snapshots = plumbing.snapshot_memory(16 * gib, async_level=1)
     assert snapshots == 48 * gib
     with pytest.raises(plumbing.UsageError) as raised:
-        plumbing.check_engine_fits(separate, (20 * gib, 80 * gib), (80 * gib, 80 * gib), to_come, snapshots)
+        plumbing.engine_share(separate, (20 * gib, 80 * gib), (80 * gib, 80 * gib), to_come, snapshots)
     assert "the engine's GPU has 80.0 GiB free and the engine would take 72.0 GiB, beside 48.0 GiB" in str(raised.value)
     assert "lower it to at most 0.33" in str(raised.value)
-    plumbing.check_engine_fits(
-        separate._replace(memory_utilization=0.33), (20 * gib, 80 * gib), (80 * gib, 80 * gib), to_come, snapshots
-    )
+    gpus = (20 * gib, 80 * gib), (80 * gib, 80 * gib)
+    assert plumbing.engine_share(separate._replace(memory_utilization=0.33), *gpus, to_come, snapshots) == 0.33
+    assert plumbing.engine_share(separate._replace(memory_utilization=None), *gpus, to_come, snapshots) == 0.33
+    # with no snapshots to hold, the engine gets vLLM's default, 0.9, not all the (80 - 1 - 4) / 80 = 0.93 that fit
+    assert plumbing.engine_share(separate._replace(memory_utilization=None), *gpus, to_come, 0) == 0.9
 
 
 def test_a_2_8b_policy_sharing_one_gpu_is_refused_before_it_runs_out_of_memory():
@@ -128,7 +134,48 @@ def test_a_2_8b_policy_sharing_one_gpu_is_refused_before_it_runs_out_of_memory()
     free = 80 * gib - int(params * (4 + 4 + 2))
     gpu = (free, 80 * gib)
     with pytest.raises(plumbing.UsageError, match="lower --async_level"):
-        plumbing.check_engine_fits(plumbing.Placement("0", True, 0, 0.3), gpu, gpu, to_come, snapshots)
+        plumbing.engine_share(plumbing.Placement("0", True, 0, 0.3), gpu, gpu, to_come, snapshots)
+    with pytest.raises(plumbing.UsageError, match="lower --async_level"):  # no share would fit either
+        plumbing.engine_share(plumbing.Placement("0", True, 0, None), gpu, gpu, to_come, snapshots)
+
+
+@pytest.mark.parametrize(
+    "params, share",
+    [
+        # Pythia-1b (1.01e9): 3 bf16 snapshots of 2.03 GB, 5.67 GiB; (80 - 5.67 - 1 - 4) / 80 = 0.866 -> 0.86
+        (1_011_781_632, 0.86),
+        # Llama-3.1-8B (8.03e9): 3 bf16 snapshots of 16.06 GB, 44.87 GiB; (80 - 44.87 - 1 - 4) / 80 = 0.376 -> 0.37
+        (8_030_261_248, 0.37),
+    ],
+)
+def test_the_readme_commands_on_n_plus_1_gpus_get_an_engine_with_the_share_the_run_leaves(params, share):
+    """The README's `accelerate launch ... --num_processes 7 ... --async_level 1` on 8 GPUs of 80 GiB, the flag left
+    out: the engine's GPU holds the snapshots, and the engine gets the rest, not 0.9 (which refused both: the old
+    default). Rank 0's GPU is ZeRO-3's (some GiB free of training's share). Hand-computed shares."""
+    gib = 2**30
+    snapshots = plumbing.snapshot_memory(params * 2, async_level=1)
+    assert snapshots == 6 * params
+    separate = plumbing.Placement("7", False, 7, None)
+    to_come = {"gradients": params * 2 // 7, "optimizer state": params * 12 // 7}
+    gpus = (60 * gib, 80 * gib), (80 * gib, 80 * gib)
+    assert plumbing.engine_share(separate, *gpus, to_come, snapshots) == share
+    with pytest.raises(plumbing.UsageError, match=f"lower it to at most {share} "):
+        plumbing.engine_share(separate._replace(memory_utilization=0.9), *gpus, to_come, snapshots)
+
+
+def test_the_engine_line_says_what_the_engine_got_and_that_its_first_start_compiles():
+    """Printed at start: the device, the share and where it came from, the snapshots; on a GPU with CUDA graphs, that
+    the first start compiles, and the flag that skips it."""
+    gib = 2**30
+    placement = plumbing.Placement("7", False, 7, 0.37)
+    line = plumbing.engine_line(placement, 80 * gib, 15 * gib, 45 * gib, flag_given=False, eager=False)
+    assert line.startswith("engine: GPU 7 of its own, 0.37 of its 80.00 GiB (the largest share the run leaves")
+    assert "weight snapshots of 15.00 GiB each (45.00 GiB at most)" in line
+    assert "first start compiles the model" in line and "--vllm_enforce_eager" in line
+    eager = plumbing.engine_line(placement, 80 * gib, 15 * gib, 45 * gib, flag_given=True, eager=True)
+    assert "(--vllm_gpu_memory_utilization)" in eager and "compiles" not in eager
+    cpu = plumbing.engine_line(plumbing.Placement(None, False, 0, 0.9), 0, 3 * 2**20, 9 * 2**20, False, True)
+    assert cpu == "engine: on the CPU; weight snapshots of 3.00 MiB each"
 
 
 def test_trained_memory_by_zero_stage_by_hand():

@@ -158,19 +158,25 @@ def test_the_engine_dying_surfaces_in_the_trainer(long_run):
     "config, processes, flags",
     [
         ("configs/deepspeed_zero2.yaml", 1, ["--gradient_accumulation_steps", "2"]),
-        ("configs/deepspeed_zero3.yaml", 2, ["--gradient_checkpointing"]),
+        ("configs/deepspeed_zero3.yaml", 2, ["--gradient_checkpointing", "--collective_timeout_minutes", "45"]),
     ],
 )
 def test_deepspeed_trains_pushes_and_resumes_exactly(config, processes, flags, tmp_path):
     """The shipped ZeRO-2 and ZeRO-3 configs on CPUs (DeepSpeed's CPU accelerator, gloo; bf16), ZeRO-3 over two
     training processes (plumbing.process_state counts them: accelerate alone takes each for the only one on a CPU).
     Under ZeRO-3 every model but the gold judge is sharded, both processes evaluate, the push gathers a layer at a
-    time on both, and each process's shuffle generator goes into the checkpoint. The checkpoints are accelerate's save_state, written by DeepSpeed: the
-    run resumed from step 4 ends as the run that was not stopped."""
+    time on both, and each process's shuffle generator goes into the checkpoint. The checkpoints are accelerate's
+    save_state, written by DeepSpeed: the run resumed from step 4 ends as the run that was not stopped. In bf16, where
+    accelerate's autocast does nothing under DeepSpeed, the reference gives the policy's logprobs at step 0 (KL
+    exactly 0); the weight snapshot is sized from the whole shapes (ZeRO-3's state dict holds empty tensors): the tiny
+    policy's 662,144 parameters in bf16 are 1,324,288 bytes, 1.26 MiB; the collective timeout is the flag's."""
     launch = [PYTHON, "-m", "accelerate.commands.launch", "--config_file", config, "--num_processes", str(processes)]
     launch += ["online_dpo_async.py", "--total_episodes", "256", "--local_micro_batch_size", "8", *flags]
-    launch += ["--eval_freq", "4", "--num_eval_prompts", "16", "--save_freq", "4"]
-    run_script(launch + ["--output_dir", str(tmp_path / "run")])
+    launch += ["--eval_freq", "4", "--num_eval_prompts", "16", "--save_freq", "4", "--dtype", "bfloat16"]
+    stdout = run_script(launch + ["--output_dir", str(tmp_path / "run")]).stdout
+    assert "engine: on the CPU; weight snapshots of 1.26 MiB each" in stdout.splitlines()
+    if processes > 1:
+        assert "2 training processes; a collective waits 0:45:00 for them at most" in stdout.splitlines()
     assert (tmp_path / "run" / "checkpoints" / "step_000004" / "pytorch_model").is_dir()  # DeepSpeed's own checkpoint
     assert not list((tmp_path / "run" / "checkpoints").glob("*.tmp"))
     train, evals = read_metrics(tmp_path / "run")
@@ -178,6 +184,7 @@ def test_deepspeed_trains_pushes_and_resumes_exactly(config, processes, flags, t
     assert len(train) == 8 and len(evals) == 3
     assert json.loads((tmp_path / "run" / "args.json").read_text())["world_size"] == processes
     assert all(m["loss/policy"] == m["loss/policy"] for m in train)
+    assert train[0]["objective/kl"] == 0.0 and train[1]["objective/kl"] != 0.0
     # the same run as if stopped right after its step-4 checkpoint: no final policy, nothing logged after step 3
     shutil.copytree(tmp_path / "run", tmp_path / "resumed")
     shutil.rmtree(tmp_path / "resumed" / "policy")
