@@ -5,6 +5,7 @@ are plumbing.py's. A bf16 run with gradient checkpointing: tests/test_online_dpo
 test_gpu.py."""
 
 import importlib
+import json
 import sys
 
 import pytest
@@ -348,11 +349,46 @@ optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
 model, optimizer = accelerator.prepare(model, optimizer)
 module = accelerator.unwrap_model(model)
 assert all(p.numel() == 0 for p in module.parameters()), "not sharded"
-tensors = plumbing.gathered_tensors(accelerator, module)
+tensors = plumbing.gathered_tensors(accelerator, module, names)
 sharded = algo.snapshot_weights(tensors, names, torch.float32, torch.device("cpu"), plumbing.full_shapes(module))
 plain = algo.snapshot_weights(whole.state_dict(), algo.checkpoint_names(whole), torch.float32, torch.device("cpu"))
 save_file(dict(algo.views(*sharded)), {out!r} + "/zero3.safetensors")
 save_file(dict(algo.views(*plain)), {out!r} + "/plain.safetensors")
+"""
+
+# PPO's push under ZeRO-3: the policy and the value model are one prepared module; the push gathers the policy's
+# parameters only. deepspeed.zero.GatheredParameters is wrapped to record what each gather asks for (a spy: the
+# gathers themselves are DeepSpeed's).
+ZERO3_PPO_PROBE = """import json, sys, torch, deepspeed
+sys.path.insert(0, {root!r})
+from accelerate import Accelerator
+from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
+import plumbing
+import ppo_async as algo
+
+gathered, Gather = [], deepspeed.zero.GatheredParameters
+def spy(params, *args, **kwargs):
+    gathered.extend(id(p) for p in params)
+    return Gather(params, *args, **kwargs)
+deepspeed.zero.GatheredParameters = spy
+accelerator = Accelerator()
+accelerator.state.deepspeed_plugin.deepspeed_config["train_micro_batch_size_per_gpu"] = 1
+with plumbing.whole_models(accelerator):
+    whole = AutoModelForCausalLM.from_pretrained({policy!r})
+policy = AutoModelForCausalLM.from_pretrained({policy!r})
+value = AutoModelForSequenceClassification.from_pretrained({policy!r}, num_labels=1)
+names = {{f"policy.{{k}}": v for k, v in algo.checkpoint_names(policy).items()}}
+model = algo.PolicyAndValue(policy, value)
+optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+model, optimizer = accelerator.prepare(model, optimizer)
+module = accelerator.unwrap_model(model)
+gathered.clear()  # loading sharded models gathers too: only the push's gathers count
+tensors = plumbing.gathered_tensors(accelerator, module, names)
+sharded = algo.snapshot_weights(tensors, names, torch.float32, torch.device("cpu"), plumbing.full_shapes(module))
+plain = algo.snapshot_weights(whole.state_dict(), algo.checkpoint_names(whole), torch.float32, torch.device("cpu"))
+ids = {{id(p): name for name, p in module.named_parameters()}}
+print(json.dumps({{"gathered": sorted(ids[i] for i in set(gathered)), "parameters": sorted(ids.values()),
+    "equal": all(torch.equal(a, b) for (_, a), (_, b) in zip(algo.views(*sharded), algo.views(*plain)))}}))
 """
 
 
@@ -375,3 +411,20 @@ def test_the_snapshot_pushed_under_zero3_is_the_unsharded_one(tokenizer, tmp_pat
     sharded, plain = load_file(tmp_path / "zero3.safetensors"), load_file(tmp_path / "plain.safetensors")
     assert sharded.keys() == plain.keys() and len(plain) > 10
     assert all(torch.equal(sharded[name], plain[name]) for name in plain)
+
+
+@pytest.mark.slow
+def test_ppo_s_push_under_zero3_gathers_the_policy_and_never_the_value_model(tokenizer, tmp_path):
+    """PPO's policy and value model are one module under ZeRO-3; the push gathers every parameter of the policy (its
+    snapshot equals the unsharded one) and none of the value model's: gathering a 7.5B value model at every push
+    only to drop it would double the push's traffic."""
+    policy = tmp_path / "policy"
+    perturbed_policy(tokenizer, "llama", True, seed=3).save_pretrained(policy)
+    probe = tmp_path / "probe.py"
+    probe.write_text(ZERO3_PPO_PROBE.format(root=str(ROOT), policy=str(policy)))
+    launch = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", "configs/deepspeed_zero3.yaml"]
+    stdout = run_script([*launch, "--num_processes", "1", "--mixed_precision", "no", str(probe)], timeout=300).stdout
+    report = json.loads(stdout.strip().splitlines()[-1])
+    assert report["equal"]
+    assert report["gathered"] == [name for name in report["parameters"] if name.startswith("policy.")]
+    assert any(name.startswith("value_model.") for name in report["parameters"])
