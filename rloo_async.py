@@ -25,7 +25,6 @@ import torch
 from accelerate import Accelerator
 from accelerate.utils import broadcast_object_list
 from datasets import load_dataset
-from safetensors.torch import save_file
 from tqdm import tqdm
 from transformers import AutoModelForCausalLM, AutoTokenizer, set_seed
 
@@ -797,18 +796,18 @@ def views(flat: torch.Tensor, layout: list[tuple[str, list[int], int]]) -> list[
 
 
 def snapshot_weights(
-    tensors, names: dict[str, str], dtype: torch.dtype, device, shapes=None
+    tensors, names: dict[str, str], dtype: torch.dtype, place: plumbing.SnapshotPlace, shapes=None
 ) -> tuple[torch.Tensor, list]:
     """theta_v for the engine: a copy in the engine's dtype under the checkpoint's names, in one buffer, taken between
     optimizer steps so the optimizer never writes what the engine reads. `tensors`: a state dict, or (name, tensor)
-    pairs with their whole `shapes` (under ZeRO-3 they come a layer at a time: plumbing.gathered_tensors). On a GPU the
-    buffer stays in GPU memory and one CUDA IPC handle shares it with the engine; on a CPU it goes through a file."""
+    pairs with their whole `shapes` (under ZeRO-3 they come a layer at a time: plumbing.gathered_tensors). The buffer
+    is where the engine's worker opens it (`place`): GPU memory on a GPU, shared memory on a CPU."""
     if isinstance(tensors, dict):
         tensors, shapes = tensors.items(), {name: tensor.shape for name, tensor in tensors.items()}
     keys = [key for key in shapes if key in names]
     offsets = np.cumsum([0] + [math.prod(shapes[key]) for key in keys]).tolist()
     layout = [(names[key], list(shapes[key]), offset) for key, offset in zip(keys, offsets)]
-    flat = torch.empty(offsets[-1], dtype=dtype, device=device)
+    flat = place.buffer(offsets[-1], dtype)
     unfilled = {key: view for (_, view), key in zip(views(flat, layout), keys)}
     for key, tensor in tensors:
         if key in unfilled:
@@ -820,24 +819,17 @@ def snapshot_weights(
     return flat, layout
 
 
-def push_weights(llm: "LLM", weights: Weights, directory: str) -> None:
-    """Load theta_v into the running engine, in place (plumbing.WeightReceiver). GPU: a CUDA IPC handle of the
-    snapshot. CPU: safetensors in a RAM-backed folder. The prefix cache holds KV of the old weights: reset it."""
-    if weights.flat.is_cuda:
-        from torch.multiprocessing.reductions import reduce_tensor
-
-        llm.collective_rpc("load_shared_weights", args=(reduce_tensor(weights.flat)[1], weights.layout))
-    else:
-        save_file(
-            {name: view.clone() for name, view in views(weights.flat, weights.layout)},
-            os.path.join(directory, "model.safetensors"),
-        )
-        llm.collective_rpc("load_weights_file", args=(directory,))  # plumbing.WeightReceiver
-    llm.reset_prefix_cache()
+def push_weights(llm: "LLM", weights: Weights) -> None:
+    """Load theta_v into the running engine, in place: its worker opens the snapshot where it lies (GPU memory by CUDA
+    IPC, shared memory on a CPU), loads it as a checkpoint and says what it then holds (plumbing.WeightReceiver); the
+    prefix cache holds KV of the old weights: reset it. An engine left with other weights stops the run."""
+    handle = plumbing.shared_handle(weights.flat)
+    loaded = llm.collective_rpc("load_shared_weights", args=(weights.version, handle, weights.layout))[0]
+    plumbing.check_loaded(weights.version, loaded, llm.reset_prefix_cache())
 
 
 def publish(
-    version: int, accelerator: Accelerator, model, names: dict, dtype, device, snapshots: dict, channels: Channels
+    version: int, accelerator: Accelerator, model, names: dict, dtype, place, snapshots: dict, channels: Channels
 ) -> None:
     """Snapshot theta_version (between optimizer steps) and hand it to the generation thread; rank 0 keeps it for
     checkpoints until no pending batch or evaluation needs it. The snapshot is copied from the parameters where they
@@ -850,7 +842,7 @@ def publish(
             pass
         return
     shapes = plumbing.full_shapes(module)
-    snapshots[version] = Weights(version, *snapshot_weights(tensors, names, dtype, device, shapes))
+    snapshots[version] = Weights(version, *snapshot_weights(tensors, names, dtype, place, shapes))
     channels.weights.put(snapshots[version])
 
 
@@ -1043,7 +1035,7 @@ def start_generation(args: Args, inputs: Inputs, n: int, dtype, schedule, channe
     llm["max_model_len"] = args.max_prompt_length + args.response_length
     llm["enforce_eager"] = placement.devices is None or args.vllm_enforce_eager  # CUDA graphs on GPUs
     engine = plumbing.start_engine(args.sft_model_path, placement, signals, cores, **llm)
-    push = partial(push_weights, engine.llm, directory=engine.weights_dir)
+    push = partial(push_weights, engine.llm)
     prompts, eos = (inputs.train.token_ids, inputs.evaluation.token_ids), inputs.tokenizer.eos_token_id
     work = (engine.llm, schedule, *prompts, args, n, inputs.sizes.batch_size, eos, channels, push)
     thread = threading.Thread(target=generation_thread, args=work, daemon=True)
@@ -1055,13 +1047,13 @@ def start_generation(args: Args, inputs: Inputs, n: int, dtype, schedule, channe
 def publish_owed(versions: set[int], start_step: int, checkpoint: str | None, push_to: tuple) -> None:
     """A resumed run re-sends the versions the generator still needs: older ones from the checkpoint, then theta_start
     (push_to: publish's arguments after the version)."""
-    accelerator, dtype, device, snapshots, channels = push_to[0], *push_to[3:]
+    accelerator, dtype, place, snapshots, channels = push_to[0], *push_to[3:]
     for version in sorted(v for v in versions if v <= start_step):
         if version == start_step:
             publish(version, *push_to)
         elif accelerator.is_main_process:
             tensors = plumbing.load_owed_version(checkpoint, version)
-            snapshots[version] = Weights(version, *snapshot_weights(tensors, {k: k for k in tensors}, dtype, device))
+            snapshots[version] = Weights(version, *snapshot_weights(tensors, {k: k for k in tensors}, dtype, place))
             channels.weights.put(snapshots[version])
 
 
@@ -1208,8 +1200,9 @@ def main(args: Args) -> None:
         logger = plumbing.MetricsLogger(output_dir, run_name, asdict(args), *tracking)
     signals.starting = False
     # Policy versions the generator may still need (on the engine's GPU on GPUs): a checkpoint hands them on.
-    snapshots, snapshot_device = {}, torch.device("cuda", inputs.placement.snapshot_gpu) if on_gpu else None
-    push_to = (accelerator, model, engine_names, engine_dtype, snapshot_device, snapshots, channels)
+    snapshot_device = torch.device("cuda", inputs.placement.snapshot_gpu) if on_gpu else None
+    snapshots, place = {}, plumbing.SnapshotPlace(snapshot_device, engine.weights_dir if engine else None)
+    push_to = (accelerator, model, engine_names, engine_dtype, place, snapshots, channels)
     publish_owed(to_publish, start_step, inputs.checkpoint, push_to)
 
     run = (sizes.episodes_per_step, evals_logged, engine.started if engine else 0.0)

@@ -1,5 +1,6 @@
 """The generation side on a real vLLM engine (CPU): weight pushes and failures."""
 
+import os
 import queue
 import threading
 import time
@@ -72,10 +73,9 @@ def test_engine_after_a_weight_push_matches_the_trainer_on_long_prompts(engine, 
     ).eval()
     weights_dir = tmp_path / "push"
     weights_dir.mkdir()
-    snapshot = dpo.snapshot_weights(
-        new_policy.state_dict(), dpo.checkpoint_names(new_policy), torch.float32, torch.device("cpu")
-    )
-    dpo.push_weights(engine, dpo.Weights(1, *snapshot), str(weights_dir))
+    place = plumbing.SnapshotPlace(None, str(weights_dir))
+    snapshot = dpo.snapshot_weights(new_policy.state_dict(), dpo.checkpoint_names(new_policy), torch.float32, place)
+    dpo.push_weights(engine, dpo.Weights(1, *snapshot))
     for prompt, (tokens, logprobs) in zip(prompts, greedy_with_engine(engine, prompts, 8)):
         expected_tokens, expected_logprobs = greedy_with_transformers(new_policy, prompt, 8)
         assert tokens == expected_tokens
@@ -102,6 +102,43 @@ def test_engine_after_a_weight_push_matches_the_trainer_on_long_prompts(engine, 
 
 
 @on_the_module_engine
+def test_an_engine_holding_other_weights_than_it_was_sent_stops_the_run(engine, tokenizer, tmp_path):
+    """After a push the engine says what it holds against the snapshot (plumbing.WeightReceiver.holds): the version,
+    and every tensor it keeps under the sent name compared element for element. Pushed policy b holds b; asked
+    against policy c's snapshot, which it never loaded (a push that delivered nothing), it differs, and
+    plumbing.check_loaded stops the run naming the tensors, as it does for a prefix cache not reset."""
+    from transformers import AutoModelForCausalLM
+
+    place = plumbing.SnapshotPlace(None, str(tmp_path))
+    b, c = (
+        AutoModelForCausalLM.from_pretrained(save_random_policy(tokenizer, tmp_path / n, seed=s))
+        for n, s in (("b", 1), ("c", 2))
+    )
+    snapshot_b = dpo.Weights(5, *dpo.snapshot_weights(b.state_dict(), dpo.checkpoint_names(b), torch.float32, place))
+    snapshot_c = dpo.Weights(6, *dpo.snapshot_weights(c.state_dict(), dpo.checkpoint_names(c), torch.float32, place))
+    dpo.push_weights(engine, snapshot_b)  # checks what the engine holds: b
+    held = engine.collective_rpc("holds", args=(5, plumbing.shared_handle(snapshot_b.flat), snapshot_b.layout))[0]
+    # norms and the embeddings compare on a CPU (its linear layers repack their weights and leave them empty)
+    assert held["version"] == 5 and held["compared"] >= 5 and held["differ"] == []
+    stale = engine.collective_rpc("holds", args=(6, plumbing.shared_handle(snapshot_c.flat), snapshot_c.layout))[0]
+    # the random policies' norms are all ones: their embeddings and heads tell them apart
+    assert stale["compared"] == held["compared"] and stale["differ"] == ["model.embed_tokens.weight", "lm_head.weight"]
+    with pytest.raises(
+        RuntimeError,
+        match=rf"does not hold policy version 6 after its push: 2 of {held['compared']} tensors compared differ",
+    ):
+        plumbing.check_loaded(6, stale, cache_reset=True)
+    with pytest.raises(RuntimeError, match="does not hold policy version 5 after its push: its prefix cache was not"):
+        plumbing.check_loaded(5, held, cache_reset=False)
+    with pytest.raises(RuntimeError, match="does not hold policy version 7 after its push: it loaded version 5"):
+        plumbing.check_loaded(7, held, cache_reset=True)
+    paths = [snapshot_b.flat.shared_path, snapshot_c.flat.shared_path]
+    assert all(os.path.exists(path) for path in paths)
+    del snapshot_b, snapshot_c
+    assert not any(os.path.exists(path) for path in paths)  # a snapshot's shared memory goes with it
+
+
+@on_the_module_engine
 def test_generated_completions_stop_at_eos_and_are_reproducible(engine, tokenizer):
     prompts = [[tokenizer.bos_token_id, 7, 8, 9]] * 2
     first, logprobs = dpo.generate(
@@ -125,11 +162,9 @@ def test_engine_logprobs_are_the_trainers_after_temperature(engine, policy_a, to
     from transformers import AutoModelForCausalLM
 
     policy = AutoModelForCausalLM.from_pretrained(policy_a).eval()
-    (tmp_path / "push").mkdir()
-    snapshot = rloo.snapshot_weights(
-        policy.state_dict(), rloo.checkpoint_names(policy), torch.float32, torch.device("cpu")
-    )
-    rloo.push_weights(engine, rloo.Weights(0, *snapshot), str(tmp_path / "push"))
+    place = plumbing.SnapshotPlace(None, str(tmp_path))
+    snapshot = rloo.snapshot_weights(policy.state_dict(), rloo.checkpoint_names(policy), torch.float32, place)
+    rloo.push_weights(engine, rloo.Weights(0, *snapshot))
     prompts = [
         tokenizer(q).input_ids for q in ("sort: fox ant cat ->", "sort: yak bee cow dog elk emu ->", "sort: ape asp ->")
     ]
@@ -212,12 +247,10 @@ def test_each_push_loads_exactly_what_a_checkpoint_would(arch, tied, tokenizer, 
         ]
         greedy_with_engine(llm, prompts, 4)  # the prefix cache holds version 0's KV
         before = engine_parameters(llm)
-        (tmp_path / "push").mkdir()
+        place = plumbing.SnapshotPlace(None, str(tmp_path))
         for version, model in enumerate(models[1:], start=1):
-            snapshot = dpo.snapshot_weights(
-                model.state_dict(), dpo.checkpoint_names(model), torch.float32, torch.device("cpu")
-            )
-            dpo.push_weights(llm, dpo.Weights(version, *snapshot), str(tmp_path / "push"))
+            snapshot = dpo.snapshot_weights(model.state_dict(), dpo.checkpoint_names(model), torch.float32, place)
+            dpo.push_weights(llm, dpo.Weights(version, *snapshot))
             pushed, generated = engine_parameters(llm), greedy_with_engine(llm, prompts, 4)
             model.save_pretrained(tmp_path / f"v{version}")
             llm.collective_rpc("reload_weights", kwargs={"weights_path": str(tmp_path / f"v{version}")})

@@ -7,6 +7,7 @@ test_gpu.py."""
 import importlib
 import json
 import sys
+import tempfile
 
 import pytest
 import torch
@@ -15,6 +16,7 @@ from conftest import ROOT, perturbed_policy, run_script, small_config
 import plumbing
 
 FILES = ["online_dpo_async", "rloo_async", "ppo_async"]
+CPU_PLACE = plumbing.SnapshotPlace(None, tempfile.gettempdir())  # shared memory files, removed with their buffer
 
 
 @pytest.fixture(params=FILES)
@@ -223,7 +225,7 @@ def test_snapshot_is_a_copy_in_the_engine_dtype_under_checkpoint_names(algo, tok
     state = model.state_dict()
     names = algo.checkpoint_names(model)
     for dtype in (torch.float32, torch.bfloat16):
-        flat, layout = algo.snapshot_weights(state, names, dtype, torch.device("cpu"))
+        flat, layout = algo.snapshot_weights(state, names, dtype, CPU_PLACE)
         assert flat.dtype == dtype and flat.numel() == sum(state[k].numel() for k in names)
         pushed = dict(algo.views(flat, layout))
         assert set(pushed) == set(names.values())
@@ -324,13 +326,13 @@ def test_a_snapshot_missing_a_tensor_of_the_policy_is_refused(algo, tokenizer):
     shapes = {name: tensor.shape for name, tensor in state.items()}
     del state["model.norm.weight"]
     with pytest.raises(RuntimeError, match="lack 1 tensor.*model.norm.weight"):
-        algo.snapshot_weights(state, names, torch.float32, torch.device("cpu"))
+        algo.snapshot_weights(state, names, torch.float32, CPU_PLACE)
     # (name, tensor) pairs, as ZeRO-3 gathers them, that never reach a tensor the shapes list
     with pytest.raises(RuntimeError, match="lack 1 tensor.*model.norm.weight"):
-        algo.snapshot_weights(iter(state.items()), names, torch.float32, torch.device("cpu"), shapes)
+        algo.snapshot_weights(iter(state.items()), names, torch.float32, CPU_PLACE, shapes)
 
 
-ZERO3_PROBE = """import sys, torch
+ZERO3_PROBE = """import sys, tempfile, torch
 sys.path.insert(0, {root!r})
 from accelerate import Accelerator
 from transformers import AutoModelForCausalLM
@@ -348,10 +350,11 @@ names = algo.checkpoint_names(model)
 optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
 model, optimizer = accelerator.prepare(model, optimizer)
 module = accelerator.unwrap_model(model)
+place = plumbing.SnapshotPlace(None, tempfile.gettempdir())
 assert all(p.numel() == 0 for p in module.parameters()), "not sharded"
 tensors = plumbing.gathered_tensors(accelerator, module, names)
-sharded = algo.snapshot_weights(tensors, names, torch.float32, torch.device("cpu"), plumbing.full_shapes(module))
-plain = algo.snapshot_weights(whole.state_dict(), algo.checkpoint_names(whole), torch.float32, torch.device("cpu"))
+sharded = algo.snapshot_weights(tensors, names, torch.float32, place, plumbing.full_shapes(module))
+plain = algo.snapshot_weights(whole.state_dict(), algo.checkpoint_names(whole), torch.float32, place)
 save_file(dict(algo.views(*sharded)), {out!r} + "/zero3.safetensors")
 save_file(dict(algo.views(*plain)), {out!r} + "/plain.safetensors")
 """
@@ -359,7 +362,7 @@ save_file(dict(algo.views(*plain)), {out!r} + "/plain.safetensors")
 # PPO's push under ZeRO-3: the policy and the value model are one prepared module; the push gathers the policy's
 # parameters only. deepspeed.zero.GatheredParameters is wrapped to record what each gather asks for (a spy: the
 # gathers themselves are DeepSpeed's).
-ZERO3_PPO_PROBE = """import json, sys, torch, deepspeed
+ZERO3_PPO_PROBE = """import json, sys, tempfile, torch, deepspeed
 sys.path.insert(0, {root!r})
 from accelerate import Accelerator
 from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
@@ -382,10 +385,11 @@ model = algo.PolicyAndValue(policy, value)
 optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
 model, optimizer = accelerator.prepare(model, optimizer)
 module = accelerator.unwrap_model(model)
+place = plumbing.SnapshotPlace(None, tempfile.gettempdir())
 gathered.clear()  # loading sharded models gathers too: only the push's gathers count
 tensors = plumbing.gathered_tensors(accelerator, module, names)
-sharded = algo.snapshot_weights(tensors, names, torch.float32, torch.device("cpu"), plumbing.full_shapes(module))
-plain = algo.snapshot_weights(whole.state_dict(), algo.checkpoint_names(whole), torch.float32, torch.device("cpu"))
+sharded = algo.snapshot_weights(tensors, names, torch.float32, place, plumbing.full_shapes(module))
+plain = algo.snapshot_weights(whole.state_dict(), algo.checkpoint_names(whole), torch.float32, place)
 ids = {{id(p): name for name, p in module.named_parameters()}}
 print(json.dumps({{"gathered": sorted(ids[i] for i in set(gathered)), "parameters": sorted(ids.values()),
     "equal": all(torch.equal(a, b) for (_, a), (_, b) in zip(algo.views(*sharded), algo.views(*plain)))}}))
