@@ -1,8 +1,10 @@
 """The pure pieces of online_dpo_async.py against hand-computed numbers or slow obvious versions."""
 
+import copy
 import json
 import math
 import random
+from functools import partial
 
 import numpy as np
 import pytest
@@ -28,6 +30,22 @@ def test_best_and_worst_of_four_with_ties_are_deterministic():
     chosen, rejected, tied = dpo.select_chosen_rejected(scores)
     assert chosen.tolist() == [1, 0, 1, 0]  # first of the best
     assert rejected.tolist() == [3, 3, 3, 1]  # last of the worst: never the chosen one when K >= 2
+    assert tied.tolist() == [False, True, False, False]
+
+
+def test_pairs_put_each_prompts_chosen_at_row_i_and_its_rejected_at_row_b_plus_i():
+    """preference_pairs as main calls it, on B = 4 prompts x K = 3 completions (prompt-major, as to_batch repeats
+    them) whose every field differs in every row, so a row taken from the wrong place shows in all five."""
+    rows = torch.arange(4 * 3)
+    column = rows[:, None]
+    batch = dpo.Batch(column + 100, column % 2, column + 200, column % 3, rows % 2 == 0)
+    scores = torch.tensor([[0.1, 0.9, 0.5], [2.0, 2.0, 2.0], [0.3, -1.0, 0.3], [-0.5, 0.7, 0.7]]).flatten()
+    pairs, tied = dpo.preference_pairs(batch, scores, K=3)
+    # chosen = first best, rejected = last worst: prompt 0 (rows 0-2): 1 and 0; prompt 1, tied: 3 and 5;
+    # prompt 2 (rows 6-8): 6 and 7; prompt 3 (rows 9-11): 10 and 9
+    expected = torch.tensor([1, 3, 6, 10, 0, 5, 7, 9])
+    for name, got, full in zip(dpo.Batch._fields, pairs, batch):
+        assert torch.equal(got, full[expected]), name
     assert tied.tolist() == [False, True, False, False]
 
 
@@ -59,6 +77,133 @@ def test_tied_pairs_add_nothing_to_the_loss_but_count_in_its_denominator():
 
 def test_win_rate_counts_ties_as_one_half():
     assert dpo.win_rates([0.9, 0.5, 0.1], [0.5, 0.5, 0.5]) == [1.0, 0.5, 0.0]
+
+
+# ------------------------------------------------------------------------------ the update
+def random_pairs(tokenizer, num_pairs: int, args: dpo.Args) -> dpo.Batch:
+    """Random prompts and two random completions of each, 1 to 8 words, the odd lengths stopped by EOS, the long
+    ones cut at --response_length: row i is pair i's chosen completion, row B + i its rejected one."""
+    g = torch.Generator().manual_seed(2)
+
+    def words(n: int) -> list[int]:
+        return torch.randint(4, len(tokenizer), (n,), generator=g).tolist()
+
+    prompt_lengths = torch.randint(1, 6, (num_pairs,), generator=g).tolist()
+    prompts = [[tokenizer.bos_token_id, *words(n)] for n in prompt_lengths]
+    lengths = torch.randint(1, 9, (2 * num_pairs,), generator=g).tolist()
+    responses = [words(n) + [tokenizer.eos_token_id] * (n % 2) for n in lengths]
+    return dpo.to_batch(prompts * 2, responses, 1, args, tokenizer, torch.device("cpu"))
+
+
+def slow_sequence_logprob(model, pairs: dpo.Batch, row: int, temperature: float) -> torch.Tensor:
+    """Summed logprob of one row's response, its prompt and response unpadded, in one forward pass."""
+    query = pairs.query_ids[row][pairs.query_mask[row].bool()]
+    response = pairs.response_ids[row][pairs.response_mask[row].bool()]
+    logits = model(torch.cat([query, response])[None]).logits[0, len(query) - 1 : -1] / temperature
+    return logits.log_softmax(-1).gather(1, response[:, None]).sum()
+
+
+def slow_dpo_update(model, pairs: dpo.Batch, ref_logps, tied, args: dpo.Args, rng, lr: float) -> dict:
+    """dpo_update by hand: T passes over B pairs in the order rng.permutation(B) gives each pass; every mini-batch
+    of micro * G pairs one plain SGD step (lr times the linear schedule's factor) on the mean over its G
+    micro-batches of (the untied pairs' losses summed) / micro. Pair i: chosen row i, rejected row B + i."""
+    B, micro, G = len(tied), args.local_micro_batch_size, args.gradient_accumulation_steps
+    num_updates, update = args.num_ppo_epochs * args.num_mini_batches, 0
+    stats = {"loss": [], "logps_chosen": [], "logps_rejected": [], "kl": []}
+    for epoch in range(args.num_ppo_epochs):
+        order = rng.permutation(B).tolist()
+        for mini_start in range(0, B, micro * G):
+            model.zero_grad()
+            for micro_start in range(mini_start, mini_start + micro * G, micro):
+                losses, chosen, rejected, kl = [], [], [], []
+                for i in order[micro_start : micro_start + micro]:
+                    c = slow_sequence_logprob(model, pairs, i, args.temperature)
+                    r = slow_sequence_logprob(model, pairs, B + i, args.temperature)
+                    h = (c - ref_logps[i]) - (r - ref_logps[B + i])
+                    if args.loss_type == "sigmoid":
+                        loss = torch.log(1 + torch.exp(-args.beta * h))
+                    elif args.loss_type == "ipo":
+                        loss = (h - 1 / (2 * args.beta)) ** 2
+                    else:  # best_of_k_sft: the chosen completion's mean token NLL
+                        loss = -c / pairs.response_mask[i].sum()
+                    if not tied[i]:
+                        losses.append(loss)
+                    chosen.append(c.item())
+                    rejected.append(r.item())
+                    kl.append(((c - ref_logps[i]) + (r - ref_logps[B + i])).item() / 2)
+                loss = sum(losses, torch.zeros(())) / micro
+                if losses:
+                    (loss / G).backward()
+                stats["loss"].append(loss.item())
+                stats["logps_chosen"].append(np.mean(chosen))
+                stats["logps_rejected"].append(np.mean(rejected))
+                if epoch == 0:
+                    stats["kl"].append(np.mean(kl))
+            with torch.no_grad():
+                for p in model.parameters():
+                    p -= lr * (1 - update / num_updates) * p.grad
+            update += 1
+    return {k: np.mean(v) for k, v in stats.items()}
+
+
+@pytest.mark.parametrize(
+    "loss_type, accumulation, mini_batches, epochs",
+    [
+        ("sigmoid", 1, 1, 1),
+        ("sigmoid", 2, 1, 1),
+        ("sigmoid", 1, 2, 1),
+        ("sigmoid", 1, 1, 2),
+        ("sigmoid", 2, 2, 2),
+        ("ipo", 1, 1, 1),
+        ("ipo", 2, 2, 2),
+        ("best_of_k_sft", 1, 1, 1),
+        ("best_of_k_sft", 2, 2, 2),
+    ],
+)
+def test_dpo_update_is_sgd_on_the_pairs_losses_by_hand(tokenizer, loss_type, accumulation, mini_batches, epochs):
+    """dpo_update as main calls it (a prepared fp32 model, accelerate's accumulation, the linear schedule) against
+    slow_dpo_update: the statistics it returns and every parameter's update. Micro-batches of 2 pairs, every third
+    pair tied, each row's reference logprob its own (the policy's own, moved by noise)."""
+    from accelerate import Accelerator
+    from transformers import LlamaForCausalLM
+
+    B = 2 * accumulation * mini_batches
+    args = dpo.Args(
+        total_episodes=2 * B,
+        local_micro_batch_size=2,
+        gradient_accumulation_steps=accumulation,
+        num_mini_batches=mini_batches,
+        num_ppo_epochs=epochs,
+        loss_type=loss_type,
+        beta=0.5,
+        max_prompt_length=6,
+        response_length=6,
+    )
+    sizes = dpo.compute_sizes(args, world_size=1)
+    assert sizes.local_batch_size == B
+    lr = 0.01 if loss_type == "ipo" else 0.1  # IPO's squared loss has ~10x the gradient: at 0.1 it diverges
+    torch.manual_seed(0)
+    policy = LlamaForCausalLM(small_config(tokenizer))
+    by_hand, before = copy.deepcopy(policy), copy.deepcopy(policy.state_dict())
+    pairs = random_pairs(tokenizer, B, args)
+    noise = torch.randn(2 * B, generator=torch.Generator().manual_seed(3))
+    ref_logps = dpo.batch_logprobs(policy, pairs, args.temperature, 2 * B).sum(1) + noise
+    tied = torch.arange(B) % 3 == 1
+
+    accelerator = Accelerator(cpu=True, gradient_accumulation_steps=accumulation)
+    model, optimizer = accelerator.prepare(policy, torch.optim.SGD(policy.parameters(), lr=lr))
+    schedule = partial(dpo.lr_factor, "linear", num_updates=sizes.num_updates)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
+    stats = dpo.dpo_update(
+        model, optimizer, scheduler, accelerator, pairs, ref_logps, tied, args, sizes, np.random.default_rng(5), step=0
+    )
+    expected = slow_dpo_update(by_hand, pairs, ref_logps, tied, args, np.random.default_rng(5), lr)
+    for key, value in expected.items():
+        assert stats[key].item() == pytest.approx(value, rel=1e-5, abs=1e-6), key
+    moved = torch.cat([(p.detach() - before[name]).flatten() for name, p in policy.named_parameters()])
+    moved_by_hand = torch.cat([(p.detach() - before[name]).flatten() for name, p in by_hand.named_parameters()])
+    assert moved_by_hand.abs().max() > 1e-2
+    torch.testing.assert_close(moved, moved_by_hand, rtol=0, atol=1e-5 * moved_by_hand.abs().max().item())
 
 
 # ------------------------------------------------------------------------------ responses
@@ -208,6 +353,91 @@ def test_dropout_is_disabled(tokenizer, arch):
     assert torch.equal(model(ids).logits, model(ids).logits)
 
 
+# ------------------------------------------------------------------------------ scores and evaluation
+@pytest.fixture(scope="module")
+def tiny_models(tokenizer):
+    """The tiny task's SFT policy as the reference, its reward model (fp32), no gold model (--gold_judge tiny)."""
+    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
+
+    reference = AutoModelForCausalLM.from_pretrained(TINY / "sft").eval()
+    reward_model = AutoModelForSequenceClassification.from_pretrained(TINY / "reward").eval()
+    return dpo.Models(tokenizer, reference, reward_model, tokenizer, None, None)
+
+
+def word_ids(tokenizer, text: str) -> list[int]:
+    return [tokenizer.convert_tokens_to_ids(word) for word in text.split()]
+
+
+def reward_of(reward_model, ids: list[int]) -> float:
+    """The reward model's score of one unpadded sequence."""
+    with torch.no_grad():
+        mask = torch.ones(1, len(ids), dtype=torch.long)
+        return dpo.get_reward(reward_model, torch.tensor([ids]), mask).item()
+
+
+def test_score_batch_gives_the_penalty_without_eos_and_the_reward_models_score_with_it(tokenizer, tiny_models):
+    """2 prompts x 2 completions, scored in forward passes of 3: with EOS (one with words after it, which are cut),
+    the reward model's score of prompt + completion up to EOS; without (cut at --response_length, or short),
+    exactly --missing_eos_penalty."""
+    args = dpo.Args(missing_eos_penalty=-2.5, response_length=5, local_rollout_forward_batch_size=3)
+    prompts = [tokenizer("sort: fox ant cat ->").input_ids, tokenizer("sort: dog bee ->").input_ids]
+    texts = ["ant cat fox </s>", "ant cat fox cat fox yak", "bee dog </s> ant", "bee dog"]
+    batch = dpo.to_batch(prompts, [word_ids(tokenizer, t) for t in texts], 2, args, tokenizer, torch.device("cpu"))
+    scores = dpo.score_batch(batch, ["unused"] * 4, tiny_models, args)
+    rm = tiny_models.reward_model
+    cut_at_eos = [(prompts[0], "ant cat fox </s>"), (prompts[1], "bee dog </s>")]
+    with_eos = [reward_of(rm, prompt + word_ids(tokenizer, text)) for prompt, text in cut_at_eos]
+    assert [scores[0].item(), scores[2].item()] == pytest.approx(with_eos, abs=1e-5)
+    assert scores[1].item() == scores[3].item() == -2.5
+    assert abs(reward_of(rm, prompts[1] + word_ids(tokenizer, "bee dog")) + 2.5) > 0.1  # the penalty shows
+
+
+def test_gsm8k_scores_are_the_verifiers_with_no_missing_eos_penalty():
+    """Table 10 has no penalty: a right answer cut without EOS scores 1, as one that stopped does."""
+    from test_tasks import number_tokenizer  # a word-level tokenizer that can write "#### 40"
+
+    tokenizer = number_tokenizer()
+    args = dpo.Args(task="gsm8k", missing_eos_penalty=-2.5, response_length=3)
+    texts = ["#### 40 </s>", "so #### 40 so", "#### 12 </s>", "#### 12"]  # the second cut at 3 tokens, no EOS
+    responses = [tokenizer(t, add_special_tokens=False).input_ids for t in texts]
+    batch = dpo.to_batch([[tokenizer.bos_token_id]] * 2, responses, 2, args, tokenizer, torch.device("cpu"))
+    assert batch.contain_eos.tolist() == [True, False, True, False]
+    models = dpo.Models(tokenizer, None, None, None, None, None)
+    scores = dpo.score_batch(batch, ["#### 40", "#### 40", "#### 40", "#### 12"], models, args)
+    assert scores.tolist() == [1.0, 1.0, 0.0, 1.0]
+
+
+def test_evaluate_by_hand(tokenizer, tiny_models):
+    """evaluate on four hand-made completions against the tiny task's references, with tiny_gold_score worked out
+    by hand (target = the query's words sorted; q = (in_place + f1 + ordered) / 3; 2q - 1 stopped, q - 1 not):
+    1. policy "ant cat fox </s>" 1 beats reference "ant fox cat </s>": in_place 1/3, f1 1, ordered 1/2,
+       q 11/18, 2/9
+    2. policy "bee dog </s>" (the "ant" after EOS is cut) 1 beats reference "bee dog", q 1 unstopped: 0
+    3. policy "elk yak emu </s>" (elk in place) ties reference "emu elk yak </s>" (yak in place): both 2/9
+    4. policy "cow" x 8, cut at 6 tokens: in_place 1/2, f1 2 * 1 / (6 + 2) = 1/4, ordered 0/5, q 1/4, -3/4,
+       loses to reference "ape cow </s>": 1."""
+    args = dpo.Args(missing_eos_penalty=-2.5, response_length=6, local_rollout_forward_batch_size=3)
+    queries = ["sort: fox ant cat ->", "sort: dog bee ->", "sort: yak elk emu ->", "sort: cow ape ->"]
+    references = ["ant fox cat </s>", "bee dog", "emu elk yak </s>", "ape cow </s>"]
+    policy = ["ant cat fox </s>", "bee dog </s> ant", "elk yak emu </s>", " ".join(["cow"] * 8)]
+    evaluation = dpo.Prompts([tokenizer(q).input_ids for q in queries], queries, references)
+    responses = [word_ids(tokenizer, t) for t in policy]
+    metrics, _, completions = dpo.evaluate(responses, evaluation, tiny_models, args, torch.device("cpu"))
+
+    assert completions == ["ant cat fox", "bee dog", "elk yak emu", " ".join(["cow"] * 6)]
+    assert metrics["eval/win_rate"] == pytest.approx((1 + 1 + 0.5 + 0) / 4, abs=1e-12)  # swapped: 3/8
+    assert metrics["eval/gold_score"] == pytest.approx((1 + 1 + 2 / 9 - 3 / 4) / 4, abs=1e-12)
+    assert metrics["eval/num_eos_tokens"] == 3 / 4
+    assert metrics["eval/response_length"] == (4 + 3 + 4 + 6) / 4  # tokens up to and including EOS
+    # the completions as the models read them: up to and including EOS, or cut at --response_length
+    kept = [word_ids(tokenizer, t) for t in ("ant cat fox </s>", "bee dog </s>", "elk yak emu </s>", "cow " * 6)]
+    sequences = list(zip(evaluation.token_ids, kept))
+    perplexities = [math.exp(-np.mean(slow_logprobs(tiny_models.ref_policy, q, r, 1.0))) for q, r in sequences]
+    assert metrics["eval/ref_perplexity"] == pytest.approx(np.mean(perplexities), rel=1e-5)
+    scores = [reward_of(tiny_models.reward_model, q + r) for q, r in sequences[:3]] + [-2.5]  # the 4th: no EOS
+    assert metrics["eval/scores"] == pytest.approx(np.mean(scores), abs=1e-5)
+
+
 # ------------------------------------------------------------------------------ sizes, data order, schedule
 def test_derived_sizes_and_indivisible_errors():
     args = dpo.Args(
@@ -258,24 +488,6 @@ def test_generation_schedule_obeys_the_staleness_contract(async_level):
         if version > 0:
             assert position[("rollout", version - 1)] < i
     assert dpo.published_versions(schedule) == {max(0, m - async_level) for m in range(num_steps)} - {0} | {4, 8, 10}
-
-
-# ------------------------------------------------------------------------------ the tiny task's gold judge
-def test_gold_judge_is_the_builders_and_scores_by_hand():
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("build", TINY / "build.py")
-    build = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(build)
-    rng = random.Random(0)
-    words = build.WORDS
-    for _ in range(300):
-        query = build.make_query(rng.sample(words, rng.randint(3, 6)))
-        response = " ".join(rng.choice(words) for _ in range(rng.randint(0, 8))) + rng.choice(["", " </s>"])
-        assert dpo.tiny_gold_score(query, response) == build.tiny_gold_score(query, response)
-    query = build.make_query(["fox", "ant", "cat"])
-    assert dpo.tiny_gold_score(query, "ant cat fox </s>") == 1.0
-    assert dpo.tiny_gold_score(query, "ant cat fox") == 0.0  # right words, never stopped
 
 
 # ------------------------------------------------------------------------------ data loading

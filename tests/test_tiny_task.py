@@ -1,6 +1,8 @@
-"""The tiny task: the committed artifacts, and the builder that makes them."""
+"""The tiny task: the committed artifacts, the builder that makes them, its gold judge against numbers by hand."""
 
+import importlib.util
 import json
+import random
 import sys
 
 import pytest
@@ -25,6 +27,55 @@ def test_committed_artifacts_are_small_and_in_the_expected_shape(tokenizer):
             r.endswith(" </s>") or len(tokenizer(r, add_special_tokens=False).input_ids) == dpo.Args.response_length
             for r in prompts.references[:200]
         )
+
+
+@pytest.fixture(scope="module")
+def build():
+    spec = importlib.util.spec_from_file_location("build", TINY / "build.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+# tiny_gold_score by hand. target = the query's words sorted, out = the response's words before "</s>";
+# in_place = words of out in their target place / len(target); f1 = 2 x common words (as multisets) /
+# (len(out) + len(target)); ordered = adjacent pairs of out in increasing order / max(len(out) - 1, 1);
+# q = (in_place + f1 + ordered) / 3; the score is 2q - 1 if the response ends with "</s>", else q - 1.
+GOLD_BY_HAND = [
+    # target ant cat fox: in_place 3/3, f1 2 x 3 / (3 + 3) = 1, ordered 2/2; q 1, stopped: 2 - 1
+    ("sort: fox ant cat ->", "ant cat fox </s>", 1.0),
+    # q 1 as above, never stopped: 1 - 1
+    ("sort: fox ant cat ->", "ant cat fox", 0.0),
+    # in_place 1/3 (ant), f1 2 x 3 / 6 = 1, ordered 1/2 (ant < fox); q 11/18, stopped: 22/18 - 1
+    ("sort: fox ant cat ->", "ant fox cat </s>", 2 / 9),
+    # in_place 1/3 (the second cat), f1 2 x 1 / (2 + 3) = 2/5, ordered 0/1; q 11/45, stopped: 22/45 - 1
+    ("sort: fox ant cat ->", "cat cat </s>", -23 / 45),
+    # in_place 1/3 (ant), f1 2 x 3 / (5 + 3) = 3/4, ordered 4/4; q 25/36, never stopped: 25/36 - 1
+    ("sort: fox ant cat ->", "ant bee cat fox yak", -11 / 36),
+    # nothing: in_place 0, f1 0 / (0 + 3), ordered 0 / max(-1, 1); q 0, never stopped: 0 - 1
+    ("sort: fox ant cat ->", "", -1.0),
+    # stopped at once: q 0, 0 - 1
+    ("sort: fox ant cat ->", "</s>", -1.0),
+    # target ape ape bee: in_place 1/3 (ape), f1 2 x (1 ape + 1 bee) / (2 + 3) = 4/5, ordered 1/1;
+    # q 32/45, stopped: 64/45 - 1
+    ("sort: ape bee ape ->", "ape bee </s>", 19 / 45),
+]
+
+
+@pytest.mark.parametrize("query, response, score", GOLD_BY_HAND)
+def test_gold_judge_by_hand(build, query, response, score):
+    assert dpo.tiny_gold_score(query, response) == pytest.approx(score, abs=1e-12)
+    assert build.tiny_gold_score(query, response) == pytest.approx(score, abs=1e-12)
+
+
+def test_the_builders_gold_judge_is_the_scripts(build):
+    """The builder labels the reward model's preference pairs by its own copy of the judge runs evaluate by."""
+    rng = random.Random(0)
+    for _ in range(300):
+        query = build.make_query(rng.sample(build.WORDS, rng.randint(3, 6)))
+        words = [rng.choice(build.WORDS) for _ in range(rng.randint(0, 8))]
+        response = " ".join(words + rng.choice([[], ["</s>"]]))
+        assert dpo.tiny_gold_score(query, response) == build.tiny_gold_score(query, response)
 
 
 @pytest.mark.slow

@@ -1,0 +1,65 @@
+"""What a weight push costs, and what of it is the engine's check of what it then holds (plumbing.WeightReceiver.holds),
+measured side by side in one run on the engine the scripts start:
+
+    python benchmark/push_cost.py                                   # the tiny task's policy, on a CPU
+    python benchmark/push_cost.py --model_path models/pythia-1b --dtype bfloat16 --pushes 10     # on a GPU
+
+Each of `--pushes` versions differs from the last in every tensor; the push (push_weights: the load, the check, the
+prefix cache's reset) is timed, then the check alone, then an empty check (the round trip to the engine's worker).
+Prints the medians in milliseconds.
+"""
+
+import argparse
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model_path", default=str(ROOT / "benchmark" / "tiny_task" / "sft"))
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    parser.add_argument("--pushes", type=int, default=20)
+    options = parser.parse_args()
+
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    import online_dpo_async as dpo
+    import plumbing
+
+    dtype = getattr(torch, options.dtype)
+    gpus = plumbing.visible_gpus()
+    device = torch.device("cuda", 0) if gpus else None
+    model = AutoModelForCausalLM.from_pretrained(options.model_path, dtype=dtype).to(device or "cpu")
+    placement = plumbing.engine_placement("shared" if gpus else "auto", gpus, 1, 0.3 if gpus else None)
+    llm = plumbing.make_engine(options.model_path, placement, dtype=options.dtype, max_model_len=64, seed=0)
+    try:
+        place = plumbing.SnapshotPlace(device, tempfile.mkdtemp())
+        names, seconds = dpo.checkpoint_names(model), {"push": [], "check": [], "round trip": []}
+        for version in range(1, options.pushes + 1):
+            with torch.no_grad():
+                for parameter in model.parameters():
+                    parameter.add_(1e-3)
+            weights = dpo.Weights(version, *dpo.snapshot_weights(model.state_dict(), names, dtype, place))
+            handle = plumbing.shared_handle(weights.flat)
+            for name, call in [
+                ("push", lambda: dpo.push_weights(llm, weights)),
+                ("check", lambda: llm.collective_rpc("holds", args=(version, handle, weights.layout))),
+                ("round trip", lambda: llm.collective_rpc("holds", args=(version, handle, []))),
+            ]:
+                start = time.perf_counter()
+                call()
+                seconds[name].append(time.perf_counter() - start)
+        print(", ".join(f"{name} {1e3 * statistics.median(s):.2f} ms" for name, s in seconds.items()))
+    finally:
+        llm.llm_engine.engine_core.shutdown()
+
+
+if __name__ == "__main__":
+    main()
