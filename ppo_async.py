@@ -130,7 +130,8 @@ class Args:
     kl_horizon: int = 10000  # --adaptive_kl: horizon in episodes of the controller (docs/algorithms.md)
     gamma: float = 1.0  # discount factor of the per-token rewards
     lam: float = 0.95  # lambda of generalised advantage estimation (GAE)
-    whiten_rewards: bool = False  # whiten the per-token rewards over the batch, mean kept, before GAE (N details #9)
+    # whiten the per-token rewards over the batch, mean kept, before GAE (N details, policy #9)
+    whiten_rewards: bool = False
     cliprange: float = 0.2  # PPO's epsilon: the per-token probability ratio is clipped to [1 - eps, 1 + eps]
     cliprange_value: float = 0.2  # new values are clipped to old value +- cliprange_value in the value loss
     vf_coef: float = 0.1  # weight of the value loss: loss = pg_loss + vf_coef * vf_loss
@@ -423,12 +424,13 @@ def disable_dropout(model: torch.nn.Module) -> None:
 
 
 def position_ids_from(mask: torch.Tensor) -> torch.Tensor:
-    """Positions count real tokens only, so left padding does not shift them (N details, #2)."""
+    """Positions count real tokens only, so left padding does not shift them (N details, general #3)."""
     return (mask.cumsum(1) - 1).clamp(min=0)
 
 
 def response_logprobs(model, query_ids, query_mask, response_ids, response_mask, temperature: float) -> torch.Tensor:
-    """Per-token logprobs of the responses, logits divided by the sampling temperature (N details, #9); 0 after EOS."""
+    """Per-token logprobs of the responses, logits divided by the sampling temperature (N details, policy #1); 0
+    after EOS."""
     input_ids, mask = torch.cat([query_ids, response_ids], 1), torch.cat([query_mask, response_mask], 1)
     # only the logits that predict the response: over a 50k vocabulary the others would be the largest tensor
     keep = response_ids.shape[1] + 1
@@ -873,8 +875,9 @@ def check_value_model(inputs: Inputs, args: Args) -> None:
 
 
 def load_value_model(args: Args) -> torch.nn.Module:
-    """The value model: its own copy of the reward model, trained with the policy (N details #7), in fp32 as the
-    policy, dropout off. GSM8k has no reward model: it starts from the SFT policy with a new value head."""
+    """The value model: its own copy of the reward model, trained with the policy (as the paper's code, ppov2.py; the
+    N details blog starts its value head at 0), in fp32 as the policy, dropout off. GSM8k has no reward model: it
+    starts from the SFT policy with a new value head."""
     start = args.sft_model_path if args.task == "gsm8k" else args.reward_model_path
     kwargs = dict(trust_remote_code=args.trust_remote_code, use_safetensors=True)
     value_model = AutoModelForSequenceClassification.from_pretrained(start, num_labels=1, dtype=torch.float32, **kwargs)
@@ -887,14 +890,15 @@ def masked_mean(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
 
 
 def masked_var(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """Unbiased variance over the real tokens only (torch.var's Bessel correction, N details #9)."""
+    """Unbiased variance over the real tokens only (torch.var's Bessel correction, as TRL's masked_var, which the
+    paper's PPO whitens with; the N details blog's `whiten` is the biased one)."""
     centered = values - masked_mean(values, mask)
     count = mask.sum()
     return masked_mean(centered**2, mask) * count / (count - 1).clamp(min=1)
 
 
 def masked_whiten(values: torch.Tensor, mask: torch.Tensor, shift_mean: bool = True) -> torch.Tensor:
-    """N details #9 over the real tokens only (padding stays 0); shift_mean=False keeps the mean (rewards)."""
+    """N details, policy #9, over the real tokens only (padding stays 0); shift_mean=False keeps the mean (rewards)."""
     mean = masked_mean(values, mask)
     whitened = (values - mean) * torch.rsqrt(masked_var(values, mask) + 1e-8)
     if not shift_mean:
@@ -949,7 +953,8 @@ class PolicyAndValue(torch.nn.Module):
 
 
 def per_token_rewards(scores, logprobs, ref_logprobs, response_mask, kl_coef: float):
-    """N details #6: -kl_coef (log pi_old - log pi_ref) on every response token, plus the score on the last real one;
+    """N details, policy #8: -kl_coef (log pi_old - log pi_ref) on every response token, plus the score on the last
+    real one;
     0 after it. Returns (rewards, kl) per token. A completion of zero tokens has no token for its score: refused."""
     lengths = response_mask.sum(1)
     if (lengths == 0).any():
@@ -985,8 +990,9 @@ def truncated_is_weights(old_logps: torch.Tensor, engine_logps: torch.Tensor, ca
 
 
 def ppo_policy_loss(logprobs, old_logprobs, advantages, response_mask, cliprange: float, is_weights=None):
-    """Clipped surrogate (N details #10): masked_mean(w max(-A r, -A clip(r, 1 - eps, 1 + eps))), r = pi / pi_old, w the
-    importance weights (1 if None). Returns the loss, the ratios and the clipped tokens (TRL's clipfrac)."""
+    """Clipped surrogate (PPO, Schulman et al. 2017): masked_mean(w max(-A r, -A clip(r, 1 - eps, 1 + eps))),
+    r = pi / pi_old, w the importance weights (1 if None). Returns the loss, the ratios and the clipped tokens (TRL's
+    clipfrac)."""
     ratio = torch.exp(logprobs - old_logprobs)
     pg_losses = -advantages * ratio
     pg_losses_clipped = -advantages * ratio.clamp(1 - cliprange, 1 + cliprange)
@@ -997,8 +1003,8 @@ def ppo_policy_loss(logprobs, old_logprobs, advantages, response_mask, cliprange
 
 
 def ppo_value_loss(values, old_values, returns, response_mask, cliprange_value: float):
-    """Clipped value loss (N details #10): 0.5 masked_mean(max((V - R)^2, (clip(V, V_old +- c) - R)^2)). Returns the
-    loss and the tokens whose clipped term was the larger (val/clipfrac)."""
+    """Clipped value loss (N details, policy #10): 0.5 masked_mean(max((V - R)^2, (clip(V, V_old +- c) - R)^2)).
+    Returns the loss and the tokens whose clipped term was the larger (val/clipfrac)."""
     clipped_values = torch.max(torch.min(values, old_values + cliprange_value), old_values - cliprange_value)
     losses, losses_clipped = (values - returns) ** 2, (clipped_values - returns) ** 2
     return 0.5 * masked_mean(torch.max(losses, losses_clipped), response_mask), (losses_clipped > losses).detach()
@@ -1010,8 +1016,8 @@ def explained_variance(values, returns, response_mask) -> torch.Tensor:
 
 
 def adaptive_kl_coef(kl_coef: float, kl: float, target: float, n_steps: int, horizon: int) -> float:
-    """Ziegler et al. (2019)'s proportional controller (N details #11): kl_coef grows when the KL is above its target
-    and shrinks below it, by at most 20 % x n_steps / horizon per update."""
+    """Ziegler et al. (2019)'s proportional controller (N details, policy #11): kl_coef grows when the KL is above its
+    target and shrinks below it, by at most 20 % x n_steps / horizon per update."""
     proportional_error = float(np.clip(kl / target - 1, -0.2, 0.2))
     return kl_coef * (1 + proportional_error * n_steps / horizon)
 
@@ -1030,7 +1036,7 @@ class KLCoefficient:
 
 
 class Targets(NamedTuple):
-    """What a step's update trains towards, computed once before it (N details #6-#9)."""
+    """What a step's update trains towards, computed once before it (N details, policy #8 and #9)."""
 
     old_logprobs: torch.Tensor  # theta_step's, recomputed by the trainer: the ratio's old policy
     old_values: torch.Tensor
@@ -1051,7 +1057,7 @@ def old_logprobs_and_values(model, batch: Batch, temperature: float, batch_size:
 
 def ppo_targets(scores, batch: Batch, old_logprobs, old_values, ref_logprobs, engine_logprobs, kl_coef, args: Args):
     """Per-token rewards, GAE advantages (whitened) and returns, and --old_logprobs engine's truncated importance
-    weights (N details #6-#9)."""
+    weights (N details, policy #8 and #9)."""
     mask = batch.response_mask
     rewards, kl = per_token_rewards(scores, old_logprobs, ref_logprobs, mask, kl_coef)
     if args.whiten_rewards:
@@ -1069,7 +1075,7 @@ def ppo_targets(scores, batch: Batch, old_logprobs, old_values, ref_logprobs, en
 def ppo_update(
     model, optimizer, scheduler, accelerator, batch: Batch, t: Targets, args: Args, sizes: Sizes, shuffle_rng, step: int
 ) -> tuple[dict, tuple[float, float]]:
-    """T epochs over N shuffled mini-batches, each accumulated from micro-batches (N details, the minibatch loop); the
+    """T epochs over N shuffled mini-batches, each accumulated from micro-batches (N details, policy #7); the
     policy and the value model take the same optimizer steps. Returns the step's statistics and the largest and smallest
     ratio over all processes."""
     B, micro = sizes.local_batch_size, args.local_micro_batch_size
@@ -1412,9 +1418,10 @@ def main(args: Args) -> None:
             scores = score_step(batch, references, models, args, accelerator, step)
             laps.lap("scoring")
 
-            # 3. old logprobs and values, reference logprobs, per-token rewards, GAE advantages (N details #6-#9). The
-            # ratio's old policy is theta_step recomputed by the trainer, not the engine's logprobs: their numerics
-            # differ (bf16 clipped 20-40 % of sequences: RLOO blog), and so the first mini-batch's ratio is exactly 1.
+            # 3. old logprobs and values, reference logprobs, per-token rewards, GAE advantages (N details, policy #8,
+            # #9). The ratio's old policy is theta_step recomputed by the trainer, not the engine's logprobs: their
+            # numerics differ (bf16 clipped 20-40 % of sequences: RLOO blog), and so the first mini-batch's ratio is
+            # exactly 1.
             old_logprobs, old_values = old_logprobs_and_values(model, batch, args.temperature, bs)
             laps.lap("old_logprobs")
             with accelerator.autocast():

@@ -410,12 +410,13 @@ def disable_dropout(model: torch.nn.Module) -> None:
 
 
 def position_ids_from(mask: torch.Tensor) -> torch.Tensor:
-    """Positions count real tokens only, so left padding does not shift them (N details, #2)."""
+    """Positions count real tokens only, so left padding does not shift them (N details, general #3)."""
     return (mask.cumsum(1) - 1).clamp(min=0)
 
 
 def response_logprobs(model, query_ids, query_mask, response_ids, response_mask, temperature: float) -> torch.Tensor:
-    """Per-token logprobs of the responses, logits divided by the sampling temperature (N details, #9); 0 after EOS."""
+    """Per-token logprobs of the responses, logits divided by the sampling temperature (N details, policy #1); 0
+    after EOS."""
     input_ids, mask = torch.cat([query_ids, response_ids], 1), torch.cat([query_mask, response_mask], 1)
     # only the logits that predict the response: over a 50k vocabulary the others would be the largest tensor
     keep = response_ids.shape[1] + 1
