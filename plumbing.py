@@ -723,7 +723,8 @@ def engine_share(placement: Placement, rank0: tuple, engine: tuple, to_come: dic
         if needed + 0.05 * total > free:
             raise UsageError(f"{what}: {smaller}")
         free, total = engine
-        largest = int(100 * (free - snapshots - CUDA_CONTEXT - 0.05 * total) / total) / 100
+        # vLLM wants its share free once its own CUDA context is open, beside rank 0's there
+        largest = int(100 * (free - snapshots - 2 * CUDA_CONTEXT - 0.05 * total) / total) / 100
     if asked is None:
         if largest < MIN_SHARE:
             beside = f"beside {gib(snapshots)} of weight snapshots, " if not placement.shared else ""
@@ -740,7 +741,7 @@ def engine_share(placement: Placement, rank0: tuple, engine: tuple, to_come: dic
             )
         raise UsageError(f"{what}, beside the engine {gib(asked * total)}: {smaller}")
     raise UsageError(
-        f"--vllm_gpu_memory_utilization {asked}: the engine's GPU has {gib(free)} free and the engine would take {gib(asked * total)}, beside {gib(snapshots)} of weight snapshots and rank 0's CUDA context {gib(CUDA_CONTEXT)}: lower it to at most {largest} (less KV cache), or --async_level (fewer snapshots)"
+        f"--vllm_gpu_memory_utilization {asked}: the engine's GPU has {gib(free)} free and the engine would take {gib(asked * total)}, beside {gib(snapshots)} of weight snapshots and the CUDA contexts of rank 0 and the engine {gib(2 * CUDA_CONTEXT)}: lower it to at most {largest} (less KV cache), or --async_level (fewer snapshots)"
     )
 
 
@@ -936,6 +937,9 @@ class WeightReceiver:
 
         model, compared, differ = self.model_runner.model, 0, []
         sent = shared_views(open_shared(handle), layout)
+        # GPT-2's Conv1D weights are sent (in, out) and loaded transposed: a square one (attn.c_proj) would differ
+        if (transpose := getattr(getattr(model, "transformer", None), "_transpose_conv1d", None)) is not None:
+            sent = dict(transpose(sent.items()))
         if (mapper := getattr(model, "hf_to_vllm_mapper", None)) is not None:  # models whose names vLLM changes
             rename = getattr(mapper, "map_name", None) or mapper._map_name
             renamed = [(rename(name), tensor) for name, tensor in sent.items()]

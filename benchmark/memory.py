@@ -21,6 +21,8 @@ import importlib
 import shlex
 import sys
 from pathlib import Path
+from types import ModuleType
+from typing import NamedTuple
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -73,9 +75,12 @@ class Model:
         with torch.device("meta"):
             auto = AutoModelForSequenceClassification if classifier else AutoModelForCausalLM
             model = auto.from_config(config)
+        self.module = model  # on the meta device: shapes without memory (benchmark/plan.py counts its FLOPs)
         self.params = sum(p.numel() for p in model.parameters())
         self.hidden, self.layers = config.hidden_size, config.num_hidden_layers
         self.vocab = config.vocab_size
+        self.kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads  # GPTNeoX: no GQA
+        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
 
 
 def activations(model: Model, sequences: int, length: int, logits: int, checkpointing: bool, bytes_: int) -> int:
@@ -96,12 +101,28 @@ def no_grad_forward(model: Model, sequences: int, length: int, logits: int, byte
     return layer + 3 * 4 * sequences * logits * model.vocab
 
 
-def plan(command: list[str], gpu_bytes: int, gpus: int | None) -> dict:
-    """Per GPU: its parts in bytes. `command`: an accelerate launch command line (or `python SCRIPT ...`)."""
+class Run(NamedTuple):
+    """A command line, read: its script (imported), the script's flags, the launch's, and the models they name."""
+
+    script: str
+    module: ModuleType
+    args: object  # the script's Args
+    processes: int
+    stage: int  # DeepSpeed ZeRO's, 0 without it
+    deepspeed: bool
+    bf16: bool
+    engine_bytes: int  # a parameter's in the engine's dtype
+    samples: int  # completions per prompt
+    policy: Model
+    reward: Model | None
+    gold: Model | None
+    value: Model | None  # PPO's
+
+
+def read_command(command: list[str]) -> Run:
+    """An accelerate launch command line (or `python SCRIPT ...`), read."""
     import tyro
     from accelerate.commands.config.config_args import load_config_from_file
-
-    import plumbing
 
     at = next(i for i, word in enumerate(command) if Path(word).name in SCRIPTS)
     launcher, script, flags = command[:at], Path(command[at]).name, command[at + 1 :]
@@ -111,7 +132,8 @@ def plan(command: list[str], gpu_bytes: int, gpus: int | None) -> dict:
         load_config_from_file(launcher[launcher.index("--config_file") + 1]) if "--config_file" in launcher else None
     )
     processes = int(launcher[launcher.index("--num_processes") + 1]) if "--num_processes" in launcher else 1
-    stage = config.deepspeed_config.get("zero_stage", 0) if config and config.deepspeed_config else 0
+    deepspeed = bool(config and config.deepspeed_config)
+    stage = config.deepspeed_config.get("zero_stage", 0) if deepspeed else 0
     bf16 = args.dtype == "bfloat16" or args.dtype == "auto"  # on GPUs, auto is bf16
     engine_bytes = {"auto": 2 if bf16 else 4, "float32": 4, "bfloat16": 2}[args.vllm_dtype]
     samples = getattr(args, "num_samples", getattr(args, "rloo_k", 1))
@@ -119,6 +141,34 @@ def plan(command: list[str], gpu_bytes: int, gpus: int | None) -> dict:
     reward = None if args.task == "gsm8k" else Model(args.reward_model_path, classifier=True)
     gold = None if args.gold_judge == "tiny" else Model(args.gold_judge, classifier=True)
     value = (reward or Model(args.sft_model_path, classifier=True)) if script == "ppo_async.py" else None
+    return Run(
+        script=script,
+        module=module,
+        args=args,
+        processes=processes,
+        stage=stage,
+        deepspeed=deepspeed,
+        bf16=bf16,
+        engine_bytes=engine_bytes,
+        samples=samples,
+        policy=policy,
+        reward=reward,
+        gold=gold,
+        value=value,
+    )
+
+
+def plan(command: list[str], gpu_bytes: int, gpus: int | None) -> dict:
+    """Per GPU: its parts in bytes. `command`: an accelerate launch command line (or `python SCRIPT ...`)."""
+    return memory_plan(read_command(command), gpu_bytes, gpus)
+
+
+def memory_plan(run: Run, gpu_bytes: int, gpus: int | None) -> dict:
+    """Per GPU: its parts in bytes, and a one-line summary of the run."""
+    import plumbing
+
+    args, script, processes, stage, bf16 = run.args, run.script, run.processes, run.stage, run.bf16
+    samples, policy, reward, gold, value = run.samples, run.policy, run.reward, run.gold, run.value
     trained = policy.params + (value.params if value else 0)
     shard = processes if stage == 3 else 1
     L, R, micro = args.max_prompt_length + args.response_length, args.response_length, args.local_micro_batch_size
@@ -140,7 +190,7 @@ def plan(command: list[str], gpu_bytes: int, gpus: int | None) -> dict:
     rank0 = dict(rank)
     if gold:
         rank0["gold judge (rank 0 only)"] = gold.params * 2
-    snapshots = plumbing.snapshot_memory(policy.params * engine_bytes, args.async_level)
+    snapshots = plumbing.snapshot_memory(policy.params * run.engine_bytes, args.async_level)
     gpus = gpus or processes + 1
     utilization = args.vllm_gpu_memory_utilization
     if gpus > processes:  # the engine's GPU of its own
@@ -155,7 +205,7 @@ def plan(command: list[str], gpu_bytes: int, gpus: int | None) -> dict:
     if processes > 1:
         result["training ranks 1 ..."] = rank
     summary = f"{script}: {policy.params / 1e9:.2f}B policy, {processes} training process(es)"
-    summary += f", ZeRO-{stage}" if stage else ", no ZeRO" if not config or not config.deepspeed_config else ""
+    summary += f", ZeRO-{stage}" if stage else ", no ZeRO" if not run.deepspeed else ""
     summary += (
         f", micro-batch {micro} x {L} tokens, async level {args.async_level}, {gpus} GPUs of {gpu_bytes / GIB:.0f} GiB"
     )

@@ -1,0 +1,178 @@
+"""benchmark/plan.py (the run plan: the engine's KV cache, its waves, the predicted phases) on hand-computed numbers."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+from conftest import ROOT
+
+sys.path.insert(0, str(ROOT / "benchmark"))
+import memory  # noqa: E402
+import plan  # noqa: E402
+
+GIB = 2**30
+H100 = plan.Hardware(
+    gpu_bytes=int(79 * GIB),
+    bandwidth=3.35e12,
+    peak_flops=989e12,
+    mfu=0.4,
+    engine_reserve=2 * GIB,
+    max_num_seqs=1024,
+    block_size=16,
+)
+# The No Robots online DPO command of docs/reproducing.md's memory plans, with no_robots.sh's accumulation and episodes
+# (which the memory plan does not need): 2 x 9 prompts x 7 processes = 126 prompts x 2 samples = 252 completions.
+NO_ROBOTS = (
+    "accelerate launch --config_file configs/deepspeed_zero3.yaml --num_processes 7 online_dpo_async.py"
+    " --sft_model_path models/llama-3.1-8b-sft-no-robots --reward_model_path models/llama-3.1-8b-rm-no-robots"
+    " --task no_robots --max_prompt_length 512 --response_length 1024 --local_micro_batch_size 2"
+    " --local_rollout_forward_batch_size 8 --gradient_checkpointing --gradient_accumulation_steps 9"
+    " --total_episodes 100044"
+)
+LLAMA_8B = 8_030_261_248  # parameters; 128256 x 4096 = 525,336,576 each in the input and the output embedding
+
+
+def test_kv_per_token_of_llama_3_8b():
+    """32 layers x 8 KV heads x 128 head dim x 2 (K and V) x 2 bytes (bf16) = 131072 bytes, 128 KiB; a sequence of
+    512 + 1024 tokens: 1536 x 128 KiB = 192 MiB. Pythia has no GQA: Pythia-1b's 8 heads of 256 over 16 layers also
+    make 128 KiB."""
+    llama = memory.Model("models/llama-3.1-8b-sft-no-robots")
+    assert plan.kv_per_token(llama, 2) == 131072 == 32 * 8 * 128 * 2 * 2
+    assert 1536 * plan.kv_per_token(llama, 2) == 192 * 2**20
+    assert plan.kv_per_token(memory.Model("pythia1b"), 2) == 16 * 8 * 256 * 2 * 2
+
+
+def test_no_robots_8b_at_a_share_of_0_3_generates_in_8_waves():
+    """vLLM's share int(0.3 x 79 GiB) = 25,447,681,228 bytes, less the bf16 weights (2 x 8,030,261,248 =
+    16,060,522,496) and the 2 GiB reserve: 7,239,675,084 bytes of KV cache (6.7 GiB), which holds
+    7,239,675,084 // 201,326,592 = 35 sequences of 1536 tokens (192 MiB) of the step's 252: ceil(252 / 35) = 8 waves,
+    7 of 35 and one of 7. Generation bounds the step: decoding 8 waves of 1024 tokens takes about 8 x 1024 reads of
+    the 15 GiB of weights, 8 x 1024 x 16.06 GB / 3.35 TB/s = 40 s, against 12 s of training."""
+    p = plan.make_plan(NO_ROBOTS.split() + ["--vllm_gpu_memory_utilization", "0.3"], H100, None)
+    assert p.kv_cache == int(0.3 * 79 * GIB) - 2 * LLAMA_8B - 2 * GIB == 7_239_675_084
+    assert (p.holds, p.in_flight, p.completions, p.waves) == (35, 35, 252, 8)
+    assert p.generation > 4 * p.training and p.fits
+    assert plan.advice(p, H100).startswith("generation bounds the step") and "section 4.1" in plan.advice(p, H100)
+    out = subprocess.run(
+        [sys.executable, "benchmark/plan.py", "--", *NO_ROBOTS.split(), "--vllm_gpu_memory_utilization", "0.3"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    assert "| **sequences in flight** | **35 of the step's 252** (at most 1024, vLLM's max_num_seqs) |" in out
+    assert "| **waves** | **8** |" in out and "| memory bandwidth | 3.35 TB/s | `--bandwidth` |" in out
+    assert "| model FLOP utilisation (training, prefill, decode's FLOPs) | 0.40 | `--mfu` |" in out
+
+
+def test_no_robots_8b_at_a_share_of_0_8_holds_the_batch_only_with_a_smaller_reserve():
+    """int(0.8 x 79 GiB) = 67,860,483,276 bytes less 16,060,522,496 of weights and 2 GiB: 49,652,477,132 bytes hold
+    246 sequences of 201,326,592: 6 short of 252, a second wave. A reserve of 0.5 GiB leaves 51,263,089,868 bytes, 254
+    sequences: the whole batch in 1 wave. Either way the memory plan does not fit: 63.2 GiB of share beside the
+    30 GiB of weight snapshots."""
+    command = NO_ROBOTS.split() + ["--vllm_gpu_memory_utilization", "0.8"]
+    p = plan.make_plan(command, H100, None)
+    assert (p.kv_cache, p.holds, p.in_flight, p.waves, p.fits) == (49_652_477_132, 246, 246, 2, False)
+    p = plan.make_plan(command, H100._replace(engine_reserve=GIB // 2), None)
+    assert (p.kv_cache, p.holds, p.in_flight, p.waves) == (51_263_089_868, 254, 252, 1)
+
+
+def test_left_out_the_share_is_what_the_run_would_give_the_engine():
+    """plumbing.engine_share on an empty engine's GPU of 79 GiB at async level 1: three bf16 snapshots (48,181,567,488
+    bytes), the CUDA contexts of rank 0 and the engine and 5 % of the GPU leave (79 GiB - 44.87 - 2 - 3.95) / 79 GiB
+    = 0.357, which it rounds down to 0.35 (rank 0's GPU, with 7.2 GiB of models loaded and 14.9 GiB of gradients and
+    optimizer state to come, fits)."""
+    p = plan.make_plan(NO_ROBOTS.split() + ["--async_level", "1"], H100, None)
+    total = 79 * GIB
+    assert p.share == int(100 * (total - 3 * 2 * LLAMA_8B - 2 * GIB - 0.05 * total) / total) / 100 == 0.35
+    assert p.share_source.startswith("left out")
+
+
+def test_pythia_1b_tldr_step_by_hand():
+    """tldr.sh's online DPO at 1b (policy and reward model), K = 2, 4 training processes, micro-batch 8 x 8 accumulated,
+    512 + 53 tokens, the engine's share 0.7. Pythia-1b: 1,011,781,632 parameters, 805,736,448 in the body (less the
+    input and output embeddings, 50304 x 2048 = 103,022,592 each); its reward model's body 805,738,496 (the score
+    head's 2048 in it). FLOP rate: 989e12 x 0.4 = 395.6e12 FLOP/s.
+
+    KV cache: int(0.7 x 79 GiB) = 59,377,922,867 - 2 x 1,011,781,632 (bf16 weights) - 2 GiB = 55,206,875,955 bytes;
+    a sequence: 565 tokens in 36 blocks of 16 = 576 x 131072 = 75,497,472 bytes: 731 sequences, more than the step's
+    256 x 2 = 512: 1 wave of 512.
+    Decode: 53 steps, each reading 2,023,563,264 bytes of weights and 512 x 131072 x (512 + 53 / 2) bytes of KV =
+    38,161,686,528 bytes in 11.39 ms at 3.35 TB/s (its FLOPs, 2 x 512 x 908,759,040 = 9.3e11, take 2.35 ms: memory-
+    bound): 0.604 s. Prefill: 2 x 512 x (805,736,448 x 512 + 103,022,592) = 4.225e14 FLOPs: 1.068 s. G = 1.672 s.
+    Training, per process of 64 prompts (128 sequences of 565 tokens, 54 logit positions), 3 passes: scoring
+    2 x 128 x 805,738,496 x 565 = 1.165e14 (0.295 s), reference 2 x 128 x (805,736,448 x 565 + 103,022,592 x 54) =
+    1.180e14 (0.298 s), update 3 x that (0.895 s): T = 1.487 s.
+    Sync step 3.159 s, async 1.672 s: 1.89x; generation bounds it by 1.12x, too little for a second epoch (0.89 s)."""
+    command = (
+        "accelerate launch --config_file configs/deepspeed_zero2.yaml --num_processes 4 online_dpo_async.py --task tldr"
+        " --sft_model_path mnoukhov/pythia1b-sft-tldr --reward_model_path mnoukhov/pythia1b-rm-tldr6.9b"
+        " --max_prompt_length 512 --response_length 53 --total_episodes 131072 --local_micro_batch_size 8"
+        " --gradient_accumulation_steps 8 --vllm_dtype bfloat16 --vllm_gpu_memory_utilization 0.7 --num_samples 2"
+    )
+    p = plan.make_plan(command.split(), H100, None)
+    P, body, embedding, reward_body, rate = 1_011_781_632, 805_736_448, 50304 * 2048, 805_738_496, 989e12 * 0.4
+    assert body == P - 2 * embedding
+    assert p.kv_cache == int(0.7 * 79 * GIB) - 2 * P - 2 * GIB == 55_206_875_955
+    assert (p.sequence_tokens, p.holds, p.in_flight, p.completions, p.waves) == (576, 731, 512, 512, 1)
+    read = 2 * P + 512 * 131072 * (512 + 53 / 2)
+    assert p.full_step.read == read == 38_161_686_528
+    assert p.decode == pytest.approx(53 * read / 3.35e12) == pytest.approx(0.6038, abs=1e-4)
+    assert p.full_step.compute == pytest.approx(2 * 512 * (body + embedding) / rate)
+    assert p.prefill == pytest.approx(2 * 512 * (body * 512 + embedding) / rate) == pytest.approx(1.0681, abs=1e-4)
+    reference = 2 * 128 * (body * 565 + embedding * 54)
+    assert p.phase_flops == {"scoring": 2 * 128 * reward_body * 565, "reference": reference, "update": 3 * reference}
+    assert p.training == pytest.approx((2 * 128 * reward_body * 565 + 4 * reference) / rate)
+    assert (p.generation, p.training) == (pytest.approx(1.672, abs=1e-3), pytest.approx(1.487, abs=1e-3))
+    text = plan.report(p, H100)
+    assert "| **async speed-up** | **1.89x** | sync / async |" in text
+    assert "generation bounds the step: G = 1.1 x T" in text and "T = 2 would already make training bound" in text
+
+
+def test_training_bound_online_dpo_is_told_how_many_samples_level_the_step():
+    """The same run with T = 3 epochs (tldr.sh's figure 7 runs): 3 x 3 training passes of the policy (2.7 s) outweigh
+    generation (1.7 s); the advice is section 4.2's K, the largest that keeps generation within training's time."""
+    command = (
+        "accelerate launch --config_file configs/deepspeed_zero2.yaml --num_processes 4 online_dpo_async.py --task tldr"
+        " --sft_model_path mnoukhov/pythia1b-sft-tldr --reward_model_path mnoukhov/pythia1b-rm-tldr6.9b"
+        " --max_prompt_length 512 --response_length 53 --total_episodes 131072 --local_micro_batch_size 8"
+        " --gradient_accumulation_steps 8 --vllm_gpu_memory_utilization 0.7 --num_samples 2 --num_ppo_epochs 3"
+    )
+    p = plan.make_plan(command.split(), H100, None)
+    assert p.training > p.generation
+    text = plan.advice(p, H100)
+    assert text.startswith("training bounds the step") and "section 4.2" in text
+    most = int(text.split("Up to K = ")[1].split(" ")[0])
+    at = lambda k: plan.predict(p.run._replace(samples=k), p.sizes, p.share, H100)  # noqa: E731
+    assert at(most)["prefill"] + at(most)["decode"] <= sum(at(most)["phases"].values())
+    assert at(most + 1)["prefill"] + at(most + 1)["decode"] > sum(at(most + 1)["phases"].values())
+
+
+@pytest.mark.parametrize("bench", ["tldr", "no_robots", "gsm8k"])
+def test_docs_show_every_benchmark_experiments_run_plan(bench):
+    """docs/reproducing.md's run plans are the tool's summary of each benchmark script's commands (DRY_RUN=1), today,
+    and its assumptions table is the tool's."""
+    commands = subprocess.run(
+        ["bash", f"benchmark/{bench}.sh"], cwd=ROOT, env={**os.environ, "DRY_RUN": "1"}, capture_output=True, text=True
+    ).stdout.splitlines()
+    shown = plan.summary(plan.plans(commands, H100, None))
+    docs = (ROOT / "docs" / "reproducing.md").read_text()
+    heading = f"`DRY_RUN=1 bash benchmark/{bench}.sh | python benchmark/plan.py`:"
+    assert f"{heading}\n\n{shown}\n" in docs, f"docs/reproducing.md: the {bench}.sh run plans changed"
+    assert f"{plan.assumptions(H100)}\n" in docs
+
+
+def test_docs_show_what_the_tool_prints_for_their_example():
+    """The command docs/reproducing.md's run plans give runs, and they show its report as the tool prints it today."""
+    docs = (ROOT / "docs" / "reproducing.md").read_text()
+    section = docs[docs.index("### Run plans") :]
+    command = next(line for line in section.splitlines() if line.startswith("python benchmark/plan.py -- "))
+    p = plan.make_plan(command.removeprefix("python benchmark/plan.py -- ").split(), H100, None)
+    assert f"The No Robots command above prints:\n\n{plan.report(p, H100)}\n" in section
+
+
+def test_a_share_without_room_for_one_sequence_is_refused():
+    """0.2 of 79 GiB (15.8 GiB) holds the 8B's 15 GiB of weights and the 2 GiB reserve, but no KV cache."""
+    with pytest.raises(SystemExit, match="vLLM would not start"):
+        plan.make_plan(NO_ROBOTS.split() + ["--vllm_gpu_memory_utilization", "0.2"], H100, None)
