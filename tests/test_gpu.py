@@ -99,7 +99,14 @@ def test_each_ipc_push_loads_exactly_what_a_checkpoint_would(arch, tied, tokeniz
                     logp = (bf16(ids).logits[0, len(prompt) - 1 : -1].float() / 0.7).log_softmax(-1)
                 trainer_logprobs = logp.gather(1, torch.tensor(tokens, device="cuda")[:, None]).squeeze(1).cpu()
                 engine_logprobs = torch.tensor([next(iter(lp.values())).logprob for lp in sample.outputs[0].logprobs])
-                torch.testing.assert_close(engine_logprobs, trainer_logprobs, rtol=0, atol=0.05)
+                # Both sides run the same bf16 weights but round at different places. bf16 keeps 8 significant bits,
+                # so a logit of magnitude |z| / T carries ~2^-8 |z| / T of rounding per operation, growing with depth.
+                # Measured on a CPU for these models (8 tokens sampled at 0.7; two bf16 attention kernels, and bf16
+                # against fp32): at most 0.011 per token for the 2-layer Llamas (|z| / T <= 3, 2 x 2^-8 x 3) and 0.0525
+                # for the 12-layer GPTNeoX (|z| / T <= 8, 4 x 2^-8 x 8). So the Llamas get 0.025, while the GPTNeoX
+                # keeps 0.05, about its numerics. A missing temperature moves these logprobs by tenths.
+                atol = 0.05 if arch == "gptneox" else 0.025
+                torch.testing.assert_close(engine_logprobs, trainer_logprobs, rtol=0, atol=atol)
             del flat
             torch.cuda.empty_cache()
         print("GPU memory (trainer, engine) after each push:", memory)

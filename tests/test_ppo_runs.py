@@ -1,6 +1,7 @@
 """ppo_async.py end to end, as a user runs it (subprocesses, real engine, tiny task). The runs are the README's
 examples with the tests' smaller sizes (tests/test_docs.py runs the same commands and shares them)."""
 
+import math
 import sys
 
 import pytest
@@ -38,12 +39,23 @@ def test_engine_logprobs_with_truncated_importance_weights_at_async_2():
     assert args["old_logprobs"] == "engine" and args["num_steps"] == 32
     diffs = [m["policy/engine_logprob_diff"] for m in train]
     print("engine vs trainer |logprob diff| per token:", [f"{d:.1e}" for d in diffs])
-    assert diffs[0] < 1e-3  # lag 0: the same float32 weights, numerics only
-    assert all(abs(m["policy/engine_kl"]) <= m["policy/engine_logprob_diff"] + 1e-9 for m in train)
-    assert max(diffs) < 0.5
+    print("tis weight mean:", [f"{m['policy/tis_weight_mean']:.4f}" for m in train])
+    # lag 0: the same float32 weights, numerics only (a few float32 ulps of logprobs of magnitude < 10)
+    assert diffs[0] < 1e-5 and abs(train[0]["policy/engine_kl"]) < 1e-5
+    # lag 1 and 2: the policy's change over 1 or 2 Adam updates of lr <= 1e-4, measured 5.4e-4 (late, lr decayed) to
+    # 2.3e-2 per token: hundreds of times the numerics at least, and far below the nats that logprobs paired with the
+    # wrong tokens would give
+    assert min(diffs[1:]) > 1e-4 and max(diffs) < 0.1
+    # The weights are min(exp(x_t), cap) per token, x_t = log pi_old(y_t) - log mu(y_t): |w_t - 1| <= cap |x_t| (below 1
+    # it is at most |x_t|; up to the cap, exp(x) - 1 <= x exp(x); at it, cap - 1 <= cap log cap <= cap x_t), so their
+    # mean is within cap x policy/engine_logprob_diff of 1; and a token's weight is capped only where |x_t| > log cap,
+    # so at most a fraction policy/engine_logprob_diff / log cap of them (Markov). Weights computed from other
+    # logprobs than the ones compared break these.
+    cap = args["tis_cap"]
     for m in train:
-        assert 0 < m["policy/tis_weight_mean"] <= args["tis_cap"] and 0 <= m["policy/tis_capped_frac"] <= 1
-    assert train[0]["policy/tis_capped_frac"] == 0.0 and abs(train[0]["policy/tis_weight_mean"] - 1) < 1e-3
+        assert abs(m["policy/tis_weight_mean"] - 1) <= cap * m["policy/engine_logprob_diff"] + 1e-6, m["step"]
+        assert m["policy/tis_capped_frac"] <= m["policy/engine_logprob_diff"] / math.log(cap), m["step"]
+    assert train[0]["policy/tis_capped_frac"] == 0.0 and abs(train[0]["policy/tis_weight_mean"] - 1) < 1e-5
 
 
 @pytest.mark.slow

@@ -1,12 +1,20 @@
 """The pure pieces of ppo_async.py against hand-computed numbers or slow obvious versions."""
 
+import copy
 import math
+from typing import NamedTuple
 
+import numpy as np
 import pytest
 import torch
 from conftest import small_config
 
 import ppo_async as ppo
+
+# plain SGD's step and the value loss's weight in the epoch tests: in the second epoch the per-token ratios reach
+# 0.8 .. 1.5 and the values move by more than cliprange_value, both clipped on some tokens and not on others
+LEARNING_RATE = 1e-2
+VF_COEF = 0.5
 
 
 def make_mask(lengths: list[int], width: int) -> torch.Tensor:
@@ -340,10 +348,325 @@ def test_only_the_later_mini_batches_of_a_step_meet_a_moved_policy(tokenizer, nu
     old, values = ppo.old_logprobs_and_values(model, batch, args.temperature, 8)
     scores = torch.tensor([1.0, -1.0, 0.5, 2.0])
     targets = ppo.ppo_targets(scores, batch, old, values, old, old, 0.05, args)
-    _, (ratio_max, ratio_min) = ppo.ppo_update(
+    stats, (ratio_max, ratio_min) = ppo.ppo_update(
         model, optimizer, scheduler, accelerator, batch, targets, args, sizes, np.random.default_rng(0), step=0
     )
     if num_mini_batches == 1:
         assert ratio_max == ratio_min == 1.0
     else:
-        assert ratio_max > 1 + 1e-4 or ratio_min < 1 - 1e-4, (ratio_max, ratio_min)
+        # Adam's first step moves every weight by about the learning rate, 1e-2: tenths of a nat per token in this
+        # 2-layer model's logprobs, so the ratios leave the clip range [0.8, 1.2] (numerics alone, in float32, stay
+        # within 1e-5 of 1). A bound of 1e-4 would pass a step a thousand times too small.
+        assert ratio_max > 1.2 or ratio_min < 0.8, (ratio_max, ratio_min)
+        assert stats["clipfrac"] > 0
+
+
+# ------------------------------------------------------------------------------ ppo_targets: everything it returns
+def slow_ppo_targets(scores, lengths, old, values, ref, engine, kl_coef, whiten_rewards, gamma, lam, tis_cap):
+    """ppo_targets one token at a time, on per-token lists whose slots after `lengths[i]` are ignored: the KL penalty on
+    every real token and the score on the last one, the rewards whitened (mean kept) over the batch's real tokens,
+    GAE (slow_gae), returns before the advantages are whitened over the real tokens, the truncated importance weights.
+    Padding slots are 0 in every output."""
+    n, width = len(scores), len(old[0])
+    real = [[t < lengths[i] for t in range(width)] for i in range(n)]
+    kl = [[old[i][t] - ref[i][t] if real[i][t] else 0.0 for t in range(width)] for i in range(n)]
+    rewards = [[-kl_coef * kl[i][t] for t in range(width)] for i in range(n)]
+    for i in range(n):
+        rewards[i][lengths[i] - 1] += scores[i]
+
+    def whiten_real(rows, shift_mean):
+        whitened = iter(slow_whiten([rows[i][t] for i in range(n) for t in range(width) if real[i][t]], shift_mean))
+        return [[next(whitened) if real[i][t] else 0.0 for t in range(width)] for i in range(n)]
+
+    if whiten_rewards:
+        rewards = whiten_real(rewards, shift_mean=False)
+    advantages, returns = slow_gae(rewards, values, lengths, gamma, lam)
+    weights = [
+        [min(math.exp(old[i][t] - engine[i][t]), tis_cap) if real[i][t] else 0.0 for t in range(width)]
+        for i in range(n)
+    ]
+    return kl, whiten_real(advantages, shift_mean=True), returns, weights
+
+
+@pytest.mark.parametrize(
+    "whiten_rewards, gamma, lam, old_logprobs",
+    [
+        (False, 1.0, 0.95, "trainer"),
+        (True, 0.9, 0.8, "engine"),
+        (False, 0.99, 0.5, "engine"),
+        (True, 1.0, 1.0, "trainer"),
+    ],
+)
+def test_ppo_targets_match_a_slow_loop_over_every_field(tokenizer, whiten_rewards, gamma, lam, old_logprobs):
+    """ppo_targets against the slow loop above, on completions cut at their EOS (one at the first token) or at
+    response_length, with garbage after the EOS in every per-token input: the per-token KL; through GAE with gamma and
+    lambda, the rewards (score on the last real token, --whiten_rewards); the returns (advantages + old values, before
+    whitening); the whitened advantages; the importance weights; the old logprobs, old values and engine logprobs pass
+    through unchanged."""
+    g = torch.Generator().manual_seed(2)
+    eos, width = tokenizer.eos_token_id, 6
+    cut = [2, 6, 0, 4, 6]  # the EOS's position, or none within response_length 6
+    responses = [[5] * c + [eos, 7] if c < width else [5] * 8 for c in cut]
+    _, mask, _ = ppo.truncate_responses(responses, width, eos, tokenizer.pad_token_id)
+    lengths = mask.sum(1).tolist()
+    assert lengths == [3, 6, 1, 5, 6]
+    garbage = 50 * (1 - mask)
+    old = -torch.rand(5, width, generator=g) * 3 + garbage
+    ref = old - torch.randn(5, width, generator=g) * 0.5 - garbage
+    values = torch.randn(5, width, generator=g) + garbage
+    engine = old + torch.randn(5, width, generator=g) * 0.5 - 2 * garbage  # weights 0.3 .. 3: some capped at 1.5
+    scores = torch.randn(5, generator=g) * 2
+    args = ppo.Args(whiten_rewards=whiten_rewards, gamma=gamma, lam=lam, old_logprobs=old_logprobs, tis_cap=1.5)
+    batch = ppo.Batch(query_ids=None, query_mask=None, response_ids=None, response_mask=mask, contain_eos=None)
+    targets = ppo.ppo_targets(scores, batch, old, values, ref, engine, 0.3, args)
+    kl, advantages, returns, weights = slow_ppo_targets(
+        scores.tolist(),
+        lengths,
+        old.tolist(),
+        values.tolist(),
+        ref.tolist(),
+        engine.tolist(),
+        0.3,
+        whiten_rewards,
+        gamma,
+        lam,
+        1.5,
+    )
+    torch.testing.assert_close(targets.kl, torch.tensor(kl))
+    torch.testing.assert_close(targets.advantages, torch.tensor(advantages))
+    torch.testing.assert_close(targets.returns, torch.tensor(returns))
+    assert targets.old_logprobs is old and targets.old_values is values and targets.engine_logprobs is engine
+    if old_logprobs == "trainer":
+        assert targets.is_weights is None
+    else:
+        torch.testing.assert_close(targets.is_weights, torch.tensor(weights))
+        capped = [w == 1.5 for row, n in zip(weights, lengths) for w in row[:n]]
+        assert any(capped) and not all(capped)
+
+
+# ------------------------------------------------------------------------------ ppo_update: loss, epochs, mini-batches
+class UpdateCall(NamedTuple):
+    """ppo_update's arguments but the numpy generator and the step, and an untouched copy of the model."""
+
+    model: ppo.PolicyAndValue
+    by_hand: ppo.PolicyAndValue
+    optimizer: object
+    scheduler: object
+    accelerator: object
+    batch: ppo.Batch
+    targets: ppo.Targets
+    sizes: ppo.Sizes
+
+
+def ppo_step_setup(tokenizer, args, seed: int = 0) -> UpdateCall:
+    """What ppo_update is called with: a PolicyAndValue of two tiny random models (and an untouched copy of it, for the
+    slow version), plain SGD prepared by accelerate with the linear decay, a batch of 4 prompts, one completion each
+    (two cut at their EOS, one at the first token), and its targets from ppo_targets."""
+    from accelerate import Accelerator
+    from transformers import LlamaForCausalLM, LlamaForSequenceClassification
+
+    torch.manual_seed(seed)
+    model = ppo.PolicyAndValue(
+        LlamaForCausalLM(small_config(tokenizer)), LlamaForSequenceClassification(small_config(tokenizer, num_labels=1))
+    )
+    ppo.disable_dropout(model)
+    by_hand = copy.deepcopy(model)
+    sizes = ppo.compute_sizes(args, world_size=1)
+    accelerator = Accelerator(cpu=True, gradient_accumulation_steps=args.gradient_accumulation_steps)
+    model, optimizer = accelerator.prepare(model, torch.optim.SGD(model.parameters(), lr=args.learning_rate))
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda update: 1 - update / sizes.num_updates)
+    g, eos = torch.Generator().manual_seed(1), tokenizer.eos_token_id
+    prompts = [
+        [tokenizer.bos_token_id] + torch.randint(4, len(tokenizer), (n,), generator=g).tolist() for n in (3, 5, 2, 6)
+    ]
+    responses = [torch.randint(4, len(tokenizer), (n,), generator=g).tolist() for n in (4, 14, 0, 9)]
+    responses = [r + [eos, 9] for r in responses[:3]] + responses[3:]
+    batch = ppo.to_batch(prompts, responses, 1, args, tokenizer, torch.device("cpu"))
+    assert batch.response_mask.sum(1).tolist() == [5, 12, 1, 9]
+    old, values = ppo.old_logprobs_and_values(model, batch, args.temperature, 8)
+    ref = old - torch.randn(old.shape, generator=g) * 0.2 * batch.response_mask
+    engine = old + torch.randn(old.shape, generator=g) * 0.5 * batch.response_mask
+    targets = ppo.ppo_targets(torch.tensor([1.0, -1.0, 0.5, 2.0]), batch, old, values, ref, engine, 0.05, args)
+    return UpdateCall(model, by_hand, optimizer, scheduler, accelerator, batch, targets, sizes)
+
+
+def slow_ppo_update(model, batch, targets, args, sizes, seed: int, learning_rates: list[float]) -> dict:
+    """ppo_update by hand, for plain SGD: each epoch a new permutation of the completions from the same numpy stream,
+    cut into mini-batches, each the mean of its micro-batches' gradients; each micro-batch's loss written out one
+    real token at a time, pg_loss + vf_coef * vf_loss. Returns what every micro-batch saw."""
+    eps, c = args.cliprange, args.cliprange_value
+    batch_size, mini, micro = sizes.local_batch_size, sizes.local_mini_batch_size, args.local_micro_batch_size
+    params, rng, update = list(model.parameters()), np.random.default_rng(seed), 0
+    keys = "order loss pg_loss vf_loss approxkl clipfrac vf_clipfrac value_error policy_entropy ratios"
+    seen = {key: [] for key in keys.split()}
+    for _ in range(args.num_ppo_epochs):
+        order = rng.permutation(batch_size).tolist()
+        seen["order"].append(order)
+        for mini_start in range(0, batch_size, mini):
+            step = [torch.zeros_like(p) for p in params]
+            for micro_start in range(mini_start, mini_start + mini, micro):
+                idx = order[micro_start : micro_start + micro]
+                logprobs, entropy, values = model(
+                    batch.query_ids[idx],
+                    batch.query_mask[idx],
+                    batch.response_ids[idx],
+                    batch.response_mask[idx],
+                    args.temperature,
+                )
+                tokens = {key: [] for key in ("pg", "vf", "approxkl", "clipped", "vf_clipped", "error", "entropy")}
+                for row, i in enumerate(idx):
+                    for t in range(int(batch.response_mask[i].sum())):
+                        ratio = torch.exp(logprobs[row, t] - targets.old_logprobs[i, t])
+                        advantage = targets.advantages[i, t]
+                        weight = 1.0 if targets.is_weights is None else targets.is_weights[i, t]
+                        plain, clipped = -advantage * ratio, -advantage * ratio.clamp(1 - eps, 1 + eps)
+                        tokens["pg"].append(weight * torch.max(plain, clipped))
+                        tokens["clipped"].append(float(clipped > plain))
+                        value, old_value, ret = values[row, t], targets.old_values[i, t], targets.returns[i, t]
+                        plain, clipped = (value - ret) ** 2, (value.clamp(old_value - c, old_value + c) - ret) ** 2
+                        tokens["vf"].append(torch.max(plain, clipped))
+                        tokens["vf_clipped"].append(float(clipped > plain))
+                        tokens["approxkl"].append(0.5 * (logprobs[row, t] - targets.old_logprobs[i, t]).item() ** 2)
+                        tokens["error"].append(plain.item())
+                        tokens["entropy"].append(entropy[row, t].item())
+                        seen["ratios"].append(ratio.item())
+                count = len(tokens["pg"])
+                pg_loss, vf_loss = sum(tokens["pg"]) / count, 0.5 * sum(tokens["vf"]) / count
+                loss = pg_loss + args.vf_coef * vf_loss
+                grads = torch.autograd.grad(loss, params, allow_unused=True)
+                for total, grad in zip(step, grads):
+                    if grad is not None:
+                        total += grad / (mini // micro)
+                for key, value in (("loss", loss), ("pg_loss", pg_loss), ("vf_loss", vf_loss)):
+                    seen[key].append(value.item())
+                for key, token_key in (
+                    ("approxkl", "approxkl"),
+                    ("clipfrac", "clipped"),
+                    ("vf_clipfrac", "vf_clipped"),
+                    ("value_error", "error"),
+                    ("policy_entropy", "entropy"),
+                ):
+                    seen[key].append(sum(tokens[token_key]) / count)
+            with torch.no_grad():
+                for p, total in zip(params, step):
+                    p -= learning_rates[update] * total
+            update += 1
+    return seen
+
+
+@pytest.mark.parametrize("old_logprobs", ["trainer", "engine"])
+def test_two_epochs_of_two_mini_batches_match_plain_sgd_by_hand(tokenizer, old_logprobs):
+    """ppo_update with --num_ppo_epochs 2 --num_mini_batches 2 and two accumulated micro-batches per mini-batch, on
+    plain SGD with the linear decay stepped once per optimizer step: the parameters of the policy and of the value
+    model it ends with are the slow version's, and so is every statistic it returns. The second epoch runs over the
+    same completions again, in a new order, and meets ratios far from 1 and moved values (some clipped)."""
+    args = ppo.Args(
+        total_episodes=4,
+        local_micro_batch_size=1,
+        gradient_accumulation_steps=2,
+        num_mini_batches=2,
+        num_ppo_epochs=2,
+        old_logprobs=old_logprobs,
+        learning_rate=LEARNING_RATE,
+        vf_coef=VF_COEF,
+    )
+    call = ppo_step_setup(tokenizer, args)
+    batch, targets, sizes = call.batch, call.targets, call.sizes
+    assert (sizes.local_batch_size, sizes.num_updates) == (4, 4)
+    stats, (ratio_max, ratio_min) = ppo.ppo_update(
+        call.model,
+        call.optimizer,
+        call.scheduler,
+        call.accelerator,
+        batch,
+        targets,
+        args,
+        sizes,
+        np.random.default_rng(0),
+        step=0,
+    )
+    learning_rates = [LEARNING_RATE * (1 - update / 4) for update in range(4)]
+    seen = slow_ppo_update(call.by_hand, batch, targets, args, sizes, 0, learning_rates)
+    for (name, got), expected in zip(call.model.named_parameters(), call.by_hand.parameters()):
+        torch.testing.assert_close(got, expected, msg=name)
+    # the two sum their gradients in different orders: float32 rounding, relative 1e-6 after 3 updates
+    for key in ("loss", "pg_loss", "vf_loss", "approxkl", "clipfrac", "vf_clipfrac", "value_error", "policy_entropy"):
+        assert stats[key].item() == pytest.approx(np.mean(seen[key]), rel=1e-5, abs=1e-6), key
+    assert stats["ratio_mean"].item() == pytest.approx(np.mean(seen["ratios"]), rel=1e-5)
+    assert (ratio_max, ratio_min) == pytest.approx((max(seen["ratios"]), min(seen["ratios"])), rel=1e-5)
+    # the rollouts' statistics, from the targets one real token at a time
+    lengths = batch.response_mask.sum(1).tolist()
+    real = [(i, t) for i in range(4) for t in range(lengths[i])]
+    old, engine = targets.old_logprobs, targets.engine_logprobs
+    assert stats["kl"].item() == pytest.approx(sum(targets.kl[i, t].item() for i, t in real) / 4, abs=1e-6)
+    assert stats["entropy"].item() == pytest.approx(-sum(old[i, t].item() for i, t in real) / 4, rel=1e-6)
+    diffs = [(engine[i, t] - old[i, t]).item() for i, t in real]
+    assert stats["engine_abs_diff"].item() == pytest.approx(np.mean(np.abs(diffs)), rel=1e-6)
+    assert stats["engine_diff"].item() == pytest.approx(np.mean(diffs), abs=1e-6)
+    returns = [targets.returns[i, t].item() for i, t in real]
+    errors = [targets.returns[i, t].item() - targets.old_values[i, t].item() for i, t in real]
+    explained = 1 - np.var(errors, ddof=1) / np.var(returns, ddof=1)
+    assert stats["explained_variance"].item() == pytest.approx(explained, abs=1e-5)
+    if old_logprobs == "trainer":
+        assert "tis_weight_mean" not in stats and "tis_capped_frac" not in stats
+    else:
+        weights = [min(np.exp(-d), args.tis_cap) for d in diffs]
+        assert stats["tis_weight_mean"].item() == pytest.approx(np.mean(weights), rel=1e-5)
+        assert stats["tis_capped_frac"].item() == pytest.approx(np.mean([np.exp(-d) > args.tis_cap for d in diffs]))
+        assert 0 < stats["tis_capped_frac"] < 0.5
+    # what makes the test able to fail: the first mini-batch meets the old policy and values themselves, the second
+    # epoch reorders the same 4 completions and meets a policy and values 2 updates away, some tokens clipped
+    first, second = seen["order"]
+    assert sorted(first) == sorted(second) == [0, 1, 2, 3] and first != second
+    first_mini_batch = lengths[first[0]] + lengths[first[1]]
+    assert seen["ratios"][:first_mini_batch] == [1.0] * first_mini_batch
+    assert max(abs(r - 1) for r in seen["ratios"][sum(lengths) :]) > 0.3
+    assert 0 < np.mean(seen["clipfrac"][4:]) < 1 and 0 < np.mean(seen["vf_clipfrac"][4:]) < 1
+
+
+def test_vf_coef_scales_the_value_model_s_gradient_and_nothing_else(tokenizer):
+    """One update of plain SGD at learning rate 1, so each parameter moves by minus its gradient: the value model's
+    move is exactly -vf_coef x the gradient of the value loss (at ratio 1 the values are the old ones, nothing clipped:
+    0.5 masked_mean((V - R)^2)), four times as large with vf_coef 0.4 as with 0.1, and the policy's move, minus the
+    gradient of the policy loss, is the same for both."""
+    moves = {}
+    for vf_coef in (0.1, 0.4):
+        args = ppo.Args(total_episodes=4, local_micro_batch_size=4, vf_coef=vf_coef, learning_rate=1.0)
+        call = ppo_step_setup(tokenizer, args)
+        batch, targets, by_hand = call.batch, call.targets, call.by_hand
+        ppo.ppo_update(
+            call.model,
+            call.optimizer,
+            call.scheduler,
+            call.accelerator,
+            batch,
+            targets,
+            args,
+            call.sizes,
+            np.random.default_rng(0),
+            step=0,
+        )
+        moves[vf_coef] = {name: p - q for (name, p), q in zip(call.model.named_parameters(), by_hand.parameters())}
+    # the update's only forward: all 4 completions
+    logprobs, _, values = by_hand(
+        batch.query_ids, batch.query_mask, batch.response_ids, batch.response_mask, args.temperature
+    )
+    mask = batch.response_mask
+    pg_loss = -ppo.masked_mean(targets.advantages * torch.exp(logprobs - targets.old_logprobs), mask)
+    vf_loss = 0.5 * ppo.masked_mean((values - targets.returns) ** 2, mask)
+    names = [name for name, _ in by_hand.named_parameters()]
+    pg_grads = dict(zip(names, torch.autograd.grad(pg_loss, list(by_hand.parameters()), allow_unused=True)))
+    vf_grads = dict(zip(names, torch.autograd.grad(vf_loss, list(by_hand.parameters()), allow_unused=True)))
+    # a move is the difference of two float32 numbers near 1 at most (the norms' weights): 6e-8 each, 3e-7 for 4 x one
+    value_names = [name for name in names if name.startswith("value_model.")]
+    assert "value_model.score.weight" in value_names and len(value_names) < len(names)
+    for name in names:
+        if name in value_names:
+            assert pg_grads[name] is None
+            torch.testing.assert_close(moves[0.1][name], -0.1 * vf_grads[name], rtol=1e-4, atol=3e-7, msg=name)
+            torch.testing.assert_close(moves[0.4][name], 4 * moves[0.1][name], rtol=1e-4, atol=3e-7, msg=name)
+        else:
+            assert vf_grads[name] is None
+            torch.testing.assert_close(moves[0.1][name], -pg_grads[name], rtol=1e-4, atol=3e-7, msg=name)
+            assert torch.equal(moves[0.4][name], moves[0.1][name]), name
+    assert moves[0.1]["value_model.score.weight"].abs().max() > 1e-3  # the value head does move

@@ -1,6 +1,7 @@
 """rloo_async.py end to end, as a user runs it (subprocesses, real engine, tiny task). The runs are the README's
 examples with the tests' smaller sizes (tests/test_docs.py runs the same commands and shares them)."""
 
+import math
 import sys
 
 import pytest
@@ -30,14 +31,26 @@ def test_engine_logprobs_with_truncated_importance_weights_at_async_2():
     assert args["old_logprobs"] == "engine" and args["num_steps"] == 16
     diffs = [m["policy/engine_logprob_diff"] for m in train]
     print("engine vs trainer |logprob diff| per token:", [f"{d:.1e}" for d in diffs])
-    # Step 0 (lag 0): engine and trainer hold the same float32 weights, so only numerics differ.
-    # Later steps compare the engine's theta_{n-2} with the trainer's theta_n: the policy change shows too.
-    assert diffs[0] < 1e-3
-    assert all(abs(m["policy/engine_kl"]) <= m["policy/engine_logprob_diff"] + 1e-9 for m in train)
-    assert max(diffs) < 0.5
+    print("tis weight mean:", [f"{m['policy/tis_weight_mean']:.4f}" for m in train])
+    # Step 0 (lag 0): engine and trainer hold the same float32 weights, so only numerics differ: a few float32 ulps
+    # of logprobs of magnitude < 10 (docs/algorithms.md measured 3e-7 per token).
+    assert diffs[0] < 1e-5 and abs(train[0]["policy/engine_kl"]) < 1e-5
+    # Later steps compare the engine's theta_{n-lag} with the trainer's theta_n: the policy's change over 1 or 2 Adam
+    # updates of lr <= 1e-4 shows, measured 1.1e-3 (the last steps, lr decayed) to 1.2e-2 per token: a hundred times
+    # the numerics at least, and far below the nats that logprobs paired with the wrong tokens would give.
+    assert min(diffs[1:]) > 1e-4 and max(diffs) < 0.05
+    # The weights are min(exp(S), cap) per completion, S = sum_t (log pi_old - log mu) over its tokens: |w - 1| <= cap
+    # |S| (below 1 it is at most |S|; up to the cap, exp(S) - 1 <= S exp(S); at it, cap - 1 <= cap log cap <= cap S),
+    # so their mean is within cap x mean_i sum_t |log pi_old - log mu| <= cap x response_length x
+    # policy/engine_logprob_diff of 1; and a weight is capped only where |S| > log cap, so at most a fraction
+    # response_length x policy/engine_logprob_diff / log cap of them (Markov). Weights computed from other logprobs
+    # than the ones compared break these.
+    cap, length = args["tis_cap"], args["response_length"]
     for m in train:
-        assert 0 < m["policy/tis_weight_mean"] <= args["tis_cap"] and 0 <= m["policy/tis_capped_frac"] <= 1
-    assert train[0]["policy/tis_capped_frac"] == 0.0 and abs(train[0]["policy/tis_weight_mean"] - 1) < 1e-3
+        bound = length * m["policy/engine_logprob_diff"]
+        assert abs(m["policy/tis_weight_mean"] - 1) <= cap * bound + 1e-6, m["step"]
+        assert m["policy/tis_capped_frac"] <= bound / math.log(cap), m["step"]
+    assert train[0]["policy/tis_capped_frac"] == 0.0 and abs(train[0]["policy/tis_weight_mean"] - 1) < 1e-5
 
 
 @pytest.mark.slow

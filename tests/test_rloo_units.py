@@ -1,12 +1,17 @@
 """The pure pieces of rloo_async.py against hand-computed numbers or slow obvious versions."""
 
+import copy
 import math
 
+import numpy as np
 import pytest
 import torch
 from conftest import small_config
 
 import rloo_async as rloo
+
+# plain SGD's step in the epoch tests: it moves the sequence ratios of the second epoch to 0.6 .. 2 (some clipped)
+LEARNING_RATE = 3e-4
 
 
 # ------------------------------------------------------------------------------ leave-one-out baseline
@@ -182,10 +187,193 @@ def test_only_the_later_mini_batches_of_a_step_meet_a_moved_policy(tokenizer, nu
     old = rloo.batch_logprobs(model, batch, args.temperature, 8)
     scores = torch.tensor([1.0, -1.0, 0.5, 2.0, -0.5, 0.0, 1.5, -2.0])
     targets, _ = rloo.rloo_targets(scores, batch, old, old, old, args)
-    _, (ratio_max, ratio_min) = rloo.rloo_update(
+    stats, (ratio_max, ratio_min) = rloo.rloo_update(
         model, optimizer, scheduler, accelerator, batch, targets, args, sizes, np.random.default_rng(0), step=0
     )
     if num_mini_batches == 1:
         assert ratio_max == ratio_min == 1.0
     else:
-        assert ratio_max > 1 + 1e-4 or ratio_min < 1 - 1e-4, (ratio_max, ratio_min)
+        # Adam's first step moves every weight by about the learning rate, 1e-2: tenths of a nat per token in this
+        # 2-layer model's logprobs, so the ratios leave the clip range [0.8, 1.2] (numerics alone, in float32, stay
+        # within 1e-5 of 1). A bound of 1e-4 would pass a step a thousand times too small.
+        assert ratio_max > 1.2 or ratio_min < 0.8, (ratio_max, ratio_min)
+        assert stats["clipfrac"] > 0
+
+
+# ------------------------------------------------------------------------------ rloo_targets: everything it returns
+def slow_rloo_targets(scores, lengths, old, ref, engine, k: int, kl_coef: float, normalize: bool, tis_cap: float):
+    """rloo_targets one completion at a time: completions i*k .. i*k + k - 1 are prompt i's (rows are prompt-major);
+    per-token lists are summed over the first `lengths[i]` tokens only."""
+    n = len(scores)
+    real = [range(lengths[i]) for i in range(n)]
+    kl = [sum(old[i][t] - ref[i][t] for t in real[i]) for i in range(n)]
+    rewards = [scores[i] - kl_coef * kl[i] for i in range(n)]
+    advantages = []
+    for i in range(n):
+        others = [rewards[j] for j in range(i // k * k, i // k * k + k) if j != i]
+        advantages.append(rewards[i] - sum(others) / len(others))
+    if normalize:  # over the whole batch, unbiased standard deviation
+        mean = sum(advantages) / n
+        std = math.sqrt(sum((a - mean) ** 2 for a in advantages) / (n - 1))
+        advantages = [(a - mean) / (std + 1e-8) for a in advantages]
+    old_logps = [sum(old[i][t] for t in real[i]) for i in range(n)]
+    engine_logps = [sum(engine[i][t] for t in real[i]) for i in range(n)]
+    ratios = [math.exp(o - e) for o, e in zip(old_logps, engine_logps)]
+    diffs = [engine[i][t] - old[i][t] for i in range(n) for t in real[i]]
+    stats = {
+        "kl": sum(kl) / n,
+        "entropy": -sum(old_logps) / n,
+        "engine_abs_diff": sum(abs(d) for d in diffs) / len(diffs),
+        "engine_diff": sum(diffs) / len(diffs),
+        "tis_weight_mean": sum(min(r, tis_cap) for r in ratios) / n,
+        "tis_capped_frac": sum(r > tis_cap for r in ratios) / n,
+    }
+    return old_logps, advantages, [min(r, tis_cap) for r in ratios], stats
+
+
+@pytest.mark.parametrize("old_logprobs", ["trainer", "engine"])
+@pytest.mark.parametrize("normalize", [False, True])
+@pytest.mark.parametrize("k", [2, 3])
+def test_rloo_targets_match_a_slow_loop_over_every_field(tokenizer, k, normalize, old_logprobs):
+    """rloo_targets as the script calls it (per-token logprobs 0 after the first EOS, as batch_logprobs and pad_logprobs
+    give them; the reference's after-EOS slots hold garbage, which the sequence reward must ignore), against the slow
+    loop above: the old sequence logprobs, the leave-one-out advantages within each prompt's k consecutive completions
+    (whitened over the batch with --normalize_advantage), the truncated importance weights of --old_logprobs engine,
+    and every statistic logged of them."""
+    g = torch.Generator().manual_seed(k)
+    n, eos, width = 3 * k, tokenizer.eos_token_id, 6
+    cut = [1, 6, 3, 5, 2, 6, 4, 6, 2][:n]  # the EOS's position, or none (6: no EOS within response_length 6)
+    responses = [[5] * c + [eos, 7] if c < width else [5] * 8 for c in cut]
+    _, mask, _ = rloo.truncate_responses(responses, width, eos, tokenizer.pad_token_id)
+    lengths = mask.sum(1).tolist()
+    assert lengths == [min(c + 1, width) for c in cut]
+    old = -torch.rand(n, width, generator=g) * 3 * mask
+    ref = old - torch.randn(n, width, generator=g) * 0.5 + 100 * (1 - mask)
+    # the engine's sequence logprobs off the trainer's by -1.5 .. +1.5 nats: some weights are capped at 1.5, some not
+    engine = (old + (torch.rand(n, 1, generator=g) * 3 - 1.5) / torch.tensor(lengths)[:, None]) * mask
+    scores = torch.randn(n, generator=g) * 2
+    args = rloo.Args(rloo_k=k, kl_coef=0.3, normalize_advantage=normalize, old_logprobs=old_logprobs, tis_cap=1.5)
+    batch = rloo.Batch(query_ids=None, query_mask=None, response_ids=None, response_mask=mask, contain_eos=None)
+    targets, stats = rloo.rloo_targets(scores, batch, old, ref, engine, args)
+    expected = slow_rloo_targets(
+        scores.tolist(), lengths, old.tolist(), ref.tolist(), engine.tolist(), k, 0.3, normalize, 1.5
+    )
+    old_logps, advantages, weights, expected_stats = expected
+    assert targets.old_logps.tolist() == pytest.approx(old_logps, abs=1e-5)
+    assert targets.advantages.tolist() == pytest.approx(advantages, abs=1e-5)
+    if old_logprobs == "trainer":
+        assert targets.is_weights is None and "tis_weight_mean" not in stats and "tis_capped_frac" not in stats
+        expected_stats = {key: v for key, v in expected_stats.items() if not key.startswith("tis_")}
+    else:
+        assert 0 < expected_stats["tis_capped_frac"] < 1  # the data has capped and uncapped weights
+        assert targets.is_weights.tolist() == pytest.approx(weights, abs=1e-5)
+    assert set(stats) == set(expected_stats)
+    for key, value in expected_stats.items():
+        assert stats[key].item() == pytest.approx(value, abs=1e-5), key
+
+
+# ------------------------------------------------------------------------------ rloo_update: epochs and mini-batches
+def slow_rloo_update(model, batch, targets, args, sizes, seed: int, learning_rates: list[float]) -> dict:
+    """rloo_update by hand, for plain SGD: each epoch a new permutation of the completions from the same numpy stream,
+    cut into mini-batches, each the mean of its micro-batches' gradients; the loss written out one completion at a
+    time. Returns what every micro-batch saw."""
+    n, k, eps = len(targets.old_logps), args.rloo_k, args.cliprange
+    mini, micro = sizes.local_mini_batch_size * k, args.local_micro_batch_size * k
+    params, rng, update = list(model.parameters()), np.random.default_rng(seed), 0
+    seen = {"order": [], "loss": [], "approxkl": [], "clipfrac": [], "ratios": []}
+    for _ in range(args.num_ppo_epochs):
+        order = rng.permutation(n).tolist()
+        seen["order"].append(order)
+        for mini_start in range(0, n, mini):
+            step = [torch.zeros_like(p) for p in params]
+            for micro_start in range(mini_start, mini_start + mini, micro):
+                idx = order[micro_start : micro_start + micro]
+                logps = rloo.response_logprobs(
+                    model,
+                    batch.query_ids[idx],
+                    batch.query_mask[idx],
+                    batch.response_ids[idx],
+                    batch.response_mask[idx],
+                    args.temperature,
+                ).sum(1)
+                objective, clipped, ratios = 0.0, [], []
+                for logp, i in zip(logps, idx):
+                    ratio = torch.exp(logp - targets.old_logps[i])
+                    advantage = targets.advantages[i]
+                    weight = 1.0 if targets.is_weights is None else targets.is_weights[i]
+                    plain, clipped_term = ratio * advantage, ratio.clamp(1 - eps, 1 + eps) * advantage
+                    objective = objective + weight * min(plain, clipped_term)
+                    clipped.append(bool(clipped_term < plain))
+                    ratios.append(ratio.item())
+                loss = -objective / len(idx)
+                grads = torch.autograd.grad(loss, params, allow_unused=True)
+                for total, grad in zip(step, grads):
+                    if grad is not None:
+                        total += grad / (mini // micro)
+                seen["loss"].append(loss.item())
+                squares = [(logp - targets.old_logps[i]).item() ** 2 for logp, i in zip(logps, idx)]
+                seen["approxkl"].append(0.5 * sum(squares) / len(idx))
+                seen["clipfrac"].append(sum(clipped) / len(idx))
+                seen["ratios"] += ratios
+            with torch.no_grad():
+                for p, total in zip(params, step):
+                    p -= learning_rates[update] * total
+            update += 1
+    return seen
+
+
+@pytest.mark.parametrize("old_logprobs", ["trainer", "engine"])
+def test_two_epochs_of_two_mini_batches_match_plain_sgd_by_hand(tokenizer, old_logprobs):
+    """rloo_update with --num_ppo_epochs 2 --num_mini_batches 2 and two accumulated micro-batches per mini-batch, on
+    plain SGD with the linear decay stepped once per optimizer step: the parameters it ends with are the slow version's,
+    and so are the statistics it returns. The second epoch runs over the same completions again, in a new order, and
+    meets ratios far from 1 (some clipped)."""
+    from accelerate import Accelerator
+    from transformers import LlamaForCausalLM
+
+    args = rloo.Args(
+        total_episodes=8,
+        local_micro_batch_size=1,
+        gradient_accumulation_steps=2,
+        num_mini_batches=2,
+        num_ppo_epochs=2,
+        old_logprobs=old_logprobs,
+    )
+    sizes = rloo.compute_sizes(args, world_size=1)
+    assert (sizes.local_batch_size, sizes.num_updates) == (4, 4)  # 4 prompts x 2 completions, 2 x 2 updates
+    torch.manual_seed(0)
+    policy = LlamaForCausalLM(small_config(tokenizer))
+    rloo.disable_dropout(policy)
+    by_hand = copy.deepcopy(policy)
+    accelerator = Accelerator(cpu=True, gradient_accumulation_steps=args.gradient_accumulation_steps)
+    model, optimizer = accelerator.prepare(policy, torch.optim.SGD(policy.parameters(), lr=LEARNING_RATE))
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda update: 1 - update / sizes.num_updates)
+    g = torch.Generator().manual_seed(1)
+    prompts = [
+        [tokenizer.bos_token_id] + torch.randint(4, len(tokenizer), (n,), generator=g).tolist() for n in (3, 5, 2, 6)
+    ]
+    responses = [torch.randint(4, len(tokenizer), (n,), generator=g).tolist() for n in (4, 6, 2, 5, 3, 7, 6, 1)]
+    batch = rloo.to_batch(prompts, responses, 2, args, tokenizer, torch.device("cpu"))
+    old = rloo.batch_logprobs(model, batch, args.temperature, 8)
+    engine = old + torch.randn(old.shape, generator=g) * 0.1 * batch.response_mask
+    scores = torch.tensor([1.0, -1.0, 0.5, 2.0, -0.5, 0.0, 1.5, -2.0])
+    targets, _ = rloo.rloo_targets(scores, batch, old, old, engine, args)
+    stats, (ratio_max, ratio_min) = rloo.rloo_update(
+        model, optimizer, scheduler, accelerator, batch, targets, args, sizes, np.random.default_rng(0), step=0
+    )
+    learning_rates = [LEARNING_RATE * (1 - update / 4) for update in range(4)]
+    seen = slow_rloo_update(by_hand, batch, targets, args, sizes, 0, learning_rates)
+    for (name, got), expected in zip(model.named_parameters(), by_hand.parameters()):
+        torch.testing.assert_close(got, expected, msg=name)
+    # the two sum their gradients in different orders: float32 rounding, relative 1e-6 in a ratio of 2 after 3 updates
+    for key in ("loss", "approxkl", "clipfrac"):
+        assert stats[key].item() == pytest.approx(np.mean(seen[key]), rel=1e-5, abs=1e-6), key
+    assert stats["ratio_mean"].item() == pytest.approx(np.mean(seen["ratios"]), rel=1e-5)
+    assert (ratio_max, ratio_min) == pytest.approx((max(seen["ratios"]), min(seen["ratios"])), rel=1e-5)
+    # what makes the test able to fail: the first mini-batch meets the old policy itself, the second epoch reorders the
+    # same 8 completions and meets a policy 2 updates away, clipped on some completions and not on others
+    first, second = seen["order"]
+    assert sorted(first) == sorted(second) == list(range(8)) and first != second
+    assert seen["ratios"][:4] == [1.0] * 4
+    assert max(abs(r - 1) for r in seen["ratios"][8:]) > 0.3
+    assert 0 < np.mean(seen["clipfrac"][4:]) < 1
