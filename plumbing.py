@@ -886,27 +886,31 @@ def open_shared(handle: tuple) -> torch.Tensor:
 
 
 def check_loaded(version: int, loaded: dict, cache_reset: bool | None) -> None:
-    """Stop the run when the engine does not hold what it was sent (WeightReceiver.loaded_check), or kept its prefix
+    """Stop the run when the engine does not hold what it was sent (`loaded`: WeightReceiver.holds), or kept its prefix
     cache, KV computed with the old weights: it would go on generating with a stale policy, silently."""
-    if loaded["version"] != version or not loaded["compared"] or loaded["differ"] or cache_reset is False:
+    if loaded["differ"]:
         what = f"{len(loaded['differ'])} of {loaded['compared']} tensors compared differ, e.g. {loaded['differ'][:2]}"
-        what = what if loaded["differ"] else "no tensor could be compared" if not loaded["compared"] else ""
-        what = what or (
-            "its prefix cache was not reset" if cache_reset is False else f"it loaded version {loaded['version']}"
-        )
-        raise RuntimeError(f"the engine does not hold policy version {version} after its push: {what}")
+    elif not loaded["compared"]:
+        what = "no tensor could be compared"
+    elif loaded["version"] != version:
+        what = f"it loaded version {loaded['version']}"
+    elif cache_reset is False:
+        what = "its prefix cache was not reset"
+    else:
+        return
+    raise RuntimeError(f"the engine does not hold policy version {version} after its push: {what}")
 
 
 class WeightReceiver:
     """Added to vLLM's worker (`worker_extension_cls`): it loads a weight snapshot where the trainer wrote it, GPU
-    memory shared by CUDA IPC on a GPU, shared memory on a CPU (snapshot_buffer), with no file and no copy, through
+    memory shared by CUDA IPC on a GPU, shared memory on a CPU (SnapshotPlace), with no file and no copy, through
     the model's own loader (which fuses q/k/v and gate/up and reorders GPTNeoX's q/k/v as for a checkpoint); the copy
     is in place, so CUDA graphs see it. Then it compares what it holds with what it was sent. The tests read the
     engine's parameters and GPU memory through it after a push."""
 
     def load_shared_weights(self, version: int, handle: tuple, layout: list) -> dict:
         """Load theta_version from the snapshot `handle` names (shared_handle), `layout`: (name, shape, offset) of each
-        tensor in it. Returns what loaded_check says of it."""
+        tensor in it. Returns what `holds` says of it."""
         flat = open_shared(handle)
         self.reload_weights(weights_iterator=iter(shared_views(flat, layout).items()))
         if flat.is_cuda:
