@@ -86,10 +86,27 @@ def tokenizer():
     return AutoTokenizer.from_pretrained(TINY / "sft", padding_side="left")
 
 
-def small_config(tokenizer, arch: str = "llama", **overrides):
-    """A 2-layer, 64-wide model on the tiny vocabulary (head dim 32: vLLM's CPU attention minimum)."""
-    from transformers import GPTNeoXConfig, LlamaConfig
+# The model families the push tests build (small_config): transformers' config class and what the family sets
+# beyond the common sizes. Grouped-query attention where the family's models use it; head dim 32 everywhere.
+FAMILIES = {
+    "llama": ("LlamaConfig", dict(num_key_value_heads=2)),
+    "gptneox": ("GPTNeoXConfig", {}),
+    "qwen2": ("Qwen2Config", dict(num_key_value_heads=1)),
+    "qwen3": ("Qwen3Config", dict(num_key_value_heads=1, head_dim=32)),
+    "mistral": ("MistralConfig", dict(num_key_value_heads=1, head_dim=32)),
+    "gemma2": ("Gemma2Config", dict(num_key_value_heads=1, head_dim=32, query_pre_attn_scalar=32)),
+    "olmo2": ("Olmo2Config", dict(num_key_value_heads=2)),
+    "phi3": ("Phi3Config", dict(num_key_value_heads=2)),
+    "gpt2": ("GPT2Config", dict(n_inner=128)),
+}
 
+
+def small_config(tokenizer, arch: str = "llama", **overrides):
+    """A 2-layer, 64-wide model of the family `arch` (FAMILIES) on the tiny vocabulary (head dim 32: vLLM's CPU
+    attention minimum)."""
+    import transformers
+
+    config_class, family = FAMILIES[arch]
     common = dict(
         vocab_size=len(tokenizer),
         hidden_size=64,
@@ -102,8 +119,7 @@ def small_config(tokenizer, arch: str = "llama", **overrides):
         pad_token_id=tokenizer.pad_token_id,
         tie_word_embeddings=False,
     )
-    common.update(overrides)
-    return LlamaConfig(**{"num_key_value_heads": 2, **common}) if arch == "llama" else GPTNeoXConfig(**common)
+    return getattr(transformers, config_class)(**{**common, **family, **overrides})
 
 
 def save_random_policy(tokenizer, path: Path, arch: str = "llama", seed: int = 0) -> Path:
@@ -117,12 +133,14 @@ def save_random_policy(tokenizer, path: Path, arch: str = "llama", seed: int = 0
 
 
 def perturbed_policy(tokenizer, arch: str, tied: bool, seed: int, large: bool = False):
-    """A random policy in which every tensor is random, norms and biases included (Llama with attention and MLP
-    biases), so that a weight push that dropped or misplaced any tensor shows. `large`: Pythia-160m's width."""
+    """A random policy of the family `arch` (FAMILIES) in which every tensor is random, norms and biases included
+    (Llama with attention and MLP biases), so that a weight push that dropped or misplaced any tensor shows; norms
+    scale by about 1. `large`: Pythia-160m's width."""
     import torch
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(seed)
+    norm_centre = 0.0 if arch == "gemma2" else 1.0  # Gemma's norms scale by 1 + weight
     extra = dict(attention_bias=True, mlp_bias=True) if arch == "llama" else {}
     if large:
         extra |= dict(hidden_size=768, num_hidden_layers=12, num_attention_heads=12, intermediate_size=3072)
@@ -131,7 +149,8 @@ def perturbed_policy(tokenizer, arch: str, tied: bool, seed: int, large: bool = 
     with torch.no_grad():
         for name, tensor in model.state_dict().items():
             if tensor.is_floating_point() and "rotary" not in name and "inv_freq" not in name:
-                tensor.copy_(torch.randn_like(tensor) * 0.05 + (1.0 if "norm" in name and "weight" in name else 0.0))
+                is_norm = ("norm" in name or ".ln_" in name) and name.endswith("weight")  # GPT-2's ln_1, ln_f
+                tensor.copy_(torch.randn_like(tensor) * 0.05 + (norm_centre if is_norm else 0.0))
     return model.eval()
 
 
