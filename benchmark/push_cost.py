@@ -10,6 +10,7 @@ Prints the medians in milliseconds.
 """
 
 import argparse
+import shutil
 import statistics
 import sys
 import tempfile
@@ -39,8 +40,9 @@ def main() -> None:
     model = AutoModelForCausalLM.from_pretrained(options.model_path, dtype=dtype).to(device or "cpu")
     placement = plumbing.engine_placement("shared" if gpus else "auto", gpus, 1, 0.3 if gpus else None)
     llm = plumbing.make_engine(options.model_path, placement, dtype=options.dtype, max_model_len=64, seed=0)
+    folder = tempfile.mkdtemp()
     try:
-        place = plumbing.SnapshotPlace(device, tempfile.mkdtemp())
+        place = plumbing.SnapshotPlace(device, folder)
         names, seconds = dpo.checkpoint_names(model), {"push": [], "check": [], "round trip": []}
         for version in range(1, options.pushes + 1):
             with torch.no_grad():
@@ -59,6 +61,7 @@ def main() -> None:
         print(", ".join(f"{name} {1e3 * statistics.median(s):.2f} ms" for name, s in seconds.items()))
     finally:
         llm.llm_engine.engine_core.shutdown()
+        shutil.rmtree(folder, ignore_errors=True)
 
 
 if __name__ == "__main__":
