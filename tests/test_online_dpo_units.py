@@ -109,13 +109,13 @@ def slow_dpo_update(model, pairs: dpo.Batch, ref_logps, tied, args: dpo.Args, rn
     micro-batches of (the untied pairs' losses summed) / micro. Pair i: chosen row i, rejected row B + i."""
     B, micro, G = len(tied), args.local_micro_batch_size, args.gradient_accumulation_steps
     num_updates, update = args.num_ppo_epochs * args.num_mini_batches, 0
-    stats = {"loss": [], "logps_chosen": [], "logps_rejected": [], "kl": []}
+    stats = {"loss": [], "logps_chosen": [], "logps_rejected": [], "kl": [], "margin": [], "accuracy": []}
     for epoch in range(args.num_ppo_epochs):
         order = rng.permutation(B).tolist()
         for mini_start in range(0, B, micro * G):
             model.zero_grad()
             for micro_start in range(mini_start, mini_start + micro * G, micro):
-                losses, chosen, rejected, kl = [], [], [], []
+                losses, chosen, rejected, kl, margins = [], [], [], [], []
                 for i in order[micro_start : micro_start + micro]:
                     c = slow_sequence_logprob(model, pairs, i, args.temperature)
                     r = slow_sequence_logprob(model, pairs, B + i, args.temperature)
@@ -131,12 +131,15 @@ def slow_dpo_update(model, pairs: dpo.Batch, ref_logps, tied, args: dpo.Args, rn
                     chosen.append(c.item())
                     rejected.append(r.item())
                     kl.append(((c - ref_logps[i]) + (r - ref_logps[B + i])).item() / 2)
+                    margins.append(args.beta * h.item())  # every pair's, tied or not
                 loss = sum(losses, torch.zeros(())) / micro
                 if losses:
                     (loss / G).backward()
                 stats["loss"].append(loss.item())
                 stats["logps_chosen"].append(np.mean(chosen))
                 stats["logps_rejected"].append(np.mean(rejected))
+                stats["margin"].append(np.mean(margins))
+                stats["accuracy"].append(np.mean([m > 0 for m in margins]))
                 if epoch == 0:
                     stats["kl"].append(np.mean(kl))
             with torch.no_grad():
@@ -147,30 +150,32 @@ def slow_dpo_update(model, pairs: dpo.Batch, ref_logps, tied, args: dpo.Args, rn
 
 
 @pytest.mark.parametrize(
-    "loss_type, accumulation, mini_batches, epochs",
+    "loss_type, micro, accumulation, mini_batches, epochs",
     [
-        ("sigmoid", 1, 1, 1),
-        ("sigmoid", 2, 1, 1),
-        ("sigmoid", 1, 2, 1),
-        ("sigmoid", 1, 1, 2),
-        ("sigmoid", 2, 2, 2),
-        ("ipo", 1, 1, 1),
-        ("ipo", 2, 2, 2),
-        ("best_of_k_sft", 1, 1, 1),
-        ("best_of_k_sft", 2, 2, 2),
+        ("sigmoid", 2, 1, 1, 1),
+        ("sigmoid", 2, 2, 1, 1),
+        ("sigmoid", 2, 1, 2, 1),
+        ("sigmoid", 2, 1, 1, 2),
+        ("sigmoid", 2, 2, 2, 2),
+        ("sigmoid", 1, 3, 1, 1),  # micro-batches of one pair: the last of each mini-batch is trained on too
+        ("ipo", 2, 1, 1, 1),
+        ("ipo", 2, 2, 2, 2),
+        ("best_of_k_sft", 2, 1, 1, 1),
+        ("best_of_k_sft", 2, 2, 2, 2),
     ],
 )
-def test_dpo_update_is_sgd_on_the_pairs_losses_by_hand(tokenizer, loss_type, accumulation, mini_batches, epochs):
+def test_dpo_update_is_sgd_on_the_pairs_losses_by_hand(tokenizer, loss_type, micro, accumulation, mini_batches, epochs):
     """dpo_update as main calls it (a prepared fp32 model, accelerate's accumulation, the linear schedule) against
-    slow_dpo_update: the statistics it returns and every parameter's update. Micro-batches of 2 pairs, every third
-    pair tied, each row's reference logprob its own (the policy's own, moved by noise)."""
+    slow_dpo_update: the statistics it returns (the margins beta h and the share of them above 0 included) and every
+    parameter's update. Micro-batches of `micro` pairs, every third pair tied, each row's reference logprob its own
+    (the policy's own, moved by noise)."""
     from accelerate import Accelerator
     from transformers import LlamaForCausalLM
 
-    B = 2 * accumulation * mini_batches
+    B = micro * accumulation * mini_batches
     args = dpo.Args(
         total_episodes=2 * B,
-        local_micro_batch_size=2,
+        local_micro_batch_size=micro,
         gradient_accumulation_steps=accumulation,
         num_mini_batches=mini_batches,
         num_ppo_epochs=epochs,
@@ -290,6 +295,35 @@ def test_reward_is_read_at_the_last_real_token_whatever_the_padding(reward_model
         assert got.item() == pytest.approx(expected, abs=1e-5)
 
 
+def test_positions_count_the_real_tokens_from_zero():
+    mask = torch.tensor([[0, 0, 1, 1, 1], [1, 1, 1, 1, 1], [0, 0, 0, 0, 1]])
+    expected = [[0, 0, 0, 1, 2], [0, 1, 2, 3, 4], [0, 0, 0, 0, 0]]
+    assert dpo.position_ids_from(mask).tolist() == expected
+
+
+def test_left_padding_does_not_shift_a_learned_position_reward_model(tokenizer):
+    """GPT-2 learns an embedding per absolute position: a left-padded sequence gets the score it gets alone only when
+    its positions start at 0 at its first real token (with RoPE a uniform shift would not show)."""
+    from transformers import GPT2Config, GPT2ForSequenceClassification
+
+    torch.manual_seed(4)
+    config = GPT2Config(
+        vocab_size=len(tokenizer), n_positions=32, n_embd=32, n_layer=2, n_head=2, num_labels=1,
+        pad_token_id=tokenizer.pad_token_id, bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+    )  # fmt: skip
+    model = GPT2ForSequenceClassification(config).eval()
+    with torch.no_grad():
+        model.transformer.wpe.weight.normal_(std=1.0)  # positions that matter
+    sequences = [[tokenizer.bos_token_id, 7, 8, 9, 10, 11], [tokenizer.bos_token_id, 12, 13], [14]]
+    ids, mask = dpo.left_pad(sequences, 6, tokenizer.pad_token_id)
+    with torch.no_grad():
+        batched = dpo.get_reward(model, ids, mask)
+        alone = [
+            dpo.get_reward(model, torch.tensor([s]), torch.ones(1, len(s), dtype=torch.long)).item() for s in sequences
+        ]
+    assert batched.tolist() == pytest.approx(alone, abs=1e-6)
+
+
 def permuted_tokenizer(tokenizer, tmp_path, seed=0):
     """The same tokenizer with every id moved: a reward model with another tokenizer."""
     from transformers import PreTrainedTokenizerFast
@@ -339,6 +373,11 @@ def test_reward_model_with_another_tokenizer_goes_through_text(reward_model, tok
         other_model, other_tokenizer, tokenizer, dpo.Batch(q_ids, q_mask, r_ids, r_mask, eos), 8
     )
     assert through_text.tolist() == pytest.approx(direct.tolist(), abs=1e-5)
+    # score_batch takes the reward model's own tokenizer from Models: the text route, then the missing-EOS penalty
+    models = dpo.Models(tokenizer, None, other_model, other_tokenizer, None, None)
+    args = dpo.Args(missing_eos_penalty=-2.5, local_rollout_forward_batch_size=8)
+    scores = dpo.score_batch(dpo.Batch(q_ids, q_mask, r_ids, r_mask, eos), ["unused"] * 2, models, args)
+    assert scores.tolist() == pytest.approx([direct[0].item(), -2.5], abs=1e-5)
 
 
 @pytest.mark.parametrize("arch", ["llama", "gptneox"])
@@ -407,6 +446,30 @@ def test_gsm8k_scores_are_the_verifiers_with_no_missing_eos_penalty():
     assert scores.tolist() == [1.0, 1.0, 0.0, 1.0]
 
 
+def test_gsm8k_texts_without_an_answer_do_not_match():
+    assert dpo.gsm8k_reward("no answer here", "nor here") == 0.0
+    assert dpo.gsm8k_reward("#### 40", "#### 40") == 1.0
+
+
+def test_gsm8k_evaluation_pass_at_1_is_the_share_of_right_answers():
+    """Three GSM8k prompts, two answered right (one cut without EOS: no penalty), one wrong: pass@1 2/3."""
+    from test_tasks import number_tokenizer
+    from transformers import LlamaForCausalLM
+
+    tokenizer = number_tokenizer()
+    torch.manual_seed(0)
+    reference = LlamaForCausalLM(small_config(tokenizer)).eval()
+    models = dpo.Models(tokenizer, reference, None, None, None, None)
+    args = dpo.Args(task="gsm8k", response_length=3, local_rollout_forward_batch_size=2)
+    answers = ["so #### 40", "#### 12", "#### 40"]
+    evaluation = dpo.Prompts([[tokenizer.bos_token_id]] * 3, ["q1", "q2", "q3"], answers)
+    texts = ["#### 40 </s>", "#### 40 </s>", "so #### 40 so"]  # right, wrong, right but cut at 3 tokens
+    responses = [tokenizer(t, add_special_tokens=False).input_ids for t in texts]
+    metrics, _, _ = dpo.evaluate(responses, evaluation, models, args, torch.device("cpu"))
+    assert metrics["eval/pass@1"] == pytest.approx(2 / 3)
+    assert metrics["eval/num_eos_tokens"] == pytest.approx(2 / 3)
+
+
 def test_evaluate_by_hand(tokenizer, tiny_models):
     """evaluate on four hand-made completions against the tiny task's references, with tiny_gold_score worked out
     by hand (target = the query's words sorted; q = (in_place + f1 + ordered) / 3; 2q - 1 stopped, q - 1 not):
@@ -436,6 +499,23 @@ def test_evaluate_by_hand(tokenizer, tiny_models):
     assert metrics["eval/ref_perplexity"] == pytest.approx(np.mean(perplexities), rel=1e-5)
     scores = [reward_of(tiny_models.reward_model, q + r) for q, r in sequences[:3]] + [-2.5]  # the 4th: no EOS
     assert metrics["eval/scores"] == pytest.approx(np.mean(scores), abs=1e-5)
+
+
+def test_no_robots_references_are_judged_as_completions_that_stopped(tokenizer, tiny_models):
+    """With a gold model on No Robots, a human answer gets the EOS a policy's completion that stopped carries: the
+    gold score of each reference is the gold model's on query + reference + EOS (the tiny reward model as gold)."""
+    args = dpo.Args(task="no_robots", response_length=6, local_rollout_forward_batch_size=3)
+    models = tiny_models._replace(gold_model=tiny_models.reward_model, gold_tokenizer=tokenizer)
+    queries = ["sort: fox ant cat ->", "sort: dog bee ->"]
+    references = ["ant cat fox", "dog bee"]
+    evaluation = dpo.Prompts([tokenizer(q).input_ids for q in queries], queries, references)
+    responses = [word_ids(tokenizer, t) for t in ("ant cat fox </s>", "bee")]
+    _, rows, _ = dpo.evaluate(responses, evaluation, models, args, torch.device("cpu"))
+    gold = [tiny_models.reward_model, tokenizer]
+    with_eos = dpo.score_texts(*gold, [q + r + "</s>" for q, r in zip(queries, references)], 3, "cpu").tolist()
+    without = dpo.score_texts(*gold, [q + r for q, r in zip(queries, references)], 3, "cpu").tolist()
+    assert [row["reference_gold"] for row in rows] == [round(g, 3) for g in with_eos]
+    assert all(abs(a - b) > 0.01 for a, b in zip(with_eos, without))  # the EOS shows
 
 
 # ------------------------------------------------------------------------------ sizes, data order, schedule
@@ -488,6 +568,60 @@ def test_generation_schedule_obeys_the_staleness_contract(async_level):
         if version > 0:
             assert position[("rollout", version - 1)] < i
     assert dpo.published_versions(schedule) == {max(0, m - async_level) for m in range(num_steps)} - {0} | {4, 8, 10}
+
+
+def test_generation_schedule_and_what_is_owed_by_hand():
+    """--num_steps 4 --async_level 1, evaluations of versions 0, 2, 4: rollout m by version max(0, m - 1); an
+    evaluation of v after every rollout of v and before any of a later version."""
+    schedule = dpo.generation_schedule(4, 1, [0, 2, 4])
+    assert schedule == [
+        ("rollout", 0, 0),
+        ("rollout", 1, 0),
+        ("eval", 0, 0),
+        ("rollout", 2, 1),
+        ("rollout", 3, 2),
+        ("eval", 2, 2),
+        ("eval", 4, 4),
+    ]
+    # a trainer about to run step 2, evaluation 0 logged: rollouts 2 and 3, evaluations 2 and 4
+    assert dpo.pending_events(schedule, 2, {0}) == [
+        ("rollout", 2, 1),
+        ("rollout", 3, 2),
+        ("eval", 2, 2),
+        ("eval", 4, 4),
+    ]
+    assert dpo.pending_events(schedule, 3, {0, 2}) == [("rollout", 3, 2), ("eval", 4, 4)]
+    assert dpo.pending_events(schedule, 0, set()) == schedule
+    assert dpo.pending_events(schedule, 4, {0, 2, 4}) == []
+
+
+def test_dpo_metrics_by_hand():
+    sizes = dpo.compute_sizes(dpo.Args(total_episodes=64, local_micro_batch_size=4), world_size=1)
+    assert sizes.episodes_per_step == 8
+    reduced = dict(
+        scores=0.5, kl=2.0, entropy=3.0, num_eos_tokens=0.75, tied=0.25, loss=0.6,
+        logps_chosen=-4.0, logps_rejected=-7.0, accuracy=0.625, margin=1.5,
+    )  # fmt: skip
+    metrics = dpo.dpo_metrics(step=5, version=3, sizes=sizes, lr=0.01, reduced=reduced, beta=0.1)
+    assert metrics == {
+        "step": 5,
+        "episode": 6 * 8,  # the pairs trained on up to and including this step
+        "lr": 0.01,
+        "async/lag": 2,
+        "async/version": 3,
+        "objective/scores": 0.5,
+        "objective/kl": 2.0,
+        "objective/entropy": 3.0,
+        "objective/non_score_reward": pytest.approx(-0.2),
+        "objective/rlhf_reward": pytest.approx(0.3),
+        "val/num_eos_tokens": 0.75,
+        "val/tied_pairs": 0.25,
+        "loss/policy": 0.6,
+        "logps/chosen": -4.0,
+        "logps/rejected": -7.0,
+        "rewards/accuracies": 0.625,
+        "rewards/margins": 1.5,
+    }
 
 
 # ------------------------------------------------------------------------------ data loading

@@ -15,6 +15,7 @@ import ppo_async as ppo
 # 0.8 .. 1.5 and the values move by more than cliprange_value, both clipped on some tokens and not on others
 LEARNING_RATE = 1e-2
 VF_COEF = 0.5
+CLIPRANGE_VALUE = 0.1
 
 
 def make_mask(lengths: list[int], width: int) -> torch.Tensor:
@@ -569,6 +570,8 @@ def test_two_epochs_of_two_mini_batches_match_plain_sgd_by_hand(tokenizer, old_l
         old_logprobs=old_logprobs,
         learning_rate=LEARNING_RATE,
         vf_coef=VF_COEF,
+        cliprange=0.2,
+        cliprange_value=CLIPRANGE_VALUE,  # not the policy's: each loss clips with its own
     )
     call = ppo_step_setup(tokenizer, args)
     batch, targets, sizes = call.batch, call.targets, call.sizes
@@ -670,3 +673,41 @@ def test_vf_coef_scales_the_value_model_s_gradient_and_nothing_else(tokenizer):
             torch.testing.assert_close(moves[0.1][name], -pg_grads[name], rtol=1e-4, atol=3e-7, msg=name)
             assert torch.equal(moves[0.4][name], moves[0.1][name]), name
     assert moves[0.1]["value_model.score.weight"].abs().max() > 1e-3  # the value head does move
+
+
+def test_ppo_metrics_by_hand():
+    sizes = ppo.compute_sizes(ppo.Args(total_episodes=64, local_micro_batch_size=4), world_size=1)
+    assert sizes.episodes_per_step == 4  # 4 prompts, one completion each
+    reduced = dict(
+        scores=0.5, kl=2.0, entropy=3.0, num_eos_tokens=0.75, pg_loss=0.6, vf_loss=0.9, approxkl=0.01, clipfrac=0.125,
+        policy_entropy=2.5, ratio_mean=1.02, vf_clipfrac=0.375, value_error=0.4, explained_variance=0.3,
+        engine_abs_diff=0.03, engine_diff=-0.02,
+    )  # fmt: skip
+    metrics = ppo.ppo_metrics(5, 3, sizes, 0.01, reduced, ratios=(1.4, 0.7), kl_coef=0.1)
+    assert metrics == {
+        "step": 5,
+        "episode": 6 * 4,
+        "lr": 0.01,
+        "async/lag": 2,
+        "async/version": 3,
+        "objective/scores": 0.5,
+        "objective/kl": 2.0,
+        "objective/entropy": 3.0,
+        "objective/non_score_reward": pytest.approx(-0.2),
+        "objective/rlhf_reward": pytest.approx(0.3),
+        "objective/kl_coef": 0.1,
+        "val/num_eos_tokens": 0.75,
+        "loss/policy": 0.6,
+        "loss/value": 0.9,
+        "policy/approxkl": 0.01,
+        "policy/clipfrac": 0.125,
+        "policy/entropy": 2.5,
+        "policy/ratio_mean": 1.02,
+        "policy/ratio_max": 1.4,
+        "policy/ratio_min": 0.7,
+        "val/clipfrac": 0.375,
+        "val/value_error": 0.4,
+        "val/explained_variance": 0.3,
+        "policy/engine_logprob_diff": 0.03,
+        "policy/engine_kl": -0.02,
+    }

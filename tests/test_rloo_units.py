@@ -377,3 +377,35 @@ def test_two_epochs_of_two_mini_batches_match_plain_sgd_by_hand(tokenizer, old_l
     assert seen["ratios"][:4] == [1.0] * 4
     assert max(abs(r - 1) for r in seen["ratios"][8:]) > 0.3
     assert 0 < np.mean(seen["clipfrac"][4:]) < 1
+
+
+def test_rloo_metrics_by_hand():
+    sizes = rloo.compute_sizes(rloo.Args(total_episodes=64, local_micro_batch_size=4), world_size=1)
+    assert sizes.episodes_per_step == 8  # 4 prompts x 2 completions
+    reduced = dict(
+        scores=0.5, kl=2.0, entropy=3.0, num_eos_tokens=0.75, loss=0.6, approxkl=0.01, clipfrac=0.125,
+        ratio_mean=1.02, engine_abs_diff=0.03, engine_diff=-0.02, tis_weight_mean=0.98,
+    )  # fmt: skip
+    metrics = rloo.rloo_metrics(5, 3, sizes, 0.01, reduced, ratios=(1.4, 0.7), kl_coef=0.1)
+    assert metrics == {
+        "step": 5,
+        "episode": 6 * 8,
+        "lr": 0.01,
+        "async/lag": 2,
+        "async/version": 3,
+        "objective/scores": 0.5,
+        "objective/kl": 2.0,
+        "objective/entropy": 3.0,
+        "objective/non_score_reward": pytest.approx(-0.2),
+        "objective/rlhf_reward": pytest.approx(0.3),
+        "val/num_eos_tokens": 0.75,
+        "loss/policy": 0.6,
+        "policy/approxkl": 0.01,
+        "policy/clipfrac": 0.125,
+        "policy/ratio_mean": 1.02,
+        "policy/ratio_max": 1.4,
+        "policy/ratio_min": 0.7,
+        "policy/engine_logprob_diff": 0.03,
+        "policy/engine_kl": -0.02,
+        "policy/tis_weight_mean": 0.98,
+    }
