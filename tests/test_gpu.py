@@ -39,6 +39,16 @@ def reload_from_file(llm, model, folder) -> None:
     llm.reset_prefix_cache()
 
 
+def engine_sharing_the_trainers_gpu(model, tokenizer, folder):
+    """`model` on the GPU first, then the engine started from it saved, sharing that GPU, as the scripts start it."""
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    trainer = model.cuda()
+    placement = plumbing.engine_placement("shared", plumbing.visible_gpus(), 1, 0.3)
+    os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"  # as the scripts set it: the push's handle is pickled
+    return trainer, plumbing.make_engine(str(folder), placement, dtype="bfloat16", max_model_len=64, seed=0)
+
+
 @pytest.mark.parametrize("arch, tied", [("gptneox", False), ("llama", False), ("llama", True)])
 def test_each_ipc_push_loads_exactly_what_a_checkpoint_would(arch, tied, tokenizer, tmp_path):
     """Three pushes of models whose every tensor differs (norms and biases perturbed too). After each, every engine
@@ -50,12 +60,7 @@ def test_each_ipc_push_loads_exactly_what_a_checkpoint_would(arch, tied, tokeniz
     from vllm.inputs import TokensPrompt
 
     models = [perturbed_policy(tokenizer, arch, tied, seed, large=arch == "gptneox") for seed in range(4)]
-    models[0].save_pretrained(tmp_path / "v0")
-    tokenizer.save_pretrained(tmp_path / "v0")
-    trainer = models[0].cuda()  # the trainer's model on the GPU before the engine starts, as in the scripts
-    placement = plumbing.engine_placement("shared", plumbing.visible_gpus(), 1, 0.3)
-    os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"  # as the scripts set it: the push's handle is pickled
-    llm = plumbing.make_engine(str(tmp_path / "v0"), placement, dtype="bfloat16", max_model_len=64, seed=0)
+    trainer, llm = engine_sharing_the_trainers_gpu(models[0], tokenizer, tmp_path / "v0")
     try:
         g = torch.Generator().manual_seed(0)
         prompts = [
@@ -211,12 +216,7 @@ def test_snapshots_freed_over_six_pushes_leave_gpu_memory_as_after_the_second(to
     from vllm.inputs import TokensPrompt
 
     models = [perturbed_policy(tokenizer, "gptneox", False, seed, large=True) for seed in range(7)]
-    models[0].save_pretrained(tmp_path / "v0")
-    tokenizer.save_pretrained(tmp_path / "v0")
-    trainer = models[0].cuda()  # the trainer's model on the GPU before the engine starts, as in the scripts
-    placement = plumbing.engine_placement("shared", plumbing.visible_gpus(), 1, 0.3)
-    os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"  # as the scripts set it: the push's handle is pickled
-    llm = plumbing.make_engine(str(tmp_path / "v0"), placement, dtype="bfloat16", max_model_len=64, seed=0)
+    trainer, llm = engine_sharing_the_trainers_gpu(models[0], tokenizer, tmp_path / "v0")
     try:
         g = torch.Generator().manual_seed(0)
         prompts = [
