@@ -155,6 +155,15 @@ def run(main, args) -> None:
         sys.stderr.write(f"error: {exc}\n")
         exit_quickly()
         raise SystemExit(1)
+    leave_process_group()
+
+
+def leave_process_group() -> None:
+    """Every process leaves the process group at the end of a run: torch's gloo threads, left running into the
+    interpreter's exit after a collective, abort it ("terminate called without an active exception", status -6).
+    Only at a clean end: after a failure another process may still wait in a collective."""
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
 
 
 def check_domains(flags: dict, domains: dict[str, tuple[str, str]]) -> None:

@@ -307,3 +307,4 @@ if __name__ == "__main__":
     save_model(accelerator, reward_model, tokenizer, args.output_dir, json_files, submodule="model")
     if accelerator.is_main_process:
         print(f"saved {args.output_dir} after {time.time() - start:.0f} s")
+    accelerator.end_training()  # leaves the process group: gloo's threads would abort the interpreter's exit

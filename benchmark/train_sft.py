@@ -514,3 +514,4 @@ if __name__ == "__main__":
     save_model(accelerator, model, tokenizer, args.output_dir, {"training_args.json": asdict(args)})
     if accelerator.is_main_process:
         print(f"saved {args.output_dir} after {time.time() - start:.0f} s; loss {losses[0]:.4f} -> {losses[-1]:.4f}")
+    accelerator.end_training()  # leaves the process group: gloo's threads would abort the interpreter's exit

@@ -171,6 +171,7 @@ for name in ("online_dpo_async", "rloo_async", "ppo_async"):
     args = importlib.import_module(name).Args()
     line = f"{{name}} rank {{accelerator.process_index}}: {{plumbing.name_run(args.exp_name, args.seed)}}\\n"
     os.write(1, line.encode())  # one write a line: the two processes share the pipe
+plumbing.leave_process_group()  # as a run ends
 """)
     proc = run_script(
         [sys.executable, "-m", "accelerate.commands.launch", "--config_file", "configs/cpu_2proc.yaml", str(probe)],
