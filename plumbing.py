@@ -652,7 +652,7 @@ def injected_fault(where: str, step: int) -> bool:
 class Placement(NamedTuple):
     devices: str | None  # CUDA_VISIBLE_DEVICES of the engine's processes: its GPU alone; None: CPU
     shared: bool  # the engine shares training rank 0's GPU
-    snapshot_gpu: int  # the engine's GPU, as rank 0 numbers its GPUs: the weight snapshots live there
+    engine_gpu: int  # the engine's GPU, as rank 0 numbers its GPUs: the weight push's staging buffer lives there
     memory_utilization: float | None  # None on a GPU: the largest share the run leaves (engine_share), at its start
 
 
@@ -666,8 +666,9 @@ def visible_gpus() -> list[str]:
 def engine_placement(mode: str, visible: list[str], num_processes: int, memory_utilization: float | None) -> Placement:
     """Training process i of a node uses its visible GPU i; the engine runs on rank 0's node. With an (N+1)-th GPU
     there, for the N training processes of the node (LOCAL_WORLD_SIZE under a launcher; `num_processes` on one node),
-    the engine takes it (the paper's split); with fewer, it shares rank 0's within its memory budget. Rank 0 writes
-    the weight snapshots straight into the engine's GPU, which the engine reads by CUDA IPC (docs/gpus.md)."""
+    the engine takes it (the paper's split); with fewer, it shares rank 0's within its memory budget. Rank 0 keeps
+    the weight snapshots in its host memory and copies each pushed one into a staging buffer on the engine's GPU,
+    which the engine reads by CUDA IPC (docs/gpus.md)."""
     if not visible:  # vLLM's CPU backend sizes its KV cache by VLLM_CPU_KVCACHE_SPACE instead
         return Placement(None, False, 0, memory_utilization or DEFAULT_SHARE["separate"])
     local = int(os.environ.get("LOCAL_WORLD_SIZE", num_processes))  # the processes on rank 0's node
@@ -697,9 +698,10 @@ def trained_memory(params: int, zero_stage: int, processes: int, bf16: bool) -> 
 
 
 def snapshot_memory(snapshot: int, async_level: int) -> int:
-    """The weight snapshots of `snapshot` bytes that can be alive at once: async_level + 2 (the versions still owed
-    batches, the one just published, one an evaluation may still hold)."""
-    return (async_level + 2) * snapshot
+    """Rank 0's host memory for the weight snapshots of `snapshot` bytes that can be alive at once: async_level + 2 (the
+    versions still owed batches, the one just published, one an evaluation may still hold), each in a pinned block,
+    which torch's pinned allocator rounds up to a power of two (16 GiB for an 8B policy's 15 in bf16)."""
+    return (async_level + 2) * 2 ** math.ceil(math.log2(snapshot)) if snapshot else 0
 
 
 # The engine's share of its GPU when --vllm_gpu_memory_utilization is left out: the largest that fits, up to vLLM's
@@ -708,24 +710,27 @@ DEFAULT_SHARE = {"separate": 0.9, "shared": 0.3}
 MIN_SHARE = 0.05  # less holds the weights of no model worth generating with, and no KV cache
 
 
-def engine_share(placement: Placement, rank0: tuple, engine: tuple, to_come: dict[str, int], snapshots: int) -> float:
+def engine_share(placement: Placement, rank0: tuple, engine: tuple, to_come: dict[str, int], staging: int) -> float:
     """The engine's share of its GPU: --vllm_gpu_memory_utilization if it fits, or (left out) the largest that fits up
     to DEFAULT_SHARE. The GPUs once the trainer's models are loaded ((free, total) bytes of rank 0's and of the
     engine's, the same on a shared GPU) must hold what training allocates later there (`to_come`: name -> bytes), the
-    weight snapshots and the engine: vLLM takes its share of its whole GPU, and refuses to start when less is free;
-    each process opens a CUDA context on each GPU it uses (the engine's own, rank 0's where it writes the snapshots).
+    weight push's staging buffer (`staging`: one snapshot's bytes; the snapshots are in host memory) and the engine:
+    vLLM takes its share of its whole GPU, and refuses to start when less is free; each process opens a CUDA context
+    on each GPU it uses (the engine's own, rank 0's where it writes the staging buffer).
     5 % of each GPU is kept for activations and allocator slack. A GPU that cannot: one line naming what to lower."""
     gib = lambda n: f"{n / 2**30:.1f} GiB"  # noqa: E731
     asked = placement.memory_utilization
     free, total = rank0
-    needed = sum(to_come.values()) + (snapshots + 2 * CUDA_CONTEXT if placement.shared else 0)
+    needed = sum(to_come.values()) + (staging + 2 * CUDA_CONTEXT if placement.shared else 0)
     parts = ", ".join(f"{name} {gib(n)}" for name, n in to_come.items())
     training = f"training will add {gib(needed)} there ({parts}"
     training += (
-        f", weight snapshots {gib(snapshots)}, CUDA contexts {gib(2 * CUDA_CONTEXT)})" if placement.shared else ")"
+        f", the weight push's staging buffer {gib(staging)}, CUDA contexts {gib(2 * CUDA_CONTEXT)})"
+        if placement.shared
+        else ")"
     )
     what = f"rank 0's GPU has {gib(free)} free once the models are loaded, and {training}"
-    smaller = "lower --async_level (fewer snapshots) or the model size, give the engine a GPU of its own, or shard the models (DeepSpeed ZeRO-3)"
+    smaller = "lower the model size, give the engine a GPU of its own, or shard the models (DeepSpeed ZeRO-3)"
     if placement.shared:
         largest = int(100 * (free - needed - 0.05 * total) / total) / 100
     else:
@@ -733,10 +738,10 @@ def engine_share(placement: Placement, rank0: tuple, engine: tuple, to_come: dic
             raise UsageError(f"{what}: {smaller}")
         free, total = engine
         # vLLM wants its share free once its own CUDA context is open, beside rank 0's there
-        largest = int(100 * (free - snapshots - 2 * CUDA_CONTEXT - 0.05 * total) / total) / 100
+        largest = int(100 * (free - staging - 2 * CUDA_CONTEXT - 0.05 * total) / total) / 100
     if asked is None:
         if largest < MIN_SHARE:
-            beside = f"beside {gib(snapshots)} of weight snapshots, " if not placement.shared else ""
+            beside = f"beside the weight push's staging buffer of {gib(staging)}, " if not placement.shared else ""
             raise UsageError(
                 f"the engine would get {max(largest, 0)} of its GPU, {beside}less than {MIN_SHARE}: {smaller}"
             )
@@ -750,28 +755,29 @@ def engine_share(placement: Placement, rank0: tuple, engine: tuple, to_come: dic
             )
         raise UsageError(f"{what}, beside the engine {gib(asked * total)}: {smaller}")
     raise UsageError(
-        f"--vllm_gpu_memory_utilization {asked}: the engine's GPU has {gib(free)} free and the engine would take {gib(asked * total)}, beside {gib(snapshots)} of weight snapshots and the CUDA contexts of rank 0 and the engine {gib(2 * CUDA_CONTEXT)}: lower it to at most {largest} (less KV cache), or --async_level (fewer snapshots)"
+        f"--vllm_gpu_memory_utilization {asked}: the engine's GPU has {gib(free)} free and the engine would take {gib(asked * total)}, beside the weight push's staging buffer of {gib(staging)} and the CUDA contexts of rank 0 and the engine {gib(2 * CUDA_CONTEXT)}: lower it to at most {largest} (less KV cache)"
     )
 
 
 def engine_line(placement: Placement, total: int, snapshot: int, snapshots: int, flag_given: bool, eager: bool) -> str:
-    """What the engine gets, printed as it starts: its device, its share of its GPU and why, the weight snapshots, and
-    (on a GPU with CUDA graphs) that its first start compiles, which takes minutes."""
+    """What the engine gets, printed as it starts: its device, its share of its GPU and why, the weight push's staging
+    buffer and the snapshots in host memory, and (on a GPU with CUDA graphs) that its first start compiles, which
+    takes minutes."""
     gib = lambda n: f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.2f} MiB"  # noqa: E731
-    each = f"weight snapshots of {gib(snapshot)} each"
     if placement.devices is None:
-        return f"engine: on the CPU; {each}"
+        return f"engine: on the CPU; weight snapshots of {gib(snapshot)} each"
     where = (
-        f"GPU {placement.snapshot_gpu}, shared with training rank 0"
+        f"GPU {placement.engine_gpu}, shared with training rank 0"
         if placement.shared
-        else f"GPU {placement.snapshot_gpu} of its own"
+        else f"GPU {placement.engine_gpu} of its own"
     )
     why = (
         "--vllm_gpu_memory_utilization"
         if flag_given
         else "the largest share the run leaves (--vllm_gpu_memory_utilization)"
     )
-    line = f"engine: {where}, {placement.memory_utilization} of its {gib(total)} ({why}), beside {each} ({gib(snapshots)} at most)"
+    beside = f"beside the weight push's staging buffer of {gib(snapshot)} (the snapshots: {gib(snapshots)} at most, in pinned host memory)"
+    line = f"engine: {where}, {placement.memory_utilization} of its {gib(total)} ({why}), {beside}"
     if not eager:  # vLLM compiles (torch.compile) and captures CUDA graphs at its first start on a GPU
         line += "; its first start compiles the model and captures CUDA graphs: minutes (--vllm_enforce_eager skips both, for slower generation)"
     return line
@@ -846,21 +852,58 @@ def make_engine(model: str, placement: Placement, **llm_kwargs) -> "LLM":
 
 
 class SnapshotPlace(NamedTuple):
-    """Where the weight snapshots live, so that the engine's worker can open them (shared_handle): GPU memory of
-    `device`, which CUDA IPC shares; on a CPU (`device` None) shared memory, a file in the RAM-backed `folder` that
-    both processes map. One push path on both devices: only where the buffer lives differs."""
+    """Where the weight snapshots live: host memory, so that the engine's device holds none of them, only the push's
+    staging buffer (StagingBuffer; docs/gpus.md). Beside a GPU engine (`pinned`) pinned memory, which the push copies
+    from at the bus's full speed; beside a CPU engine shared memory, a file in the RAM-backed `folder`."""
 
-    device: torch.device | None
+    pinned: bool
     folder: str | None
 
     def buffer(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
-        if self.device is not None:
-            return torch.empty(numel, dtype=dtype, device=self.device)
-        path = os.path.join(self.folder, f"snapshot-{uuid.uuid4().hex}")
-        flat = torch.from_file(path, shared=True, size=numel, dtype=dtype)
-        flat.shared_path = path  # for shared_handle
-        weakref.finalize(flat, remove_file, path)  # the file goes with the buffer
-        return flat
+        if self.pinned:
+            return torch.empty(numel, dtype=dtype, pin_memory=True)
+        return shared_memory_buffer(self.folder, "snapshot", numel, dtype)
+
+
+class StagingBuffer:
+    """The one copy of a weight snapshot on the engine's device, where its worker opens it (shared_handle): a push
+    copies the host snapshot into it, then the worker loads it. GPU memory of `device`, which CUDA IPC shares; on a
+    CPU (`device` None) one more shared-memory file in `folder`, so that CPU runs take the GPU's push path but for
+    the device. Allocated at the first push and kept: the engine's device never holds more than one snapshot, whatever
+    the async level."""
+
+    def __init__(self, device: torch.device | None, folder: str | None):
+        self.device, self.folder, self.flat = device, folder, None
+
+    def fill(self, snapshot: torch.Tensor) -> tuple:
+        """Copy `snapshot` (SnapshotPlace.buffer) into the buffer; returns the handle the worker opens it by."""
+        if self.flat is None:
+            self.flat = (
+                torch.empty(snapshot.numel(), dtype=snapshot.dtype, device=self.device)
+                if self.device is not None
+                else shared_memory_buffer(self.folder, "staging", snapshot.numel(), snapshot.dtype)
+            )
+        if (self.flat.numel(), self.flat.dtype) != (snapshot.numel(), snapshot.dtype):
+            raise RuntimeError(
+                f"a snapshot of {snapshot.numel()} {snapshot.dtype} values for a staging buffer of {self.flat.numel()} "
+                f"{self.flat.dtype}: every version of the policy has the same tensors"
+            )
+        self.flat.copy_(snapshot)
+        if self.flat.is_cuda:
+            torch.cuda.current_stream(
+                self.flat.device
+            ).synchronize()  # the engine's process reads it without our stream
+        return shared_handle(self.flat)
+
+
+def shared_memory_buffer(folder: str, kind: str, numel: int, dtype: torch.dtype) -> torch.Tensor:
+    """A buffer in a file of the RAM-backed `folder` that another process can map (shared_handle); the file goes with
+    the buffer."""
+    path = os.path.join(folder, f"{kind}-{uuid.uuid4().hex}")
+    flat = torch.from_file(path, shared=True, size=numel, dtype=dtype)
+    flat.shared_path = path  # for shared_handle
+    weakref.finalize(flat, remove_file, path)
+    return flat
 
 
 def remove_file(path: str) -> None:
@@ -869,7 +912,7 @@ def remove_file(path: str) -> None:
 
 
 def shared_handle(flat: torch.Tensor) -> tuple:
-    """What the engine's worker needs to open a snapshot buffer (open_shared): ("cuda", CUDA IPC handle) or ("cpu",
+    """What the engine's worker needs to open a staging buffer (open_shared): ("cuda", CUDA IPC handle) or ("cpu",
     path, dtype, elements)."""
     if flat.is_cuda:
         from torch.multiprocessing.reductions import reduce_tensor
@@ -883,12 +926,12 @@ def shared_views(flat: torch.Tensor, layout: list) -> dict[str, torch.Tensor]:
 
 
 def open_shared(handle: tuple) -> torch.Tensor:
-    """The snapshot buffer a shared_handle names, in the engine's worker: the same memory, not a copy."""
+    """The staging buffer a shared_handle names, in the engine's worker: the same memory, not a copy."""
     if handle[0] == "cuda":
         from torch.multiprocessing.reductions import rebuild_cuda_tensor
 
         arguments = list(handle[1])
-        arguments[6] = 0  # the snapshot's GPU, this process's only one
+        arguments[6] = 0  # the buffer's GPU, this process's only one
         return rebuild_cuda_tensor(*arguments)
     _, path, dtype, numel = handle
     return torch.from_file(path, shared=True, size=numel, dtype=getattr(torch, dtype))
@@ -911,19 +954,19 @@ def check_loaded(version: int, loaded: dict, cache_reset: bool | None) -> None:
 
 
 class WeightReceiver:
-    """Added to vLLM's worker (`worker_extension_cls`): it loads a weight snapshot where the trainer wrote it, GPU
-    memory shared by CUDA IPC on a GPU, shared memory on a CPU (SnapshotPlace), with no file and no copy, through
+    """Added to vLLM's worker (`worker_extension_cls`): it loads a weight snapshot where the trainer staged it, GPU
+    memory shared by CUDA IPC on a GPU, shared memory on a CPU (StagingBuffer), with no file and no copy, through
     the model's own loader (which fuses q/k/v and gate/up and reorders GPTNeoX's q/k/v as for a checkpoint); the copy
     is in place, so CUDA graphs see it. Then it compares what it holds with what it was sent. The tests read the
     engine's parameters and GPU memory through it after a push."""
 
     def load_shared_weights(self, version: int, handle: tuple, layout: list) -> dict:
-        """Load theta_version from the snapshot `handle` names (shared_handle), `layout`: (name, shape, offset) of each
+        """Load theta_version from the staging buffer `handle` names (shared_handle), `layout`: (name, shape, offset) of each
         tensor in it. Returns what `holds` says of it."""
         flat = open_shared(handle)
         self.reload_weights(weights_iterator=iter(shared_views(flat, layout).items()))
         if flat.is_cuda:
-            torch.cuda.synchronize()  # loaded before the trainer may free the snapshot
+            torch.cuda.synchronize()  # loaded before the next push may overwrite the staging buffer
         else:
             self.repack_tied_heads()
         return self.holds(version, handle, layout)
@@ -941,7 +984,7 @@ class WeightReceiver:
             head.quant_method.process_weights_after_loading(head)
 
     def holds(self, version: int, handle: tuple, layout: list) -> dict:
-        """What the engine holds against the snapshot `handle` names: every parameter the loader keeps under a sent
+        """What the engine holds against the staging buffer `handle` names: every parameter the loader keeps under a sent
         tensor's name, compared element for element (an embedding padded to a multiple of the vocabulary: its first
         rows). The fused ones (q/k/v, gate/up) are not compared, being concatenations, nor the weights vLLM's CPU layers
         repack and leave empty: a push that delivered nothing, or another version, shows in the others. Returns the
@@ -1179,6 +1222,7 @@ class Engine(NamedTuple):
     processes: list[psutil.Process]
     shared_memory: list[str]  # the files in /dev/shm it maps
     weights_dir: str  # a RAM-backed folder for the weights (CPUs)
+    staging: StagingBuffer  # the one weight snapshot on the engine's device, the push's
     watchdog: subprocess.Popen
     started: float  # time.perf_counter() once it was up: the timeline's origin
 
@@ -1200,7 +1244,16 @@ def start_engine(model: str, placement: Placement, signals: StopSignals, cores: 
         watchdog.stdin.write(json.dumps({"folder": weights_dir}) + "\n")
         watchdog.stdin.flush()
     shared_memory = shared_memory_files(processes)
-    return Engine(llm, processes, shared_memory, weights_dir, watchdog, time.perf_counter())
+    staging = StagingBuffer(torch.device("cuda", placement.engine_gpu) if placement.devices else None, weights_dir)
+    return Engine(
+        llm=llm,
+        processes=processes,
+        shared_memory=shared_memory,
+        weights_dir=weights_dir,
+        staging=staging,
+        watchdog=watchdog,
+        started=time.perf_counter(),
+    )
 
 
 def stop_engine(engine: Engine | None, thread, stop) -> None:

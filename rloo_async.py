@@ -802,7 +802,7 @@ def snapshot_weights(
     """theta_v for the engine: a copy in the engine's dtype under the checkpoint's names, in one buffer, taken between
     optimizer steps so the optimizer never writes what the engine reads. `tensors`: a state dict, or (name, tensor)
     pairs with their whole `shapes` (under ZeRO-3 they come a layer at a time: plumbing.gathered_tensors). The buffer
-    is where the engine's worker opens it (`place`): GPU memory on a GPU, shared memory on a CPU."""
+    is in host memory (`place`), pinned on a GPU: the engine's device holds only the one version it loads."""
     if isinstance(tensors, dict):
         tensors, shapes = tensors.items(), {name: tensor.shape for name, tensor in tensors.items()}
     keys = [key for key in shapes if key in names]
@@ -815,16 +815,15 @@ def snapshot_weights(
             unfilled.pop(key).copy_(tensor.detach())
     if missing := [key for key in names if key not in shapes] + list(unfilled):
         raise RuntimeError(f"the weights to push lack {len(missing)} tensor(s) of the policy, e.g. {missing[0]}")
-    if flat.is_cuda:
-        torch.cuda.current_stream(flat.device).synchronize()  # the engine's process reads it without our stream
     return flat, layout
 
 
-def push_weights(llm: "LLM", weights: Weights) -> None:
-    """Load theta_v into the running engine, in place: its worker opens the snapshot where it lies (GPU memory by CUDA
-    IPC, shared memory on a CPU), loads it as a checkpoint and says what it then holds (plumbing.WeightReceiver); the
-    prefix cache holds KV of the old weights: reset it. An engine left with other weights stops the run."""
-    handle = plumbing.shared_handle(weights.flat)
+def push_weights(llm: "LLM", staging: plumbing.StagingBuffer, weights: Weights) -> None:
+    """Load theta_v into the running engine, in place: the host snapshot is copied into the one staging buffer on the
+    engine's device, which its worker opens (by CUDA IPC on a GPU, shared memory on a CPU), loads as a checkpoint and
+    says what it then holds (plumbing.WeightReceiver); the prefix cache holds KV of the old weights: reset it. An
+    engine left with other weights stops the run."""
+    handle = staging.fill(weights.flat)
     loaded = llm.collective_rpc("load_shared_weights", args=(weights.version, handle, weights.layout))[0]
     plumbing.check_loaded(weights.version, loaded, llm.reset_prefix_cache())
 
@@ -1020,23 +1019,23 @@ def load_models(args: Args, inputs: Inputs, dtype: torch.dtype, accelerator: Acc
 def start_generation(args: Args, inputs: Inputs, n: int, dtype, schedule, channels: Channels, signals, cores, memory):
     """Rank 0's engine (in processes of its own: plumbing.py) and the generation thread that drives it, on `cores`.
     On GPUs the engine must leave room for what training allocates later (`memory`: what training adds on rank 0's GPU,
-    and one weight snapshot's bytes)."""
+    and one weight snapshot's bytes, the push's staging buffer on the engine's GPU)."""
     placement, (to_come, snapshot) = inputs.placement, memory
-    snapshots, total = plumbing.snapshot_memory(snapshot, args.async_level), 0
+    host, total = plumbing.snapshot_memory(snapshot, args.async_level), 0
     if placement.devices is not None:
         with plumbing.usage_errors():
-            gpus = torch.cuda.mem_get_info(0), torch.cuda.mem_get_info(placement.snapshot_gpu)  # rank 0's, the engine's
+            gpus = torch.cuda.mem_get_info(0), torch.cuda.mem_get_info(placement.engine_gpu)  # rank 0's, the engine's
             placement = placement._replace(
-                memory_utilization=plumbing.engine_share(placement, *gpus, to_come, snapshots)
+                memory_utilization=plumbing.engine_share(placement, *gpus, to_come, staging=snapshot)
             )
         total = gpus[1][1]
     given = args.vllm_gpu_memory_utilization is not None
-    print(plumbing.engine_line(placement, total, snapshot, snapshots, given, args.vllm_enforce_eager))
+    print(plumbing.engine_line(placement, total, snapshot, host, given, args.vllm_enforce_eager))
     llm = dict(seed=args.seed, dtype=str(dtype).removeprefix("torch."), trust_remote_code=args.trust_remote_code)
     llm["max_model_len"] = args.max_prompt_length + args.response_length
     llm["enforce_eager"] = placement.devices is None or args.vllm_enforce_eager  # CUDA graphs on GPUs
     engine = plumbing.start_engine(args.sft_model_path, placement, signals, cores, **llm)
-    push = partial(push_weights, engine.llm)
+    push = partial(push_weights, engine.llm, engine.staging)
     prompts, eos = (inputs.train.token_ids, inputs.evaluation.token_ids), inputs.tokenizer.eos_token_id
     work = (engine.llm, schedule, *prompts, args, n, inputs.sizes.batch_size, eos, channels, push)
     thread = threading.Thread(target=generation_thread, args=work, daemon=True)
@@ -1200,9 +1199,8 @@ def main(args: Args) -> None:
         tracking = (args.track, args.wandb_project, args.wandb_entity)
         logger = plumbing.MetricsLogger(output_dir, run_name, asdict(args), *tracking)
     signals.starting = False
-    # Policy versions the generator may still need (on the engine's GPU on GPUs): a checkpoint hands them on.
-    snapshot_device = torch.device("cuda", inputs.placement.snapshot_gpu) if on_gpu else None
-    snapshots, place = {}, plumbing.SnapshotPlace(snapshot_device, engine.weights_dir if engine else None)
+    # Policy versions the generator may still need (in host memory): a checkpoint hands them on.
+    snapshots, place = {}, plumbing.SnapshotPlace(pinned=on_gpu, folder=engine.weights_dir if engine else None)
     push_to = (accelerator, model, engine_names, engine_dtype, place, snapshots, channels)
     publish_owed(to_publish, start_step, inputs.checkpoint, push_to)
 

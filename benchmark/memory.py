@@ -9,7 +9,8 @@ A model's parameters are counted from its config.json (a local folder), else fro
 (ARCHITECTURES: the paper's Pythia, Llama 3.1 8B and Rho-1B models), built on the meta device. The parts follow the
 code: the trained models' weights, gradients and AdamW state by ZeRO stage (plumbing.trained_memory); the reference
 (fp32, or sharded in the run's precision under ZeRO-3) and the reward model (--dtype) on every rank, the gold judge on
-rank 0; the weight snapshots on the engine's GPU (plumbing.snapshot_memory); a CUDA context per process and GPU;
+rank 0; one weight snapshot on the engine's GPU (the push's staging buffer), and async level + 2 of them in rank 0's
+pinned host memory (plumbing.snapshot_memory), shown under the table; a CUDA context per process and GPU;
 the activations of one micro-batch (Korthikanti et al. 2022, table 2: 34 s b h bytes per layer in 16-bit, without the
 5 a s^2 b of attention scores that transformers' SDPA attention does not keep; 2 s b h with gradient checkpointing,
 plus one layer's), the response logits in fp32 (3 copies), and the largest no-grad forward of
@@ -29,6 +30,7 @@ sys.path.insert(0, str(ROOT))
 GIB = 2**30
 MARGIN = 0.05  # of each GPU, kept free: allocator slack and what the plan does not count
 SCRIPTS = ("online_dpo_async.py", "rloo_async.py", "ppo_async.py")
+STAGING = "the push's staging buffer (one snapshot)"  # the weight snapshots themselves are in host memory
 # The architectures of the paper's models, by a piece of their hub ids or folder names (published configs).
 PYTHIA = dict(model_type="gpt_neox", vocab_size=50304, max_position_embeddings=2048, tie_word_embeddings=False)
 LLAMA_3_8B = dict(model_type="llama", vocab_size=128256, hidden_size=4096, num_hidden_layers=32)
@@ -164,7 +166,7 @@ def plan(command: list[str], gpu_bytes: int, gpus: int | None) -> dict:
 
 
 def memory_plan(run: Run, gpu_bytes: int, gpus: int | None) -> dict:
-    """Per GPU: its parts in bytes, and a one-line summary of the run."""
+    """Per GPU: its parts in bytes; rank 0's host memory for the weight snapshots; a one-line summary of the run."""
     import plumbing
 
     args, script, processes, stage, bf16 = run.args, run.script, run.processes, run.stage, run.bf16
@@ -190,16 +192,16 @@ def memory_plan(run: Run, gpu_bytes: int, gpus: int | None) -> dict:
     rank0 = dict(rank)
     if gold:
         rank0["gold judge (rank 0 only)"] = gold.params * 2
-    snapshots = plumbing.snapshot_memory(policy.params * run.engine_bytes, args.async_level)
+    snapshot = policy.params * run.engine_bytes
     gpus = gpus or processes + 1
     utilization = args.vllm_gpu_memory_utilization
     if gpus > processes:  # the engine's GPU of its own
-        engine = {"engine (vLLM's share)": int((utilization or 0.9) * gpu_bytes), "weight snapshots": snapshots}
-        engine["rank 0's CUDA context (it writes the snapshots)"] = plumbing.CUDA_CONTEXT
+        engine = {"engine (vLLM's share)": int((utilization or 0.9) * gpu_bytes), STAGING: snapshot}
+        engine["rank 0's CUDA context (it writes the staging buffer)"] = plumbing.CUDA_CONTEXT
         engine["engine's CUDA context"] = plumbing.CUDA_CONTEXT
         result = {"training rank 0": rank0, "engine's GPU": engine}
     else:
-        rank0 |= {"engine (vLLM's share)": int((utilization or 0.3) * gpu_bytes), "weight snapshots": snapshots}
+        rank0 |= {"engine (vLLM's share)": int((utilization or 0.3) * gpu_bytes), STAGING: snapshot}
         rank0["engine's CUDA context"] = plumbing.CUDA_CONTEXT
         result = {"training rank 0, shared with the engine": rank0}
     if processes > 1:
@@ -209,7 +211,8 @@ def memory_plan(run: Run, gpu_bytes: int, gpus: int | None) -> dict:
     summary += (
         f", micro-batch {micro} x {L} tokens, async level {args.async_level}, {gpus} GPUs of {gpu_bytes / GIB:.0f} GiB"
     )
-    return {"summary": summary, "gpus": result}
+    host = {f"weight snapshots, pinned ({args.async_level + 2})": plumbing.snapshot_memory(snapshot, args.async_level)}
+    return {"summary": summary, "gpus": result, "host": host}
 
 
 def table(result: dict, gpu_bytes: int) -> tuple[str, bool]:
@@ -225,7 +228,8 @@ def table(result: dict, gpu_bytes: int) -> tuple[str, bool]:
     lines.append("| **total** | " + " | ".join(f"**{t / GIB:.1f}**" for t in totals) + " |")
     left = [f"{((1 - MARGIN) * gpu_bytes - t) / GIB:+.1f}" for t in totals]
     lines.append(f"| left of {100 * (1 - MARGIN):.0f} % of the GPU | " + " | ".join(left) + " |")
-    lines += ["", f"fits: {'yes' if fits else 'NO'}"]
+    host = ", ".join(f"{part} {n / GIB:.1f} GiB" for part, n in result["host"].items())
+    lines += ["", f"rank 0's host memory: {host}", "", f"fits: {'yes' if fits else 'NO'}"]
     return "\n".join(lines), fits
 
 

@@ -11,6 +11,8 @@ engine's activations and workspace (vLLM's profile forward, its sampler's logits
 accounting. The share is --vllm_gpu_memory_utilization, or, left out, what plumbing.engine_share would give the run
 at its start, approximated as: the engine's GPU empty (free = total) and rank 0's GPU holding what memory.py plans
 there for the models loaded and its CUDA context (free = total less those; the gradients and optimizer state to come).
+Beside vLLM's share the engine's GPU holds one weight snapshot, the push's staging buffer, whatever the async level;
+the async level + 2 snapshots alive at once are in rank 0's pinned host memory (plumbing.snapshot_memory).
 
 A token's KV is layers x KV heads x head dim x 2 (K and V) x the engine's bytes (GPTNeoX has no GQA: KV heads =
 attention heads). A sequence is counted at its longest, max_prompt_length + response_length, in whole blocks: vLLM
@@ -151,12 +153,13 @@ def engine_share(run: memory.Run, plan: dict, gpu_bytes: int) -> tuple[float, st
     rank0_gpu = (gpu_bytes - sum(rank0.get(part, 0) for part in LOADED), gpu_bytes)
     to_come = {part.removeprefix("trained models' "): rank0[part] for part in TO_COME}
     placement = plumbing.Placement(
-        devices="0", shared=shared, snapshot_gpu=0 if shared else run.processes, memory_utilization=None
+        devices="0", shared=shared, engine_gpu=0 if shared else run.processes, memory_utilization=None
     )
-    snapshots = plumbing.snapshot_memory(run.policy.params * run.engine_bytes, run.args.async_level)
     engine_gpu = rank0_gpu if shared else (gpu_bytes, gpu_bytes)
     try:
-        share = plumbing.engine_share(placement, rank0_gpu, engine_gpu, to_come, snapshots)
+        share = plumbing.engine_share(
+            placement, rank0_gpu, engine_gpu, to_come, staging=run.policy.params * run.engine_bytes
+        )
     except plumbing.UsageError as error:
         raise SystemExit(f"{run.script}: the run would not start: {error}") from None
     return share, "left out: the largest the run leaves, plumbing.engine_share"
@@ -275,6 +278,8 @@ def report(plan: Plan, hardware: Hardware) -> str:
     """Markdown: the engine's KV cache, the predicted phases, the bound and the advice."""
     run, args, full = plan.run, plan.run.args, plan.full_step
     P, R = args.max_prompt_length, args.response_length
+    snapshot = run.policy.params * run.engine_bytes
+    host = plumbing.snapshot_memory(snapshot, args.async_level)
     where = (
         "the engine shares rank 0's GPU: the async step assumes the two do not contend for it, an upper bound on the "
         "speed-up"
@@ -302,6 +307,9 @@ def report(plan: Plan, hardware: Hardware) -> str:
         f"| **sequences in flight** | **{plan.in_flight} of the step's {plan.completions}** (at most "
         f"{hardware.max_num_seqs}, vLLM's max_num_seqs) |",
         f"| **waves** | **{plan.waves}** |",
+        "",
+        f"Weight snapshots: one on the engine's GPU beside vLLM's share (the push's staging buffer, {gib(snapshot)}), "
+        f"async level + 2 = {args.async_level + 2} in rank 0's pinned host memory ({gib(host)}).",
         "",
         "| predicted time per step | s | from |",
         "|---|---|---|",

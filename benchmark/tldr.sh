@@ -54,7 +54,7 @@ TLDR=(
     --missing_eos_penalty -1.0
     --local_rollout_forward_batch_size 32
     --vllm_dtype bfloat16
-    --vllm_gpu_memory_utilization 0.7       # the engine's GPU also holds up to 3 bf16 snapshots (2.8B: 16 GiB)
+    --vllm_gpu_memory_utilization 0.85      # the largest the memory plan fits beside one bf16 staging snapshot (2.8B: 5.2 GiB)
     --save_freq 0                         # no checkpoints (a positive value makes the run resumable); evaluations are in the run
 )
 # TINY=1: the tiny task, which mirrors this controlled setup (SFT policy, proxy reward model, exact

@@ -138,12 +138,16 @@ def test_memory_plan_by_hand():
     assert rank0 == expected
     assert engine == {
         "engine (vLLM's share)": int(0.7 * 79 * gib),
-        "weight snapshots": 3 * 2 * P,
-        "rank 0's CUDA context (it writes the snapshots)": gib,
+        "the push's staging buffer (one snapshot)": 2 * P,  # bf16, whatever the async level
+        "rank 0's CUDA context (it writes the staging buffer)": gib,
         "engine's CUDA context": gib,
     }
+    # async level 1: 3 snapshots in pinned host memory, each of 2,023,563,264 bytes in a block of 2**31 (torch rounds a
+    # pinned block up to a power of two)
+    assert result["host"] == {"weight snapshots, pinned (3)": 3 * 2**31}
     text, fits = memory.table(result, 79 * gib)
     assert fits and f"| **total** | **{sum(expected.values()) / gib:.1f}** |" in text
+    assert "rank 0's host memory: weight snapshots, pinned (3) 6.0 GiB" in text
 
 
 def test_under_zero3_everything_but_the_gold_judge_is_sharded():

@@ -74,9 +74,9 @@ def test_engine_after_a_weight_push_matches_the_trainer_on_long_prompts(engine, 
     ).eval()
     weights_dir = tmp_path / "push"
     weights_dir.mkdir()
-    place = plumbing.SnapshotPlace(None, str(weights_dir))
+    place = plumbing.SnapshotPlace(pinned=False, folder=str(weights_dir))
     snapshot = dpo.snapshot_weights(new_policy.state_dict(), dpo.checkpoint_names(new_policy), torch.float32, place)
-    dpo.push_weights(engine, dpo.Weights(1, *snapshot))
+    dpo.push_weights(engine, plumbing.StagingBuffer(None, str(weights_dir)), dpo.Weights(1, *snapshot))
     for prompt, (tokens, logprobs) in zip(prompts, greedy_with_engine(engine, prompts, 8)):
         expected_tokens, expected_logprobs = greedy_with_transformers(new_policy, prompt, 8)
         assert tokens == expected_tokens
@@ -105,6 +105,55 @@ def test_engine_after_a_weight_push_matches_the_trainer_on_long_prompts(engine, 
 
 
 @on_the_module_engine
+@pytest.mark.parametrize("async_level", [0, 1, 2, 3])
+def test_the_engine_device_holds_one_snapshot_at_every_async_level(engine, policy_a, tokenizer, tmp_path, async_level):
+    """Three pushes of versions that differ, through the scripts' code: the trainer's publish (a snapshot in host
+    memory), the generation thread pulling each version its schedule needs and pushing it (push_weights), and the
+    snapshots let go once nothing owes them (owed_snapshots). At every push the engine's device holds one snapshot,
+    the staging buffer (on a CPU a shared-memory file of the weights folder, as the GPU's is CUDA memory), the same
+    one each time; the host holds at most async_level + 2 snapshots, the count the memory plan takes."""
+    from accelerate import Accelerator
+    from transformers import AutoModelForCausalLM
+
+    policy, accelerator = AutoModelForCausalLM.from_pretrained(policy_a), Accelerator(cpu=True)
+    names, folder = dpo.checkpoint_names(policy), tmp_path
+    place, staging = plumbing.SnapshotPlace(pinned=False, folder=str(folder)), plumbing.StagingBuffer(None, str(folder))
+    num_steps = async_level + 4  # versions 1, 2 and 3 are pushed
+    schedule = dpo.generation_schedule(num_steps, async_level, eval_steps=[])
+    to_publish, snapshots = dpo.published_versions(schedule), {}
+    channels = dpo.Channels(queue.Queue(), queue.Queue(), queue.Queue(), threading.Event(), [])
+    held = []  # at each push: the engine device's buffers (name, bytes) and the host's snapshots
+
+    def push(weights):
+        dpo.push_weights(engine, staging, weights)
+        files = {f.name: f.stat().st_size for f in folder.iterdir()}
+        on_device = [(name, size) for name, size in files.items() if name.startswith("staging-")]
+        held.append((weights.version, on_device, sum(name.startswith("snapshot-") for name in files)))
+
+    args = dpo.Args(response_length=2, seed=0)
+    prompts = [[tokenizer.bos_token_id, 5 + i, 6] for i in range(4)]
+    work = (engine, schedule, prompts, [], args, 1, 2, tokenizer.eos_token_id, channels, push)
+    thread = threading.Thread(target=dpo.generation_thread, args=work, daemon=True)
+    thread.start()
+    for step in range(num_steps):
+        rollout = dpo.get_or_raise(channels.rollouts, channels)
+        assert (rollout.step, rollout.version) == (step, max(0, step - async_level))
+        with torch.no_grad():
+            for parameter in policy.parameters():
+                parameter.add_(1e-3)
+        if step + 1 in to_publish:
+            dpo.publish(step + 1, accelerator, policy, names, torch.float32, place, snapshots, channels)
+        for version in snapshots.keys() - dpo.owed_snapshots(snapshots, schedule, step + 1, set()).keys():
+            del snapshots[version]
+    thread.join(timeout=60)
+    one = plumbing.snapshot_bytes(policy, names, torch.float32)
+    assert [version for version, _, _ in held] == [1, 2, 3]
+    assert all(len(on_device) == 1 and on_device[0][1] == one for _, on_device, _ in held), held
+    assert len({name for _, on_device, _ in held for name, _ in on_device}) == 1  # allocated once
+    assert all(1 <= host <= async_level + 2 for _, _, host in held), held
+
+
+@on_the_module_engine
 def test_an_engine_holding_other_weights_than_it_was_sent_stops_the_run(engine, tokenizer, tmp_path):
     """After a push the engine says what it holds against the snapshot (plumbing.WeightReceiver.holds): the version,
     and every tensor it keeps under the sent name compared element for element. Pushed policy b holds b; asked
@@ -112,14 +161,14 @@ def test_an_engine_holding_other_weights_than_it_was_sent_stops_the_run(engine, 
     plumbing.check_loaded stops the run naming the tensors, as it does for a prefix cache not reset."""
     from transformers import AutoModelForCausalLM
 
-    place = plumbing.SnapshotPlace(None, str(tmp_path))
+    place = plumbing.SnapshotPlace(pinned=False, folder=str(tmp_path))
     b, c = (
         AutoModelForCausalLM.from_pretrained(save_random_policy(tokenizer, tmp_path / n, seed=s))
         for n, s in (("b", 1), ("c", 2))
     )
     snapshot_b = dpo.Weights(5, *dpo.snapshot_weights(b.state_dict(), dpo.checkpoint_names(b), torch.float32, place))
     snapshot_c = dpo.Weights(6, *dpo.snapshot_weights(c.state_dict(), dpo.checkpoint_names(c), torch.float32, place))
-    dpo.push_weights(engine, snapshot_b)  # checks what the engine holds: b
+    dpo.push_weights(engine, plumbing.StagingBuffer(None, str(tmp_path)), snapshot_b)  # checks what it holds: b
     held = engine.collective_rpc("holds", args=(5, plumbing.shared_handle(snapshot_b.flat), snapshot_b.layout))[0]
     # norms and the embeddings compare on a CPU (its linear layers repack their weights and leave them empty)
     assert held["version"] == 5 and held["compared"] >= 5 and held["differ"] == []
@@ -165,9 +214,9 @@ def test_engine_logprobs_are_the_trainers_after_temperature(engine, policy_a, to
     from transformers import AutoModelForCausalLM
 
     policy = AutoModelForCausalLM.from_pretrained(policy_a).eval()
-    place = plumbing.SnapshotPlace(None, str(tmp_path))
+    place = plumbing.SnapshotPlace(pinned=False, folder=str(tmp_path))
     snapshot = rloo.snapshot_weights(policy.state_dict(), rloo.checkpoint_names(policy), torch.float32, place)
-    rloo.push_weights(engine, rloo.Weights(0, *snapshot))
+    rloo.push_weights(engine, plumbing.StagingBuffer(None, str(tmp_path)), rloo.Weights(0, *snapshot))
     prompts = [
         tokenizer(q).input_ids for q in ("sort: fox ant cat ->", "sort: yak bee cow dog elk emu ->", "sort: ape asp ->")
     ]
@@ -273,10 +322,11 @@ def test_each_push_loads_exactly_what_a_checkpoint_would(arch, tied, tokenizer, 
         ]
         greedy_with_engine(llm, prompts, 4)  # the prefix cache holds version 0's KV
         before = engine_parameters(llm)
-        place = plumbing.SnapshotPlace(None, str(tmp_path))
+        place = plumbing.SnapshotPlace(pinned=False, folder=str(tmp_path))
+        staging = plumbing.StagingBuffer(None, str(tmp_path))
         for version, model in enumerate(models[1:], start=1):
             flat, layout = dpo.snapshot_weights(model.state_dict(), dpo.checkpoint_names(model), torch.float32, place)
-            dpo.push_weights(llm, dpo.Weights(version, flat, layout))
+            dpo.push_weights(llm, staging, dpo.Weights(version, flat, layout))
             # what the engine says it holds, which push_weights has checked already (plumbing.check_loaded)
             held = llm.collective_rpc("holds", args=(version, plumbing.shared_handle(flat), layout))[0]
             assert held["version"] == version and held["compared"] > 0 and held["differ"] == [], held

@@ -72,14 +72,16 @@ def test_each_ipc_push_loads_exactly_what_a_checkpoint_would(arch, tied, tokeniz
         prompts = [TokensPrompt(prompt_token_ids=p) for p in prompts]
         llm.generate(prompts, greedy, use_tqdm=False)  # CUDA graphs captured, the prefix cache full of version 0's KV
         before, memory = engine_parameters(llm), []
+        place, staging = (
+            plumbing.SnapshotPlace(pinned=True, folder=None),
+            plumbing.StagingBuffer(torch.device("cuda"), None),
+        )
         for version, model in enumerate(models[1:], start=1):
             trainer.cpu()
             trainer = model.cuda()
             names = dpo.checkpoint_names(trainer)
-            flat, layout = dpo.snapshot_weights(
-                trainer.state_dict(), names, torch.bfloat16, plumbing.SnapshotPlace(torch.device("cuda"), None)
-            )
-            dpo.push_weights(llm, dpo.Weights(version, flat, layout))
+            flat, layout = dpo.snapshot_weights(trainer.state_dict(), names, torch.bfloat16, place)
+            dpo.push_weights(llm, staging, dpo.Weights(version, flat, layout))
             pushed = engine_parameters(llm)
             outputs = llm.generate(prompts, greedy, use_tqdm=False)
             sampled_outputs = llm.generate(prompts, sampled, use_tqdm=False)
@@ -207,11 +209,11 @@ def test_zero_runs_under_accelerate_launch_with_the_kl_exactly_0_at_step_0(zero,
 
 def test_snapshots_freed_over_six_pushes_leave_gpu_memory_as_after_the_second(tokenizer, tmp_path):
     """Six pushes, each of another model (Pythia-160m's shape), into an engine with CUDA graphs, generating after each.
-    The snapshots live as the scripts keep them at --async_level 1 between evaluations: the version still owed a batch
-    and the one just published; an older one is freed once the engine has loaded its successor. Its memory must come
-    back although the engine opened it by CUDA IPC (PyTorch keeps an exported block allocated while a receiver holds
-    it), and the engine must keep nothing of it: from the second push on, the trainer's and the engine's GPU memory
-    stay the same, byte for byte."""
+    The snapshots live in pinned host memory as the scripts keep them at --async_level 1 between evaluations: the
+    version still owed a batch and the one just published; an older one is freed once the engine has loaded its
+    successor. The GPU holds only the push's staging buffer, allocated at the first push, which the engine opens by
+    CUDA IPC at every push; the engine must keep nothing of what it opens: from the second push on, the trainer's and
+    the engine's GPU memory stay the same, byte for byte, and the trainer's grew by the staging buffer alone."""
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
@@ -228,23 +230,27 @@ def test_snapshots_freed_over_six_pushes_leave_gpu_memory_as_after_the_second(to
         ]
         sampled = SamplingParams(temperature=0.7, max_tokens=8, ignore_eos=True, seed=0)
         llm.generate(prompts, sampled, use_tqdm=False)  # CUDA graphs captured, the prefix cache filled
-        alive, memory = {}, []
+        alive, memory, before = {}, [], torch.cuda.memory_allocated()
+        place, staging = (
+            plumbing.SnapshotPlace(pinned=True, folder=None),
+            plumbing.StagingBuffer(torch.device("cuda"), None),
+        )
         for version, model in enumerate(models[1:], start=1):
             trainer.cpu()
             trainer = model.cuda()
             names = dpo.checkpoint_names(trainer)
-            flat, layout = dpo.snapshot_weights(
-                trainer.state_dict(), names, torch.bfloat16, plumbing.SnapshotPlace(torch.device("cuda"), None)
-            )
+            flat, layout = dpo.snapshot_weights(trainer.state_dict(), names, torch.bfloat16, place)
+            assert flat.is_pinned() and not flat.is_cuda
             alive[version] = dpo.Weights(version, flat, layout)
             del flat
-            dpo.push_weights(llm, alive[version])
+            dpo.push_weights(llm, staging, alive[version])
             llm.generate(prompts, sampled, use_tqdm=False)
             alive.pop(version - 2, None)  # loaded, and owed nothing any more
             memory.append((torch.cuda.memory_allocated(), engine_memory(llm)))
         print("GPU memory (trainer, engine) after each push:", memory)
         assert sorted(alive) == [5, 6]
         assert memory[1:] == [memory[1]] * 5, memory
+        assert memory[0][0] - before == pytest.approx(staging.flat.numel() * 2, abs=512)  # the staging buffer, bf16
     finally:
         llm.llm_engine.engine_core.shutdown()
 

@@ -16,7 +16,9 @@ from conftest import ROOT, perturbed_policy, run_script, small_config
 import plumbing
 
 FILES = ["online_dpo_async", "rloo_async", "ppo_async"]
-CPU_PLACE = plumbing.SnapshotPlace(None, tempfile.gettempdir())  # shared memory files, removed with their buffer
+CPU_PLACE = plumbing.SnapshotPlace(
+    pinned=False, folder=tempfile.gettempdir()
+)  # shared memory files, removed with their buffer
 
 
 @pytest.fixture(params=FILES)
@@ -37,7 +39,7 @@ def test_placement_one_gpu_is_shared_with_training():
 
 
 def test_placement_n_plus_one_gpus_gives_the_engine_its_own(monkeypatch):
-    # training uses visible GPUs 0..N-1; the engine the next one, alone: rank 0 writes the snapshots there
+    # training uses visible GPUs 0..N-1; the engine the next one, alone: rank 0 writes the staging buffer there
     monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
     assert plumbing.engine_placement("auto", ["0", "1"], 1, None) == plumbing.Placement("1", False, 1, None)
     assert plumbing.engine_placement("auto", ["4", "5", "6", "7"], 3, None) == plumbing.Placement("7", False, 3, None)
@@ -80,103 +82,102 @@ def test_placement_past_one_node_counts_the_gpus_of_rank_0s_node(monkeypatch, lo
 
 def test_the_gpu_memory_check_counts_what_training_allocates_later():
     """Hand-computed, one shared 80 GiB GPU with 40 free once the models are loaded: training will add 8 + 4 GiB, the
-    snapshots 2 GiB and the CUDA contexts 2 GiB (counted twice on a shared GPU, as both processes use it): 16 GiB;
-    5 % of the GPU (4 GiB) is kept. An engine at 0.3 (24 GiB) does not fit (44 > 40); at most (40 - 16 - 4) / 80 =
-    0.25 does."""
+    push's staging buffer 2 GiB and the CUDA contexts 2 GiB (counted twice on a shared GPU, as both processes use
+    it): 16 GiB; 5 % of the GPU (4 GiB) is kept. An engine at 0.3 (24 GiB) does not fit (44 > 40); at most
+    (40 - 16 - 4) / 80 = 0.25 does."""
     gib = 2**30
-    to_come, snapshots = {"optimizer state": 8 * gib, "gradients": 4 * gib}, 2 * gib
+    to_come, staging = {"optimizer state": 8 * gib, "gradients": 4 * gib}, 2 * gib
     shared = plumbing.Placement("0", True, 0, 0.3)
     gpu = (40 * gib, 80 * gib)
     with pytest.raises(plumbing.UsageError) as raised:
-        plumbing.engine_share(shared, gpu, gpu, to_come, snapshots)
+        plumbing.engine_share(shared, gpu, gpu, to_come, staging)
     message = str(raised.value)
     assert "\n" not in message and message.startswith(
         "--vllm_gpu_memory_utilization 0.3: the engine would take 24.0 GiB"
     )
     assert "40.0 GiB free" in message and "training will add 16.0 GiB there (optimizer state 8.0 GiB" in message
-    assert "lower it to at most 0.25" in message
-    assert plumbing.engine_share(shared._replace(memory_utilization=0.25), gpu, gpu, to_come, snapshots) == 0.25
+    assert "the weight push's staging buffer 2.0 GiB" in message and "lower it to at most 0.25" in message
+    assert plumbing.engine_share(shared._replace(memory_utilization=0.25), gpu, gpu, to_come, staging) == 0.25
     # left out, the share is the largest that fits, 0.25, within the 0.3 a shared GPU's engine gets at most
-    assert plumbing.engine_share(shared._replace(memory_utilization=None), gpu, gpu, to_come, snapshots) == 0.25
+    assert plumbing.engine_share(shared._replace(memory_utilization=None), gpu, gpu, to_come, staging) == 0.25
     roomy = (60 * gib, 80 * gib)  # (60 - 16 - 4) / 80 = 0.5 would fit: the engine still gets 0.3
-    assert plumbing.engine_share(shared._replace(memory_utilization=None), roomy, roomy, to_come, snapshots) == 0.3
+    assert plumbing.engine_share(shared._replace(memory_utilization=None), roomy, roomy, to_come, staging) == 0.3
 
 
-def test_with_a_gpu_of_its_own_the_engine_holds_the_snapshots_beside_its_share():
+def test_with_a_gpu_of_its_own_the_engine_holds_one_staging_snapshot_beside_its_share():
     """Hand-computed, N + 1 GPUs of 80 GiB: rank 0's must hold training's 12 GiB and 4 GiB kept (16 <= 20 free); the
-    engine's holds its 0.9 x 80 = 72 GiB, 3 x 16 GiB of snapshots (an 8B policy in bf16 at async level 1) and the
-    CUDA contexts of rank 0 and the engine: far more than 80. At most (80 - 48 - 2 - 4) / 80 = 0.325 fits beside the
-    snapshots: 0.32."""
+    engine's holds its 0.9 x 80 = 72 GiB, the push's staging buffer of one 16 GiB snapshot (an 8B policy in bf16)
+    and the CUDA contexts of rank 0 and the engine: more than 80. At most (80 - 16 - 2 - 4) / 80 = 0.725 fits beside
+    it: 0.72, whatever the async level. The snapshots, 3 at async level 1, take 48 GiB of rank 0's pinned host memory
+    (torch rounds each block up to a power of two: 15 GiB take 16)."""
     gib = 2**30
     separate = plumbing.Placement("7", False, 7, 0.9)
     to_come = {"optimizer state": 8 * gib, "gradients": 4 * gib}
-    with pytest.raises(plumbing.UsageError, match="lower --async_level .* or shard the models"):
+    with pytest.raises(plumbing.UsageError, match="lower the model size, .* or shard the models"):
         plumbing.engine_share(separate, (15 * gib, 80 * gib), (80 * gib, 80 * gib), to_come, 0)
-    snapshots = plumbing.snapshot_memory(16 * gib, async_level=1)
-    assert snapshots == 48 * gib
+    assert plumbing.snapshot_memory(16 * gib, async_level=1) == plumbing.snapshot_memory(15 * gib, 1) == 48 * gib
+    assert plumbing.snapshot_memory(16 * gib, async_level=3) == 80 * gib
     with pytest.raises(plumbing.UsageError) as raised:
-        plumbing.engine_share(separate, (20 * gib, 80 * gib), (80 * gib, 80 * gib), to_come, snapshots)
-    assert "the engine's GPU has 80.0 GiB free and the engine would take 72.0 GiB, beside 48.0 GiB" in str(raised.value)
-    assert "lower it to at most 0.32" in str(raised.value)
+        plumbing.engine_share(separate, (20 * gib, 80 * gib), (80 * gib, 80 * gib), to_come, 16 * gib)
+    message = str(raised.value)
+    assert "the engine's GPU has 80.0 GiB free and the engine would take 72.0 GiB, beside the weight push's" in message
+    assert "staging buffer of 16.0 GiB" in message and "lower it to at most 0.72" in message
     gpus = (20 * gib, 80 * gib), (80 * gib, 80 * gib)
-    assert plumbing.engine_share(separate._replace(memory_utilization=0.32), *gpus, to_come, snapshots) == 0.32
-    assert plumbing.engine_share(separate._replace(memory_utilization=None), *gpus, to_come, snapshots) == 0.32
-    # with no snapshots to hold, the engine gets vLLM's default, 0.9, not all the (80 - 2 - 4) / 80 = 0.92 that fit
+    assert plumbing.engine_share(separate._replace(memory_utilization=0.72), *gpus, to_come, 16 * gib) == 0.72
+    assert plumbing.engine_share(separate._replace(memory_utilization=None), *gpus, to_come, 16 * gib) == 0.72
+    # with a small policy, the engine gets vLLM's default, 0.9, not all the (80 - 2 - 4) / 80 = 0.92 that fit
     assert plumbing.engine_share(separate._replace(memory_utilization=None), *gpus, to_come, 0) == 0.9
 
 
-def test_a_2_8b_policy_sharing_one_gpu_is_refused_before_it_runs_out_of_memory():
-    """Pythia-2.8B (2.78e9 parameters) on an 80 GiB GPU: fp32 policy and reference and a bf16 reward model leave 54.1
-    GiB free, which holds the engine's 24 GiB (what the check looked at before) but not training's optimizer state
-    and gradients and three bf16 snapshots at async level 1 (46.6 GiB) beside it."""
+def test_a_2_8b_policy_sharing_one_gpu_gets_the_share_training_leaves():
+    """Pythia-2.8B (2.78e9 parameters) on an 80 GiB GPU: fp32 policy and reference and a bf16 reward model leave
+    58,099,345,920 bytes (54.1 GiB) free, which holds the engine's 0.3 (24 GiB, what the check looked at before) but
+    not beside training's optimizer state and gradients (33.36e9 bytes), the push's staging buffer of one bf16
+    snapshot (5.56e9) and the CUDA contexts (2 GiB): with 5 % kept, (58.10e9 - 41.07e9 - 4.29e9) / 85.90e9 = 0.148
+    fits: 0.14. (With the three snapshots of async level 1 on the GPU, 16.7e9 bytes, none fitted.)"""
     gib, params = 2**30, 2.78e9
     trained = plumbing.trained_memory(int(params), zero_stage=0, processes=1, bf16=True)  # fp32 under autocast
     assert trained == {"weights": 11_120_000_000, "gradients": 11_120_000_000, "optimizer state": 22_240_000_000}
     to_come = {part: trained[part] for part in ("gradients", "optimizer state")}
-    snapshots = plumbing.snapshot_memory(int(params) * 2, async_level=1)
-    assert snapshots == 16_680_000_000
     free = 80 * gib - int(params * (4 + 4 + 2))
     gpu = (free, 80 * gib)
-    with pytest.raises(plumbing.UsageError, match="lower --async_level"):
-        plumbing.engine_share(plumbing.Placement("0", True, 0, 0.3), gpu, gpu, to_come, snapshots)
-    with pytest.raises(plumbing.UsageError, match="lower --async_level"):  # no share would fit either
-        plumbing.engine_share(plumbing.Placement("0", True, 0, None), gpu, gpu, to_come, snapshots)
+    with pytest.raises(plumbing.UsageError, match="lower it to at most 0.14, or give the engine a GPU of its own"):
+        plumbing.engine_share(plumbing.Placement("0", True, 0, 0.3), gpu, gpu, to_come, int(params) * 2)
+    assert plumbing.engine_share(plumbing.Placement("0", True, 0, None), gpu, gpu, to_come, int(params) * 2) == 0.14
 
 
 @pytest.mark.parametrize(
     "params, share",
     [
-        # Pythia-1b (1.01e9): 3 bf16 snapshots of 2.03 GB, 5.65 GiB; (80 - 5.65 - 2 - 4) / 80 = 0.854 -> 0.85
-        (1_011_781_632, 0.85),
-        # Llama-3.1-8B (8.03e9): 3 bf16 snapshots of 16.06 GB, 44.87 GiB; (80 - 44.87 - 2 - 4) / 80 = 0.364 -> 0.36
-        (8_030_261_248, 0.36),
+        # Pythia-1b (1.01e9): a bf16 staging snapshot of 2.02 GB, 1.88 GiB; (80 - 1.88 - 2 - 4) / 80 = 0.901: vLLM's 0.9
+        (1_011_781_632, 0.9),
+        # Llama-3.1-8B (8.03e9): a bf16 staging snapshot of 16.06 GB, 14.96 GiB; (80 - 14.96 - 2 - 4) / 80 = 0.738
+        (8_030_261_248, 0.73),
     ],
 )
 def test_the_readme_commands_on_n_plus_1_gpus_get_an_engine_with_the_share_the_run_leaves(params, share):
     """The README's `accelerate launch ... --num_processes 7 ... --async_level 1` on 8 GPUs of 80 GiB, the flag left
-    out: the engine's GPU holds the snapshots, and the engine gets the rest, not 0.9 (which refused both: the old
-    default). Rank 0's GPU is ZeRO-3's (some GiB free of training's share). Hand-computed shares."""
+    out: the engine's GPU holds the push's staging buffer, and the engine gets the rest up to 0.9. Rank 0's GPU is
+    ZeRO-3's (some GiB free of training's share). Hand-computed shares."""
     gib = 2**30
-    snapshots = plumbing.snapshot_memory(params * 2, async_level=1)
-    assert snapshots == 6 * params
     separate = plumbing.Placement("7", False, 7, None)
     to_come = {"gradients": params * 2 // 7, "optimizer state": params * 12 // 7}
     gpus = (60 * gib, 80 * gib), (80 * gib, 80 * gib)
-    assert plumbing.engine_share(separate, *gpus, to_come, snapshots) == share
+    assert plumbing.engine_share(separate, *gpus, to_come, staging=params * 2) == share
     with pytest.raises(plumbing.UsageError, match=f"lower it to at most {share} "):
-        plumbing.engine_share(separate._replace(memory_utilization=0.9), *gpus, to_come, snapshots)
+        plumbing.engine_share(separate._replace(memory_utilization=0.95), *gpus, to_come, staging=params * 2)
 
 
 def test_the_engine_line_says_what_the_engine_got_and_that_its_first_start_compiles():
-    """Printed at start: the device, the share and where it came from, the snapshots; on a GPU with CUDA graphs, that
-    the first start compiles, and the flag that skips it."""
+    """Printed at start: the device, the share and where it came from, the staging buffer and the snapshots in host
+    memory; on a GPU with CUDA graphs, that the first start compiles, and the flag that skips it."""
     gib = 2**30
     placement = plumbing.Placement("7", False, 7, 0.37)
-    line = plumbing.engine_line(placement, 80 * gib, 15 * gib, 45 * gib, flag_given=False, eager=False)
+    line = plumbing.engine_line(placement, 80 * gib, 15 * gib, 48 * gib, flag_given=False, eager=False)
     assert line.startswith("engine: GPU 7 of its own, 0.37 of its 80.00 GiB (the largest share the run leaves")
-    assert "weight snapshots of 15.00 GiB each (45.00 GiB at most)" in line
+    assert "staging buffer of 15.00 GiB (the snapshots: 48.00 GiB at most, in pinned host memory)" in line
     assert "first start compiles the model" in line and "--vllm_enforce_eager" in line
-    eager = plumbing.engine_line(placement, 80 * gib, 15 * gib, 45 * gib, flag_given=True, eager=True)
+    eager = plumbing.engine_line(placement, 80 * gib, 15 * gib, 48 * gib, flag_given=True, eager=True)
     assert "(--vllm_gpu_memory_utilization)" in eager and "compiles" not in eager
     cpu = plumbing.engine_line(plumbing.Placement(None, False, 0, 0.9), 0, 3 * 2**20, 9 * 2**20, False, True)
     assert cpu == "engine: on the CPU; weight snapshots of 3.00 MiB each"
@@ -351,7 +352,7 @@ names = algo.checkpoint_names(model)
 optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
 model, optimizer = accelerator.prepare(model, optimizer)
 module = accelerator.unwrap_model(model)
-place = plumbing.SnapshotPlace(None, tempfile.gettempdir())
+place = plumbing.SnapshotPlace(pinned=False, folder=tempfile.gettempdir())
 assert all(p.numel() == 0 for p in module.parameters()), "not sharded"
 tensors = plumbing.gathered_tensors(accelerator, module, names)
 sharded = algo.snapshot_weights(tensors, names, torch.float32, place, plumbing.full_shapes(module))
@@ -386,7 +387,7 @@ model = algo.PolicyAndValue(policy, value)
 optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
 model, optimizer = accelerator.prepare(model, optimizer)
 module = accelerator.unwrap_model(model)
-place = plumbing.SnapshotPlace(None, tempfile.gettempdir())
+place = plumbing.SnapshotPlace(pinned=False, folder=tempfile.gettempdir())
 gathered.clear()  # loading sharded models gathers too: only the push's gathers count
 tensors = plumbing.gathered_tensors(accelerator, module, names)
 sharded = algo.snapshot_weights(tensors, names, torch.float32, place, plumbing.full_shapes(module))

@@ -69,8 +69,8 @@ def test_no_robots_8b_at_a_share_of_0_3_generates_in_8_waves():
 def test_no_robots_8b_at_a_share_of_0_8_holds_the_batch_only_with_a_smaller_reserve():
     """int(0.8 x 79 GiB) = 67,860,483,276 bytes less 16,060,522,496 of weights and 2 GiB: 49,652,477,132 bytes hold
     246 sequences of 201,326,592: 6 short of 252, a second wave. A reserve of 0.5 GiB leaves 51,263,089,868 bytes, 254
-    sequences: the whole batch in 1 wave. Either way the memory plan does not fit: 63.2 GiB of share beside the
-    30 GiB of weight snapshots."""
+    sequences: the whole batch in 1 wave. Either way the memory plan does not fit: 63.2 GiB of share beside the push's
+    staging buffer of one bf16 snapshot (15.0 GiB) and two CUDA contexts, 80.2 GiB of a 79 GiB GPU."""
     command = NO_ROBOTS.split() + ["--vllm_gpu_memory_utilization", "0.8"]
     p = plan.make_plan(command, H100, None)
     assert (p.kv_cache, p.holds, p.in_flight, p.waves, p.fits) == (49_652_477_132, 246, 246, 2, False)
@@ -78,15 +78,20 @@ def test_no_robots_8b_at_a_share_of_0_8_holds_the_batch_only_with_a_smaller_rese
     assert (p.kv_cache, p.holds, p.in_flight, p.waves) == (51_263_089_868, 254, 252, 1)
 
 
-def test_left_out_the_share_is_what_the_run_would_give_the_engine():
-    """plumbing.engine_share on an empty engine's GPU of 79 GiB at async level 1: three bf16 snapshots (48,181,567,488
-    bytes), the CUDA contexts of rank 0 and the engine and 5 % of the GPU leave (79 GiB - 44.87 - 2 - 3.95) / 79 GiB
-    = 0.357, which it rounds down to 0.35 (rank 0's GPU, with 7.2 GiB of models loaded and 14.9 GiB of gradients and
-    optimizer state to come, fits)."""
-    p = plan.make_plan(NO_ROBOTS.split() + ["--async_level", "1"], H100, None)
+@pytest.mark.parametrize("async_level", [0, 1, 3])
+def test_left_out_the_share_is_what_the_run_would_give_the_engine(async_level):
+    """plumbing.engine_share on an empty engine's GPU of 79 GiB: the push's staging buffer of one bf16 snapshot
+    (16,060,522,496 bytes) whatever the async level, the CUDA contexts of rank 0 and the engine and 5 % of the GPU
+    leave (79 GiB - 14.96 - 2 - 3.95) / 79 GiB = 0.735, which it rounds down to 0.73 (rank 0's GPU, with 7.2 GiB of
+    models loaded and 14.9 GiB of gradients and optimizer state to come, fits): 217 sequences at once. The snapshots,
+    async level + 2 of them, are in rank 0's pinned host memory, 16 GiB each (torch's pinned blocks are powers of 2)."""
+    p = plan.make_plan(NO_ROBOTS.split() + ["--async_level", str(async_level)], H100, None)
     total = 79 * GIB
-    assert p.share == int(100 * (total - 3 * 2 * LLAMA_8B - 2 * GIB - 0.05 * total) / total) / 100 == 0.35
-    assert p.share_source.startswith("left out")
+    assert p.share == int(100 * (total - 2 * LLAMA_8B - 2 * GIB - 0.05 * total) / total) / 100 == 0.73
+    assert p.share_source.startswith("left out") and p.fits and p.in_flight == 217
+    assert 2**34 >= 2 * LLAMA_8B
+    host = f"{async_level + 2} in rank 0's pinned host memory ({16 * (async_level + 2)}.0 GiB)"
+    assert f"the push's staging buffer, 15.0 GiB), async level + 2 = {host}." in plan.report(p, H100)
 
 
 def test_pythia_1b_tldr_step_by_hand():
