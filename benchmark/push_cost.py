@@ -1,12 +1,14 @@
-"""What a weight push costs, and what of it is the engine's check of what it then holds (plumbing.WeightReceiver.holds),
-measured side by side in one run on the engine the scripts start:
+"""What a weight push costs, what of it is the copy of the host snapshot into the engine's staging buffer and what the
+engine's check of what it then holds (plumbing.WeightReceiver.holds), measured side by side in one run on the engine
+the scripts start:
 
     python benchmark/push_cost.py                                   # the tiny task's policy, on a CPU
     python benchmark/push_cost.py --model_path models/pythia-1b --dtype bfloat16 --pushes 10     # on a GPU
 
-Each of `--pushes` versions differs from the last in every tensor; the push (push_weights: the load, the check, the
-prefix cache's reset) is timed, then the check alone, then an empty check (the round trip to the engine's worker).
-Prints the medians in milliseconds.
+Each of `--pushes` versions differs from the last in every tensor; the push (push_weights: the staging copy, the load,
+the check, the prefix cache's reset) is timed, then the direct push (the same from a buffer already on the engine's
+device, as when the snapshots lived there), the staging copy alone, the check alone, and an empty check (the round trip
+to the engine's worker). Prints the medians in milliseconds, and the push's cost over the direct push's.
 """
 
 import argparse
@@ -19,6 +21,14 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+
+
+def direct_push(llm, handle: tuple, weights) -> None:
+    """push_weights without its staging copy: the engine loads a buffer that holds theta_v already."""
+    import plumbing
+
+    loaded = llm.collective_rpc("load_shared_weights", args=(weights.version, handle, weights.layout))[0]
+    plumbing.check_loaded(weights.version, loaded, llm.reset_prefix_cache())
 
 
 def main() -> None:
@@ -42,23 +52,29 @@ def main() -> None:
     llm = plumbing.make_engine(options.model_path, placement, dtype=options.dtype, max_model_len=64, seed=0)
     folder = tempfile.mkdtemp()
     try:
-        place = plumbing.SnapshotPlace(device, folder)
-        names, seconds = dpo.checkpoint_names(model), {"push": [], "check": [], "round trip": []}
+        place = plumbing.SnapshotPlace(pinned=device is not None, folder=folder)
+        staging = plumbing.StagingBuffer(device, folder)
+        names = dpo.checkpoint_names(model)
+        seconds = {"push": [], "direct push": [], "staging copy": [], "check": [], "round trip": []}
+        staged = lambda: plumbing.shared_handle(staging.flat)  # noqa: E731  (allocated at the first push)
         for version in range(1, options.pushes + 1):
             with torch.no_grad():
                 for parameter in model.parameters():
                     parameter.add_(1e-3)
             weights = dpo.Weights(version, *dpo.snapshot_weights(model.state_dict(), names, dtype, place))
-            handle = plumbing.shared_handle(weights.flat)
             for name, call in [
-                ("push", lambda: dpo.push_weights(llm, weights)),
-                ("check", lambda: llm.collective_rpc("holds", args=(version, handle, weights.layout))),
-                ("round trip", lambda: llm.collective_rpc("holds", args=(version, handle, []))),
+                ("push", lambda: dpo.push_weights(llm, staging, weights)),
+                ("direct push", lambda: direct_push(llm, staged(), weights)),
+                ("staging copy", lambda: staging.fill(weights.flat)),
+                ("check", lambda: llm.collective_rpc("holds", args=(version, staged(), weights.layout))),
+                ("round trip", lambda: llm.collective_rpc("holds", args=(version, staged(), []))),
             ]:
                 start = time.perf_counter()
                 call()
                 seconds[name].append(time.perf_counter() - start)
-        print(", ".join(f"{name} {1e3 * statistics.median(s):.2f} ms" for name, s in seconds.items()))
+        median = {name: statistics.median(s) for name, s in seconds.items()}
+        print(", ".join(f"{name} {1e3 * s:.2f} ms" for name, s in median.items()))
+        print(f"push / direct push: {median['push'] / median['direct push']:.2f}")
     finally:
         llm.llm_engine.engine_core.shutdown()
         shutil.rmtree(folder, ignore_errors=True)
