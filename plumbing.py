@@ -636,11 +636,24 @@ def full_shapes(module) -> dict[str, torch.Size]:
     return shapes | {name: buffer.shape for name, buffer in module.named_buffers()}
 
 
-def snapshot_bytes(module, names, dtype: torch.dtype) -> int:
-    """The bytes of one weight snapshot: the tensors `names` of `module`, whole, in `dtype`. From the shapes, not from
-    `state_dict()`, whose tensors ZeRO-3 leaves empty (it would count 0 bytes)."""
+def snapshot_sizes(module, names: dict[str, str]) -> dict[str, int]:
+    """The elements of each tensor of one weight snapshot: the tensors `names` of `module`, whole, under their
+    checkpoint names. From the shapes, not from `state_dict()`, whose tensors ZeRO-3 leaves empty (it would count 0)."""
     shapes = full_shapes(module)
-    return sum(math.prod(shapes[name]) for name in names) * dtype.itemsize
+    return {names[name]: math.prod(shapes[name]) for name in names}
+
+
+def snapshot_bytes(module, names: dict[str, str], dtype: torch.dtype) -> int:
+    """The bytes of one weight snapshot in `dtype` (snapshot_sizes)."""
+    return sum(snapshot_sizes(module, names).values()) * dtype.itemsize
+
+
+class EngineRoom(NamedTuple):
+    """What the engine must leave room for on the GPUs (engine_share), and the weight push's bytes it prints."""
+
+    to_come: dict[str, int]  # what training allocates on rank 0's GPU once the engine is up: name -> bytes
+    snapshot: int  # one weight snapshot's bytes, in host memory
+    bucket: int  # the push's bucket on the engine's GPU (bucket_bytes)
 
 
 def injected_fault(where: str, step: int) -> bool:
@@ -652,7 +665,7 @@ def injected_fault(where: str, step: int) -> bool:
 class Placement(NamedTuple):
     devices: str | None  # CUDA_VISIBLE_DEVICES of the engine's processes: its GPU alone; None: CPU
     shared: bool  # the engine shares training rank 0's GPU
-    engine_gpu: int  # the engine's GPU, as rank 0 numbers its GPUs: the weight push's staging buffer lives there
+    engine_gpu: int  # the engine's GPU, as rank 0 numbers its GPUs: the weight push's bucket lives there
     memory_utilization: float | None  # None on a GPU: the largest share the run leaves (engine_share), at its start
 
 
@@ -667,8 +680,8 @@ def engine_placement(mode: str, visible: list[str], num_processes: int, memory_u
     """Training process i of a node uses its visible GPU i; the engine runs on rank 0's node. With an (N+1)-th GPU
     there, for the N training processes of the node (LOCAL_WORLD_SIZE under a launcher; `num_processes` on one node),
     the engine takes it (the paper's split); with fewer, it shares rank 0's within its memory budget. Rank 0 keeps
-    the weight snapshots in its host memory and copies each pushed one into a staging buffer on the engine's GPU,
-    which the engine reads by CUDA IPC (docs/gpus.md)."""
+    the weight snapshots in its host memory and copies each pushed one through a bucket on the engine's GPU, which the
+    engine reads by CUDA IPC (docs/gpus.md)."""
     if not visible:  # vLLM's CPU backend sizes its KV cache by VLLM_CPU_KVCACHE_SPACE instead
         return Placement(None, False, 0, memory_utilization or DEFAULT_SHARE["separate"])
     local = int(os.environ.get("LOCAL_WORLD_SIZE", num_processes))  # the processes on rank 0's node
@@ -710,24 +723,22 @@ DEFAULT_SHARE = {"separate": 0.9, "shared": 0.3}
 MIN_SHARE = 0.05  # less holds the weights of no model worth generating with, and no KV cache
 
 
-def engine_share(placement: Placement, rank0: tuple, engine: tuple, to_come: dict[str, int], staging: int) -> float:
+def engine_share(placement: Placement, rank0: tuple, engine: tuple, to_come: dict[str, int], bucket: int) -> float:
     """The engine's share of its GPU: --vllm_gpu_memory_utilization if it fits, or (left out) the largest that fits up
     to DEFAULT_SHARE. The GPUs once the trainer's models are loaded ((free, total) bytes of rank 0's and of the
     engine's, the same on a shared GPU) must hold what training allocates later there (`to_come`: name -> bytes), the
-    weight push's staging buffer (`staging`: one snapshot's bytes; the snapshots are in host memory) and the engine:
-    vLLM takes its share of its whole GPU, and refuses to start when less is free; each process opens a CUDA context
-    on each GPU it uses (the engine's own, rank 0's where it writes the staging buffer).
+    weight push's bucket (`bucket`: bucket_bytes; the snapshots are in host memory) and the engine: vLLM takes its
+    share of its whole GPU, and refuses to start when less is free; each process opens a CUDA context on each GPU it
+    uses (the engine's own, rank 0's where it writes the bucket).
     5 % of each GPU is kept for activations and allocator slack. A GPU that cannot: one line naming what to lower."""
     gib = lambda n: f"{n / 2**30:.1f} GiB"  # noqa: E731
     asked = placement.memory_utilization
     free, total = rank0
-    needed = sum(to_come.values()) + (staging + 2 * CUDA_CONTEXT if placement.shared else 0)
+    needed = sum(to_come.values()) + (bucket + 2 * CUDA_CONTEXT if placement.shared else 0)
     parts = ", ".join(f"{name} {gib(n)}" for name, n in to_come.items())
     training = f"training will add {gib(needed)} there ({parts}"
     training += (
-        f", the weight push's staging buffer {gib(staging)}, CUDA contexts {gib(2 * CUDA_CONTEXT)})"
-        if placement.shared
-        else ")"
+        f", the weight push's bucket {gib(bucket)}, CUDA contexts {gib(2 * CUDA_CONTEXT)})" if placement.shared else ")"
     )
     what = f"rank 0's GPU has {gib(free)} free once the models are loaded, and {training}"
     smaller = "lower the model size, give the engine a GPU of its own, or shard the models (DeepSpeed ZeRO-3)"
@@ -738,10 +749,10 @@ def engine_share(placement: Placement, rank0: tuple, engine: tuple, to_come: dic
             raise UsageError(f"{what}: {smaller}")
         free, total = engine
         # vLLM wants its share free once its own CUDA context is open, beside rank 0's there
-        largest = int(100 * (free - staging - 2 * CUDA_CONTEXT - 0.05 * total) / total) / 100
+        largest = int(100 * (free - bucket - 2 * CUDA_CONTEXT - 0.05 * total) / total) / 100
     if asked is None:
         if largest < MIN_SHARE:
-            beside = f"beside the weight push's staging buffer of {gib(staging)}, " if not placement.shared else ""
+            beside = f"beside the weight push's bucket of {gib(bucket)}, " if not placement.shared else ""
             raise UsageError(
                 f"the engine would get {max(largest, 0)} of its GPU, {beside}less than {MIN_SHARE}: {smaller}"
             )
@@ -755,13 +766,15 @@ def engine_share(placement: Placement, rank0: tuple, engine: tuple, to_come: dic
             )
         raise UsageError(f"{what}, beside the engine {gib(asked * total)}: {smaller}")
     raise UsageError(
-        f"--vllm_gpu_memory_utilization {asked}: the engine's GPU has {gib(free)} free and the engine would take {gib(asked * total)}, beside the weight push's staging buffer of {gib(staging)} and the CUDA contexts of rank 0 and the engine {gib(2 * CUDA_CONTEXT)}: lower it to at most {largest} (less KV cache)"
+        f"--vllm_gpu_memory_utilization {asked}: the engine's GPU has {gib(free)} free and the engine would take {gib(asked * total)}, beside the weight push's bucket of {gib(bucket)} and the CUDA contexts of rank 0 and the engine {gib(2 * CUDA_CONTEXT)}: lower it to at most {largest} (less KV cache)"
     )
 
 
-def engine_line(placement: Placement, total: int, snapshot: int, snapshots: int, flag_given: bool, eager: bool) -> str:
-    """What the engine gets, printed as it starts: its device, its share of its GPU and why, the weight push's staging
-    buffer and the snapshots in host memory, and (on a GPU with CUDA graphs) that its first start compiles, which
+def engine_line(
+    placement: Placement, total: int, snapshot: int, bucket: int, snapshots: int, flag_given: bool, eager: bool
+) -> str:
+    """What the engine gets, printed as it starts: its device, its share of its GPU and why, the weight push's bucket
+    and the snapshots (`snapshot` bytes each, `snapshots` at most) in host memory, and (on a GPU with CUDA graphs) that its first start compiles, which
     takes minutes."""
     gib = lambda n: f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.2f} MiB"  # noqa: E731
     if placement.devices is None:
@@ -776,7 +789,7 @@ def engine_line(placement: Placement, total: int, snapshot: int, snapshots: int,
         if flag_given
         else "the largest share the run leaves (--vllm_gpu_memory_utilization)"
     )
-    beside = f"beside the weight push's staging buffer of {gib(snapshot)} (the snapshots: {gib(snapshots)} at most, in pinned host memory)"
+    beside = f"beside the weight push's bucket of {gib(bucket)} (the snapshots of {gib(snapshot)}: {gib(snapshots)} at most, in pinned host memory)"
     line = f"engine: {where}, {placement.memory_utilization} of its {gib(total)} ({why}), {beside}"
     if not eager:  # vLLM compiles (torch.compile) and captures CUDA graphs at its first start on a GPU
         line += "; its first start compiles the model and captures CUDA graphs: minutes (--vllm_enforce_eager skips both, for slower generation)"
@@ -853,7 +866,7 @@ def make_engine(model: str, placement: Placement, **llm_kwargs) -> "LLM":
 
 class SnapshotPlace(NamedTuple):
     """Where the weight snapshots live: host memory, so that the engine's device holds none of them, only the push's
-    staging buffer (StagingBuffer; docs/gpus.md). Beside a GPU engine (`pinned`) pinned memory, which the push copies
+    bucket (WeightBucket; docs/gpus.md). Beside a GPU engine (`pinned`) pinned memory, which the push copies
     from at the bus's full speed; beside a CPU engine shared memory, a file in the RAM-backed `folder`."""
 
     pinned: bool
@@ -865,35 +878,96 @@ class SnapshotPlace(NamedTuple):
         return shared_memory_buffer(self.folder, "snapshot", numel, dtype)
 
 
-class StagingBuffer:
-    """The one copy of a weight snapshot on the engine's device, where its worker opens it (shared_handle): a push
-    copies the host snapshot into it, then the worker loads it. GPU memory of `device`, which CUDA IPC shares; on a
-    CPU (`device` None) one more shared-memory file in `folder`, so that CPU runs take the GPU's push path but for
-    the device. Allocated at the first push and kept: the engine's device never holds more than one snapshot, whatever
-    the async level."""
+# The push's bucket on the engine's device (WeightBucket), unless the snapshot is smaller or a load unit larger: 1.3 %
+# of an 80 GB GPU, where the whole snapshot it replaces took 19 % (an 8B policy in bf16, 15 GiB), left to the KV cache.
+# Still it holds Llama 3.1 8B's embedding whole (0.98 GiB in bf16), or two of its decoder layers, so that an 8B push
+# is 18 loads, not hundreds: each load walks all of vLLM's layers (docs/gpus.md).
+BUCKET_BYTES = 2**30
 
-    def __init__(self, device: torch.device | None, folder: str | None):
-        self.device, self.folder, self.flat = device, folder, None
 
-    def fill(self, snapshot: torch.Tensor) -> tuple:
-        """Copy `snapshot` (SnapshotPlace.buffer) into the buffer; returns the handle the worker opens it by."""
+def load_unit(name: str) -> str:
+    """The part of the model a snapshot tensor is pushed with, in one load: its numbered layer (`model.layers.3`) or
+    else its module (`lm_head`). vLLM's reload processes a layer (fuses q/k/v and gate/up, repacks on a CPU) once all
+    its weights came in one load, and one missing some is processed with what it was not sent taken from nothing."""
+    parts = name.split(".")
+    numbered = [i for i, part in enumerate(parts) if part.isdigit()]
+    return ".".join(parts[: numbered[0] + 1]) if numbered else name.rpartition(".")[0]
+
+
+def bucket_bytes(sizes: dict[str, int], element_size: int, least: int = BUCKET_BYTES) -> int:
+    """The push's bucket for a snapshot of these tensors (`sizes`: checkpoint name -> elements): `least` bytes, or the
+    largest load unit if larger, or the whole snapshot if smaller."""
+    units = Counter()
+    for name, numel in sizes.items():
+        units[load_unit(name)] += numel
+    return min(sum(sizes.values()), max(least // element_size, *units.values())) * element_size
+
+
+class Chunk(NamedTuple):
+    start: int  # the snapshot's elements [start, end) it copies into the bucket
+    end: int
+    layout: list  # (name, shape, offset in the bucket) of each tensor in it
+
+
+def bucket_chunks(layout: list, capacity: int) -> list[Chunk]:
+    """A snapshot (`layout`: (name, shape, offset) of each tensor, in order, packed) cut into runs of whole load units
+    (load_unit) of at most `capacity` elements, in order: each run fills the bucket once."""
+    units, last = {}, None  # unit -> its tensors, in the snapshot's order
+    for name, shape, offset in layout:
+        if (unit := load_unit(name)) in units and unit != last:
+            raise RuntimeError(f"{name}: the tensors of {unit} are not together in the snapshot")
+        units.setdefault(unit, []).append((name, shape, offset))
+        last = unit
+    chunks = []
+    for tensors in units.values():
+        start, end = tensors[0][2], tensors[-1][2] + math.prod(tensors[-1][1])
+        if end - start > capacity:
+            raise RuntimeError(f"{load_unit(tensors[0][0])}: {end - start} elements, a bucket of {capacity}")
+        if chunks and end - chunks[-1].start <= capacity:
+            chunks[-1] = chunks[-1]._replace(end=end, layout=chunks[-1].layout + tensors)
+        else:
+            chunks.append(Chunk(start=start, end=end, layout=tensors))
+    return [
+        chunk._replace(layout=[(name, shape, offset - chunk.start) for name, shape, offset in chunk.layout])
+        for chunk in chunks
+    ]
+
+
+class Filled(NamedTuple):
+    handle: tuple  # the bucket, for the engine's worker (shared_handle)
+    layout: list  # (name, shape, offset in the bucket) of the tensors it holds now
+
+
+class WeightBucket:
+    """The push's buffer on the engine's device, where its worker opens it (shared_handle): a push copies the host
+    snapshot into it a run of whole load units at a time (bucket_chunks), and the worker loads each run before the
+    next overwrites it. GPU memory of `device`, which CUDA IPC shares; on a CPU (`device` None) one more shared-memory
+    file in `folder`, so that CPU runs take the GPU's push path but for the device. Of bucket_bytes (`least`: the
+    production's BUCKET_BYTES, the tests' smaller), allocated at the first push and kept: the engine's device holds
+    that, whatever the model's size and the async level."""
+
+    def __init__(self, device: torch.device | None, folder: str | None, least: int = BUCKET_BYTES):
+        self.device, self.folder, self.least, self.flat = device, folder, least, None
+
+    def fill(self, snapshot: torch.Tensor, layout: list):
+        """Yields each run of `snapshot` (SnapshotPlace.buffer; `layout`: its tensors) copied into the bucket, as the
+        handle and layout the worker loads it by; the next run is copied when the caller asks for it."""
         if self.flat is None:
+            sizes = {name: math.prod(shape) for name, shape, _ in layout}
+            numel = bucket_bytes(sizes, snapshot.element_size(), self.least) // snapshot.element_size()
             self.flat = (
-                torch.empty(snapshot.numel(), dtype=snapshot.dtype, device=self.device)
+                torch.empty(numel, dtype=snapshot.dtype, device=self.device)
                 if self.device is not None
-                else shared_memory_buffer(self.folder, "staging", snapshot.numel(), snapshot.dtype)
+                else shared_memory_buffer(self.folder, "bucket", numel, snapshot.dtype)
             )
-        if (self.flat.numel(), self.flat.dtype) != (snapshot.numel(), snapshot.dtype):
-            raise RuntimeError(
-                f"a snapshot of {snapshot.numel()} {snapshot.dtype} values for a staging buffer of {self.flat.numel()} "
-                f"{self.flat.dtype}: every version of the policy has the same tensors"
-            )
-        self.flat.copy_(snapshot)
-        if self.flat.is_cuda:
-            torch.cuda.current_stream(
-                self.flat.device
-            ).synchronize()  # the engine's process reads it without our stream
-        return shared_handle(self.flat)
+        if self.flat.dtype != snapshot.dtype:
+            raise RuntimeError(f"a snapshot of {snapshot.dtype} for a bucket of {self.flat.dtype}")
+        handle = shared_handle(self.flat)
+        for chunk in bucket_chunks(layout, self.flat.numel()):
+            self.flat[: chunk.end - chunk.start].copy_(snapshot[chunk.start : chunk.end], non_blocking=True)
+            if self.flat.is_cuda:  # the engine's process reads it without our stream
+                torch.cuda.current_stream(self.flat.device).synchronize()
+            yield Filled(handle=handle, layout=chunk.layout)
 
 
 def shared_memory_buffer(folder: str, kind: str, numel: int, dtype: torch.dtype) -> torch.Tensor:
@@ -912,7 +986,7 @@ def remove_file(path: str) -> None:
 
 
 def shared_handle(flat: torch.Tensor) -> tuple:
-    """What the engine's worker needs to open a staging buffer (open_shared): ("cuda", CUDA IPC handle) or ("cpu",
+    """What the engine's worker needs to open a shared buffer (open_shared): ("cuda", CUDA IPC handle) or ("cpu",
     path, dtype, elements)."""
     if flat.is_cuda:
         from torch.multiprocessing.reductions import reduce_tensor
@@ -926,7 +1000,7 @@ def shared_views(flat: torch.Tensor, layout: list) -> dict[str, torch.Tensor]:
 
 
 def open_shared(handle: tuple) -> torch.Tensor:
-    """The staging buffer a shared_handle names, in the engine's worker: the same memory, not a copy."""
+    """The buffer a shared_handle names, in the engine's worker: the same memory, not a copy."""
     if handle[0] == "cuda":
         from torch.multiprocessing.reductions import rebuild_cuda_tensor
 
@@ -937,9 +1011,15 @@ def open_shared(handle: tuple) -> torch.Tensor:
     return torch.from_file(path, shared=True, size=numel, dtype=getattr(torch, dtype))
 
 
-def check_loaded(version: int, loaded: dict, cache_reset: bool | None) -> None:
-    """Stop the run when the engine does not hold what it was sent (`loaded`: WeightReceiver.holds), or kept its prefix
-    cache, KV computed with the old weights: it would go on generating with a stale policy, silently."""
+def check_loaded(version: int, chunks: list[dict], cache_reset: bool | None) -> None:
+    """Stop the run when the engine does not hold what it was sent (`chunks`: WeightReceiver.holds after each load of
+    the push, in order), or kept its prefix cache, KV computed with the old weights: it would go on generating with a
+    stale policy, silently."""
+    loaded = {
+        "version": chunks[-1]["version"] if chunks else None,
+        "compared": sum(chunk["compared"] for chunk in chunks),
+        "differ": [name for chunk in chunks for name in chunk["differ"]],
+    }
     if loaded["differ"]:
         what = f"{len(loaded['differ'])} of {loaded['compared']} tensors compared differ, e.g. {loaded['differ'][:2]}"
     elif not loaded["compared"]:
@@ -954,19 +1034,32 @@ def check_loaded(version: int, loaded: dict, cache_reset: bool | None) -> None:
 
 
 class WeightReceiver:
-    """Added to vLLM's worker (`worker_extension_cls`): it loads a weight snapshot where the trainer staged it, GPU
-    memory shared by CUDA IPC on a GPU, shared memory on a CPU (StagingBuffer), with no file and no copy, through
-    the model's own loader (which fuses q/k/v and gate/up and reorders GPTNeoX's q/k/v as for a checkpoint); the copy
-    is in place, so CUDA graphs see it. Then it compares what it holds with what it was sent. The tests read the
-    engine's parameters and GPU memory through it after a push."""
+    """Added to vLLM's worker (`worker_extension_cls`): it loads the tensors of a weight snapshot that the trainer
+    copied into the push's bucket, GPU memory shared by CUDA IPC on a GPU, shared memory on a CPU (WeightBucket), with
+    no file and no further copy, through the model's own loader (which fuses q/k/v and gate/up and reorders GPTNeoX's
+    q/k/v as for a checkpoint); the copy is in place, so CUDA graphs see it. Then it compares what it holds with what
+    it was sent. The tests read the engine's parameters and GPU memory through it after a push."""
 
     def load_shared_weights(self, version: int, handle: tuple, layout: list) -> dict:
-        """Load theta_version from the staging buffer `handle` names (shared_handle), `layout`: (name, shape, offset) of each
-        tensor in it. Returns what `holds` says of it."""
+        """Load tensors of theta_version from the buffer `handle` names (shared_handle), `layout`: (name, shape,
+        offset) of each tensor in it, whole load units (bucket_chunks): the model's other layers keep what they hold.
+        Returns what `holds` says of it."""
         flat = open_shared(handle)
-        self.reload_weights(weights_iterator=iter(shared_views(flat, layout).items()))
+        # vLLM warns of every layer a load leaves out, which a push a bucket at a time does by design; holds checks
+        # what was sent instead
+        quiet = [
+            logging.getLogger(f"vllm.model_executor.model_loader.reload.{name}") for name in ("inplace", "layerwise")
+        ]
+        levels = [logger.level for logger in quiet]
+        try:
+            for logger in quiet:
+                logger.setLevel(logging.ERROR)
+            self.reload_weights(weights_iterator=iter(shared_views(flat, layout).items()))
+        finally:
+            for logger, level in zip(quiet, levels):
+                logger.setLevel(level)
         if flat.is_cuda:
-            torch.cuda.synchronize()  # loaded before the next push may overwrite the staging buffer
+            torch.cuda.synchronize()  # loaded before the next run of the push overwrites the bucket
         else:
             self.repack_tied_heads()
         return self.holds(version, handle, layout)
@@ -984,7 +1077,7 @@ class WeightReceiver:
             head.quant_method.process_weights_after_loading(head)
 
     def holds(self, version: int, handle: tuple, layout: list) -> dict:
-        """What the engine holds against the staging buffer `handle` names: every parameter the loader keeps under a sent
+        """What the engine holds against the buffer `handle` names: every parameter the loader keeps under a sent
         tensor's name, compared element for element (an embedding padded to a multiple of the vocabulary: its first
         rows). The fused ones (q/k/v, gate/up) are not compared, being concatenations, nor the weights vLLM's CPU layers
         repack and leave empty: a push that delivered nothing, or another version, shows in the others. Returns the
@@ -1222,7 +1315,7 @@ class Engine(NamedTuple):
     processes: list[psutil.Process]
     shared_memory: list[str]  # the files in /dev/shm it maps
     weights_dir: str  # a RAM-backed folder for the weights (CPUs)
-    staging: StagingBuffer  # the one weight snapshot on the engine's device, the push's
+    bucket: WeightBucket  # the push's, on the engine's device: what of the weight snapshots it holds
     watchdog: subprocess.Popen
     started: float  # time.perf_counter() once it was up: the timeline's origin
 
@@ -1244,13 +1337,13 @@ def start_engine(model: str, placement: Placement, signals: StopSignals, cores: 
         watchdog.stdin.write(json.dumps({"folder": weights_dir}) + "\n")
         watchdog.stdin.flush()
     shared_memory = shared_memory_files(processes)
-    staging = StagingBuffer(torch.device("cuda", placement.engine_gpu) if placement.devices else None, weights_dir)
+    bucket = WeightBucket(torch.device("cuda", placement.engine_gpu) if placement.devices else None, weights_dir)
     return Engine(
         llm=llm,
         processes=processes,
         shared_memory=shared_memory,
         weights_dir=weights_dir,
-        staging=staging,
+        bucket=bucket,
         watchdog=watchdog,
         started=time.perf_counter(),
     )

@@ -818,13 +818,16 @@ def snapshot_weights(
     return flat, layout
 
 
-def push_weights(llm: "LLM", staging: plumbing.StagingBuffer, weights: Weights) -> None:
-    """Load theta_v into the running engine, in place: the host snapshot is copied into the one staging buffer on the
-    engine's device, which its worker opens (by CUDA IPC on a GPU, shared memory on a CPU), loads as a checkpoint and
-    says what it then holds (plumbing.WeightReceiver); the prefix cache holds KV of the old weights: reset it. An
-    engine left with other weights stops the run."""
-    handle = staging.fill(weights.flat)
-    loaded = llm.collective_rpc("load_shared_weights", args=(weights.version, handle, weights.layout))[0]
+def push_weights(llm: "LLM", bucket: plumbing.WeightBucket, weights: Weights) -> None:
+    """Load theta_v into the running engine, in place, a bucket at a time: each run of whole layers of the host
+    snapshot is copied into the push's bucket on the engine's device, which its worker opens (by CUDA IPC on a GPU,
+    shared memory on a CPU), loads as a checkpoint's and checks against what it holds (plumbing.WeightReceiver) before
+    the next run overwrites it; the prefix cache holds KV of the old weights: reset it. An engine left with other
+    weights stops the run."""
+    loaded = [
+        llm.collective_rpc("load_shared_weights", args=(weights.version, filled.handle, filled.layout))[0]
+        for filled in bucket.fill(weights.flat, weights.layout)
+    ]
     plumbing.check_loaded(weights.version, loaded, llm.reset_prefix_cache())
 
 
@@ -1019,23 +1022,22 @@ def load_models(args: Args, inputs: Inputs, dtype: torch.dtype, accelerator: Acc
 def start_generation(args: Args, inputs: Inputs, n: int, dtype, schedule, channels: Channels, signals, cores, memory):
     """Rank 0's engine (in processes of its own: plumbing.py) and the generation thread that drives it, on `cores`.
     On GPUs the engine must leave room for what training allocates later (`memory`: what training adds on rank 0's GPU,
-    and one weight snapshot's bytes, the push's staging buffer on the engine's GPU)."""
-    placement, (to_come, snapshot) = inputs.placement, memory
-    host, total = plumbing.snapshot_memory(snapshot, args.async_level), 0
+    and the weight push's bucket on the engine's GPU: plumbing.EngineRoom)."""
+    placement, host, total = inputs.placement, plumbing.snapshot_memory(memory.snapshot, args.async_level), 0
     if placement.devices is not None:
         with plumbing.usage_errors():
             gpus = torch.cuda.mem_get_info(0), torch.cuda.mem_get_info(placement.engine_gpu)  # rank 0's, the engine's
             placement = placement._replace(
-                memory_utilization=plumbing.engine_share(placement, *gpus, to_come, staging=snapshot)
+                memory_utilization=plumbing.engine_share(placement, *gpus, memory.to_come, bucket=memory.bucket)
             )
         total = gpus[1][1]
     given = args.vllm_gpu_memory_utilization is not None
-    print(plumbing.engine_line(placement, total, snapshot, host, given, args.vllm_enforce_eager))
+    print(plumbing.engine_line(placement, total, memory.snapshot, memory.bucket, host, given, args.vllm_enforce_eager))
     llm = dict(seed=args.seed, dtype=str(dtype).removeprefix("torch."), trust_remote_code=args.trust_remote_code)
     llm["max_model_len"] = args.max_prompt_length + args.response_length
     llm["enforce_eager"] = placement.devices is None or args.vllm_enforce_eager  # CUDA graphs on GPUs
     engine = plumbing.start_engine(args.sft_model_path, placement, signals, cores, **llm)
-    push = partial(push_weights, engine.llm, engine.staging)
+    push = partial(push_weights, engine.llm, engine.bucket)
     prompts, eos = (inputs.train.token_ids, inputs.evaluation.token_ids), inputs.tokenizer.eos_token_id
     work = (engine.llm, schedule, *prompts, args, n, inputs.sizes.batch_size, eos, channels, push)
     thread = threading.Thread(target=generation_thread, args=work, daemon=True)
@@ -1180,13 +1182,17 @@ def main(args: Args) -> None:
     to_publish = published_versions(schedule)
 
     # what training allocates later, which the engine must leave room for on a GPU
-    snapshot = plumbing.snapshot_bytes(accelerator.unwrap_model(model), engine_names, engine_dtype)
     trained = sum(plumbing.numel(p) for p in model.parameters())
     trained = plumbing.trained_memory(
         trained, plumbing.zero_stage(accelerator), accelerator.num_processes, precision == "bf16"
     )
     to_come = {part: trained[part] for part in ("gradients", "optimizer state")}  # the weights are loaded
-    memory = to_come, snapshot
+    snapshot = plumbing.snapshot_sizes(accelerator.unwrap_model(model), engine_names)
+    memory = plumbing.EngineRoom(
+        to_come=to_come,
+        snapshot=sum(snapshot.values()) * engine_dtype.itemsize,
+        bucket=plumbing.bucket_bytes(snapshot, engine_dtype.itemsize),
+    )
 
     # rank 0 owns the engine and generates for every rank; the run folder is written once the engine is up, so a
     # start-up stopped by a signal or a failure leaves none

@@ -138,8 +138,10 @@ def test_memory_plan_by_hand():
     assert rank0 == expected
     assert engine == {
         "engine (vLLM's share)": int(0.7 * 79 * gib),
-        "the push's staging buffer (one snapshot)": 2 * P,  # bf16, whatever the async level
-        "rank 0's CUDA context (it writes the staging buffer)": gib,
+        # plumbing.BUCKET_BYTES, whatever the async level: the bf16 snapshot (2 x P) is larger, the largest layer
+        # (embed_in, 50304 x 2048 x 2 bytes) smaller
+        "the weight push's bucket": gib,
+        "rank 0's CUDA context (it writes the bucket)": gib,
         "engine's CUDA context": gib,
     }
     # async level 1: 3 snapshots in pinned host memory, each of 2,023,563,264 bytes in a block of 2**31 (torch rounds a

@@ -76,7 +76,7 @@ def test_engine_after_a_weight_push_matches_the_trainer_on_long_prompts(engine, 
     weights_dir.mkdir()
     place = plumbing.SnapshotPlace(pinned=False, folder=str(weights_dir))
     snapshot = dpo.snapshot_weights(new_policy.state_dict(), dpo.checkpoint_names(new_policy), torch.float32, place)
-    dpo.push_weights(engine, plumbing.StagingBuffer(None, str(weights_dir)), dpo.Weights(1, *snapshot))
+    dpo.push_weights(engine, plumbing.WeightBucket(None, str(weights_dir)), dpo.Weights(1, *snapshot))
     for prompt, (tokens, logprobs) in zip(prompts, greedy_with_engine(engine, prompts, 8)):
         expected_tokens, expected_logprobs = greedy_with_transformers(new_policy, prompt, 8)
         assert tokens == expected_tokens
@@ -106,18 +106,22 @@ def test_engine_after_a_weight_push_matches_the_trainer_on_long_prompts(engine, 
 
 @on_the_module_engine
 @pytest.mark.parametrize("async_level", [0, 1, 2, 3])
-def test_the_engine_device_holds_one_snapshot_at_every_async_level(engine, policy_a, tokenizer, tmp_path, async_level):
+def test_the_engine_device_holds_one_bucket_at_every_async_level(engine, policy_a, tokenizer, tmp_path, async_level):
     """Three pushes of versions that differ, through the scripts' code: the trainer's publish (a snapshot in host
     memory), the generation thread pulling each version its schedule needs and pushing it (push_weights), and the
-    snapshots let go once nothing owes them (owed_snapshots). At every push the engine's device holds one snapshot,
-    the staging buffer (on a CPU a shared-memory file of the weights folder, as the GPU's is CUDA memory), the same
-    one each time; the host holds at most async_level + 2 snapshots, the count the memory plan takes."""
+    snapshots let go once nothing owes them (owed_snapshots). At every push the engine's device holds the push's
+    bucket alone (on a CPU a shared-memory file of the weights folder, as the GPU's is CUDA memory), the same one each
+    time, of bucket_bytes: here the largest layer's, less than a snapshot, so each push takes several loads; the host
+    holds at most async_level + 2 snapshots, the count the memory plan takes."""
     from accelerate import Accelerator
     from transformers import AutoModelForCausalLM
 
     policy, accelerator = AutoModelForCausalLM.from_pretrained(policy_a), Accelerator(cpu=True)
     names, folder = dpo.checkpoint_names(policy), tmp_path
-    place, staging = plumbing.SnapshotPlace(pinned=False, folder=str(folder)), plumbing.StagingBuffer(None, str(folder))
+    place, bucket = (
+        plumbing.SnapshotPlace(pinned=False, folder=str(folder)),
+        plumbing.WeightBucket(None, str(folder), 1),
+    )
     num_steps = async_level + 4  # versions 1, 2 and 3 are pushed
     schedule = dpo.generation_schedule(num_steps, async_level, eval_steps=[])
     to_publish, snapshots = dpo.published_versions(schedule), {}
@@ -125,9 +129,9 @@ def test_the_engine_device_holds_one_snapshot_at_every_async_level(engine, polic
     held = []  # at each push: the engine device's buffers (name, bytes) and the host's snapshots
 
     def push(weights):
-        dpo.push_weights(engine, staging, weights)
+        dpo.push_weights(engine, bucket, weights)
         files = {f.name: f.stat().st_size for f in folder.iterdir()}
-        on_device = [(name, size) for name, size in files.items() if name.startswith("staging-")]
+        on_device = [(name, size) for name, size in files.items() if name.startswith("bucket-")]
         held.append((weights.version, on_device, sum(name.startswith("snapshot-") for name in files)))
 
     args = dpo.Args(response_length=2, seed=0)
@@ -146,7 +150,8 @@ def test_the_engine_device_holds_one_snapshot_at_every_async_level(engine, polic
         for version in snapshots.keys() - dpo.owed_snapshots(snapshots, schedule, step + 1, set()).keys():
             del snapshots[version]
     thread.join(timeout=60)
-    one = plumbing.snapshot_bytes(policy, names, torch.float32)
+    one = plumbing.bucket_bytes(plumbing.snapshot_sizes(policy, names), element_size=4, least=1)
+    assert one < plumbing.snapshot_bytes(policy, names, torch.float32)
     assert [version for version, _, _ in held] == [1, 2, 3]
     assert all(len(on_device) == 1 and on_device[0][1] == one for _, on_device, _ in held), held
     assert len({name for _, on_device, _ in held for name, _ in on_device}) == 1  # allocated once
@@ -168,7 +173,7 @@ def test_an_engine_holding_other_weights_than_it_was_sent_stops_the_run(engine, 
     )
     snapshot_b = dpo.Weights(5, *dpo.snapshot_weights(b.state_dict(), dpo.checkpoint_names(b), torch.float32, place))
     snapshot_c = dpo.Weights(6, *dpo.snapshot_weights(c.state_dict(), dpo.checkpoint_names(c), torch.float32, place))
-    dpo.push_weights(engine, plumbing.StagingBuffer(None, str(tmp_path)), snapshot_b)  # checks what it holds: b
+    dpo.push_weights(engine, plumbing.WeightBucket(None, str(tmp_path)), snapshot_b)  # checks what it holds: b
     held = engine.collective_rpc("holds", args=(5, plumbing.shared_handle(snapshot_b.flat), snapshot_b.layout))[0]
     # norms and the embeddings compare on a CPU (its linear layers repack their weights and leave them empty)
     assert held["version"] == 5 and held["compared"] >= 5 and held["differ"] == []
@@ -177,13 +182,13 @@ def test_an_engine_holding_other_weights_than_it_was_sent_stops_the_run(engine, 
     assert stale["compared"] == held["compared"] and stale["differ"] == ["model.embed_tokens.weight", "lm_head.weight"]
     with pytest.raises(
         RuntimeError,
-        match=rf"does not hold policy version 6 after its push: 2 of {held['compared']} tensors compared differ",
+        match=rf"does not hold policy version 6 after its push: 2 of {2 * held['compared']} tensors compared differ",
     ):
-        plumbing.check_loaded(6, stale, cache_reset=True)
+        plumbing.check_loaded(6, [held, stale], cache_reset=True)  # a push's loads, checked together
     with pytest.raises(RuntimeError, match="does not hold policy version 5 after its push: its prefix cache was not"):
-        plumbing.check_loaded(5, held, cache_reset=False)
+        plumbing.check_loaded(5, [held], cache_reset=False)
     with pytest.raises(RuntimeError, match="does not hold policy version 7 after its push: it loaded version 5"):
-        plumbing.check_loaded(7, held, cache_reset=True)
+        plumbing.check_loaded(7, [held], cache_reset=True)
     paths = [snapshot_b.flat.shared_path, snapshot_c.flat.shared_path]
     assert all(os.path.exists(path) for path in paths)
     del snapshot_b, snapshot_c
@@ -216,7 +221,7 @@ def test_engine_logprobs_are_the_trainers_after_temperature(engine, policy_a, to
     policy = AutoModelForCausalLM.from_pretrained(policy_a).eval()
     place = plumbing.SnapshotPlace(pinned=False, folder=str(tmp_path))
     snapshot = rloo.snapshot_weights(policy.state_dict(), rloo.checkpoint_names(policy), torch.float32, place)
-    rloo.push_weights(engine, plumbing.StagingBuffer(None, str(tmp_path)), rloo.Weights(0, *snapshot))
+    rloo.push_weights(engine, plumbing.WeightBucket(None, str(tmp_path)), rloo.Weights(0, *snapshot))
     prompts = [
         tokenizer(q).input_ids for q in ("sort: fox ant cat ->", "sort: yak bee cow dog elk emu ->", "sort: ape asp ->")
     ]
@@ -299,7 +304,9 @@ def test_each_push_loads_exactly_what_a_checkpoint_would(arch, tied, tokenizer, 
     """The scripts' engine (plumbing.make_engine) takes three pushes (push_weights, as the scripts push) of models
     whose every tensor differs, norms and biases included, for each family researchers train now: GPTNeoX, Llama
     (untied and tied), Qwen2, Qwen3 (tied), Mistral, Gemma 2, OLMo 2, Phi-3 and GPT-2. After each, the engine says it
-    holds the pushed version (plumbing.WeightReceiver.holds), every engine parameter is bit for bit what vLLM's
+    holds the pushed version (plumbing.WeightReceiver.holds), through one bucket that holds the whole snapshot (version
+    1) and through one that holds its largest layer (2 and 3: a push of several loads, a layer at a time, each layer
+    larger than the bucket's least), every engine parameter is bit for bit what vLLM's
     loader makes of the same model saved by save_pretrained, and differs from the previous version's; long prompts
     (the prefix cache was reset) give the new model's greedy tokens and logprobs. vLLM's CPU linear layers repack
     their weights and leave the parameter empty: those are checked through the logprobs, which every weight moves.
@@ -323,10 +330,13 @@ def test_each_push_loads_exactly_what_a_checkpoint_would(arch, tied, tokenizer, 
         greedy_with_engine(llm, prompts, 4)  # the prefix cache holds version 0's KV
         before = engine_parameters(llm)
         place = plumbing.SnapshotPlace(pinned=False, folder=str(tmp_path))
-        staging = plumbing.StagingBuffer(None, str(tmp_path))
+        whole, small = plumbing.WeightBucket(None, str(tmp_path)), plumbing.WeightBucket(None, str(tmp_path), least=1)
         for version, model in enumerate(models[1:], start=1):
             flat, layout = dpo.snapshot_weights(model.state_dict(), dpo.checkpoint_names(model), torch.float32, place)
-            dpo.push_weights(llm, staging, dpo.Weights(version, flat, layout))
+            bucket = whole if version == 1 else small
+            dpo.push_weights(llm, bucket, dpo.Weights(version, flat, layout))
+            loads = len(plumbing.bucket_chunks(layout, bucket.flat.numel()))
+            assert loads == 1 if version == 1 else loads > 3, loads
             # what the engine says it holds, which push_weights has checked already (plumbing.check_loaded)
             held = llm.collective_rpc("holds", args=(version, plumbing.shared_handle(flat), layout))[0]
             assert held["version"] == version and held["compared"] > 0 and held["differ"] == [], held

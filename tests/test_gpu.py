@@ -72,16 +72,16 @@ def test_each_ipc_push_loads_exactly_what_a_checkpoint_would(arch, tied, tokeniz
         prompts = [TokensPrompt(prompt_token_ids=p) for p in prompts]
         llm.generate(prompts, greedy, use_tqdm=False)  # CUDA graphs captured, the prefix cache full of version 0's KV
         before, memory = engine_parameters(llm), []
-        place, staging = (
+        place, bucket = (  # a bucket of the largest layer: each push is several loads by CUDA IPC
             plumbing.SnapshotPlace(pinned=True, folder=None),
-            plumbing.StagingBuffer(torch.device("cuda"), None),
+            plumbing.WeightBucket(torch.device("cuda"), None, least=1),
         )
         for version, model in enumerate(models[1:], start=1):
             trainer.cpu()
             trainer = model.cuda()
             names = dpo.checkpoint_names(trainer)
             flat, layout = dpo.snapshot_weights(trainer.state_dict(), names, torch.bfloat16, place)
-            dpo.push_weights(llm, staging, dpo.Weights(version, flat, layout))
+            dpo.push_weights(llm, bucket, dpo.Weights(version, flat, layout))
             pushed = engine_parameters(llm)
             outputs = llm.generate(prompts, greedy, use_tqdm=False)
             sampled_outputs = llm.generate(prompts, sampled, use_tqdm=False)
@@ -211,9 +211,9 @@ def test_snapshots_freed_over_six_pushes_leave_gpu_memory_as_after_the_second(to
     """Six pushes, each of another model (Pythia-160m's shape), into an engine with CUDA graphs, generating after each.
     The snapshots live in pinned host memory as the scripts keep them at --async_level 1 between evaluations: the
     version still owed a batch and the one just published; an older one is freed once the engine has loaded its
-    successor. The GPU holds only the push's staging buffer, allocated at the first push, which the engine opens by
-    CUDA IPC at every push; the engine must keep nothing of what it opens: from the second push on, the trainer's and
-    the engine's GPU memory stay the same, byte for byte, and the trainer's grew by the staging buffer alone."""
+    successor. The GPU holds only the push's bucket, allocated at the first push, which the engine opens by CUDA IPC
+    at every push; the engine must keep nothing of what it opens: from the second push on, the trainer's and the
+    engine's GPU memory stay the same, byte for byte, and the trainer's grew by the bucket alone."""
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
@@ -231,9 +231,9 @@ def test_snapshots_freed_over_six_pushes_leave_gpu_memory_as_after_the_second(to
         sampled = SamplingParams(temperature=0.7, max_tokens=8, ignore_eos=True, seed=0)
         llm.generate(prompts, sampled, use_tqdm=False)  # CUDA graphs captured, the prefix cache filled
         alive, memory, before = {}, [], torch.cuda.memory_allocated()
-        place, staging = (
+        place, bucket = (
             plumbing.SnapshotPlace(pinned=True, folder=None),
-            plumbing.StagingBuffer(torch.device("cuda"), None),
+            plumbing.WeightBucket(torch.device("cuda"), None),
         )
         for version, model in enumerate(models[1:], start=1):
             trainer.cpu()
@@ -243,14 +243,14 @@ def test_snapshots_freed_over_six_pushes_leave_gpu_memory_as_after_the_second(to
             assert flat.is_pinned() and not flat.is_cuda
             alive[version] = dpo.Weights(version, flat, layout)
             del flat
-            dpo.push_weights(llm, staging, alive[version])
+            dpo.push_weights(llm, bucket, alive[version])
             llm.generate(prompts, sampled, use_tqdm=False)
             alive.pop(version - 2, None)  # loaded, and owed nothing any more
             memory.append((torch.cuda.memory_allocated(), engine_memory(llm)))
         print("GPU memory (trainer, engine) after each push:", memory)
         assert sorted(alive) == [5, 6]
         assert memory[1:] == [memory[1]] * 5, memory
-        assert memory[0][0] - before == pytest.approx(staging.flat.numel() * 2, abs=512)  # the staging buffer, bf16
+        assert memory[0][0] - before == pytest.approx(bucket.flat.numel() * 2, abs=512)  # the bucket, bf16
     finally:
         llm.llm_engine.engine_core.shutdown()
 

@@ -39,7 +39,7 @@ def test_placement_one_gpu_is_shared_with_training():
 
 
 def test_placement_n_plus_one_gpus_gives_the_engine_its_own(monkeypatch):
-    # training uses visible GPUs 0..N-1; the engine the next one, alone: rank 0 writes the staging buffer there
+    # training uses visible GPUs 0..N-1; the engine the next one, alone: rank 0 writes the push's bucket there
     monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
     assert plumbing.engine_placement("auto", ["0", "1"], 1, None) == plumbing.Placement("1", False, 1, None)
     assert plumbing.engine_placement("auto", ["4", "5", "6", "7"], 3, None) == plumbing.Placement("7", False, 3, None)
@@ -82,34 +82,35 @@ def test_placement_past_one_node_counts_the_gpus_of_rank_0s_node(monkeypatch, lo
 
 def test_the_gpu_memory_check_counts_what_training_allocates_later():
     """Hand-computed, one shared 80 GiB GPU with 40 free once the models are loaded: training will add 8 + 4 GiB, the
-    push's staging buffer 2 GiB and the CUDA contexts 2 GiB (counted twice on a shared GPU, as both processes use
+    push's bucket 2 GiB (a model with a layer of 2 GiB) and the CUDA contexts 2 GiB (counted twice on a shared GPU, as both processes use
     it): 16 GiB; 5 % of the GPU (4 GiB) is kept. An engine at 0.3 (24 GiB) does not fit (44 > 40); at most
     (40 - 16 - 4) / 80 = 0.25 does."""
     gib = 2**30
-    to_come, staging = {"optimizer state": 8 * gib, "gradients": 4 * gib}, 2 * gib
+    to_come, bucket = {"optimizer state": 8 * gib, "gradients": 4 * gib}, 2 * gib
     shared = plumbing.Placement("0", True, 0, 0.3)
     gpu = (40 * gib, 80 * gib)
     with pytest.raises(plumbing.UsageError) as raised:
-        plumbing.engine_share(shared, gpu, gpu, to_come, staging)
+        plumbing.engine_share(shared, gpu, gpu, to_come, bucket)
     message = str(raised.value)
     assert "\n" not in message and message.startswith(
         "--vllm_gpu_memory_utilization 0.3: the engine would take 24.0 GiB"
     )
     assert "40.0 GiB free" in message and "training will add 16.0 GiB there (optimizer state 8.0 GiB" in message
-    assert "the weight push's staging buffer 2.0 GiB" in message and "lower it to at most 0.25" in message
-    assert plumbing.engine_share(shared._replace(memory_utilization=0.25), gpu, gpu, to_come, staging) == 0.25
+    assert "the weight push's bucket 2.0 GiB" in message and "lower it to at most 0.25" in message
+    assert plumbing.engine_share(shared._replace(memory_utilization=0.25), gpu, gpu, to_come, bucket) == 0.25
     # left out, the share is the largest that fits, 0.25, within the 0.3 a shared GPU's engine gets at most
-    assert plumbing.engine_share(shared._replace(memory_utilization=None), gpu, gpu, to_come, staging) == 0.25
+    assert plumbing.engine_share(shared._replace(memory_utilization=None), gpu, gpu, to_come, bucket) == 0.25
     roomy = (60 * gib, 80 * gib)  # (60 - 16 - 4) / 80 = 0.5 would fit: the engine still gets 0.3
-    assert plumbing.engine_share(shared._replace(memory_utilization=None), roomy, roomy, to_come, staging) == 0.3
+    assert plumbing.engine_share(shared._replace(memory_utilization=None), roomy, roomy, to_come, bucket) == 0.3
 
 
-def test_with_a_gpu_of_its_own_the_engine_holds_one_staging_snapshot_beside_its_share():
+def test_with_a_gpu_of_its_own_the_engine_holds_the_push_bucket_beside_its_share():
     """Hand-computed, N + 1 GPUs of 80 GiB: rank 0's must hold training's 12 GiB and 4 GiB kept (16 <= 20 free); the
-    engine's holds its 0.9 x 80 = 72 GiB, the push's staging buffer of one 16 GiB snapshot (an 8B policy in bf16)
-    and the CUDA contexts of rank 0 and the engine: more than 80. At most (80 - 16 - 2 - 4) / 80 = 0.725 fits beside
-    it: 0.72, whatever the async level. The snapshots, 3 at async level 1, take 48 GiB of rank 0's pinned host memory
-    (torch rounds each block up to a power of two: 15 GiB take 16)."""
+    engine's holds its share, the push's bucket of 1 GiB (an 8B policy in bf16, whose largest layer is 0.98 GiB) and
+    the CUDA contexts of rank 0 and the engine: at most (80 - 1 - 2 - 4) / 80 = 0.9125 fits, 0.91, whatever the
+    async level; left out, the engine gets vLLM's 0.9. A whole 16 GiB snapshot there would leave (80 - 16 - 2 - 4) /
+    80 = 0.725: 0.72. The snapshots, 3 at async level 1, take 48 GiB of rank 0's pinned host memory (torch rounds each
+    block up to a power of two: 15 GiB take 16)."""
     gib = 2**30
     separate = plumbing.Placement("7", False, 7, 0.9)
     to_come = {"optimizer state": 8 * gib, "gradients": 4 * gib}
@@ -117,13 +118,15 @@ def test_with_a_gpu_of_its_own_the_engine_holds_one_staging_snapshot_beside_its_
         plumbing.engine_share(separate, (15 * gib, 80 * gib), (80 * gib, 80 * gib), to_come, 0)
     assert plumbing.snapshot_memory(16 * gib, async_level=1) == plumbing.snapshot_memory(15 * gib, 1) == 48 * gib
     assert plumbing.snapshot_memory(16 * gib, async_level=3) == 80 * gib
-    with pytest.raises(plumbing.UsageError) as raised:
-        plumbing.engine_share(separate, (20 * gib, 80 * gib), (80 * gib, 80 * gib), to_come, 16 * gib)
-    message = str(raised.value)
-    assert "the engine's GPU has 80.0 GiB free and the engine would take 72.0 GiB, beside the weight push's" in message
-    assert "staging buffer of 16.0 GiB" in message and "lower it to at most 0.72" in message
     gpus = (20 * gib, 80 * gib), (80 * gib, 80 * gib)
-    assert plumbing.engine_share(separate._replace(memory_utilization=0.72), *gpus, to_come, 16 * gib) == 0.72
+    assert plumbing.engine_share(separate, *gpus, to_come, gib) == 0.9
+    with pytest.raises(plumbing.UsageError) as raised:
+        plumbing.engine_share(separate._replace(memory_utilization=0.95), *gpus, to_come, gib)
+    message = str(raised.value)
+    assert "the engine's GPU has 80.0 GiB free and the engine would take 76.0 GiB, beside the weight push's" in message
+    assert "bucket of 1.0 GiB" in message and "lower it to at most 0.91" in message
+    assert plumbing.engine_share(separate._replace(memory_utilization=0.91), *gpus, to_come, gib) == 0.91
+    assert plumbing.engine_share(separate._replace(memory_utilization=None), *gpus, to_come, gib) == 0.9
     assert plumbing.engine_share(separate._replace(memory_utilization=None), *gpus, to_come, 16 * gib) == 0.72
     # with a small policy, the engine gets vLLM's default, 0.9, not all the (80 - 2 - 4) / 80 = 0.92 that fit
     assert plumbing.engine_share(separate._replace(memory_utilization=None), *gpus, to_come, 0) == 0.9
@@ -132,54 +135,59 @@ def test_with_a_gpu_of_its_own_the_engine_holds_one_staging_snapshot_beside_its_
 def test_a_2_8b_policy_sharing_one_gpu_gets_the_share_training_leaves():
     """Pythia-2.8B (2.78e9 parameters) on an 80 GiB GPU: fp32 policy and reference and a bf16 reward model leave
     58,099,345,920 bytes (54.1 GiB) free, which holds the engine's 0.3 (24 GiB, what the check looked at before) but
-    not beside training's optimizer state and gradients (33.36e9 bytes), the push's staging buffer of one bf16
-    snapshot (5.56e9) and the CUDA contexts (2 GiB): with 5 % kept, (58.10e9 - 41.07e9 - 4.29e9) / 85.90e9 = 0.148
-    fits: 0.14. (With the three snapshots of async level 1 on the GPU, 16.7e9 bytes, none fitted.)"""
+    not beside training's optimizer state and gradients (33.36e9 bytes), the push's bucket (1 GiB: the bf16 snapshot
+    is 5.56e9 bytes, its largest layer 0.26e9) and the CUDA contexts (2 GiB): with 5 % kept, (58.10e9 - 36.58e9 -
+    4.29e9) / 85.90e9 = 0.2005 fits: 0.2. (Beside a whole bf16 snapshot, 0.14; beside the three snapshots of async
+    level 1, 16.7e9 bytes, none fitted.)"""
     gib, params = 2**30, 2.78e9
     trained = plumbing.trained_memory(int(params), zero_stage=0, processes=1, bf16=True)  # fp32 under autocast
     assert trained == {"weights": 11_120_000_000, "gradients": 11_120_000_000, "optimizer state": 22_240_000_000}
     to_come = {part: trained[part] for part in ("gradients", "optimizer state")}
     free = 80 * gib - int(params * (4 + 4 + 2))
     gpu = (free, 80 * gib)
-    with pytest.raises(plumbing.UsageError, match="lower it to at most 0.14, or give the engine a GPU of its own"):
-        plumbing.engine_share(plumbing.Placement("0", True, 0, 0.3), gpu, gpu, to_come, int(params) * 2)
+    with pytest.raises(plumbing.UsageError, match="lower it to at most 0.2, or give the engine a GPU of its own"):
+        plumbing.engine_share(plumbing.Placement("0", True, 0, 0.3), gpu, gpu, to_come, gib)
+    assert plumbing.engine_share(plumbing.Placement("0", True, 0, None), gpu, gpu, to_come, gib) == 0.2
     assert plumbing.engine_share(plumbing.Placement("0", True, 0, None), gpu, gpu, to_come, int(params) * 2) == 0.14
 
 
 @pytest.mark.parametrize(
-    "params, share",
+    "params, largest",
     [
-        # Pythia-1b (1.01e9): a bf16 staging snapshot of 2.02 GB, 1.88 GiB; (80 - 1.88 - 2 - 4) / 80 = 0.901: vLLM's 0.9
-        (1_011_781_632, 0.9),
-        # Llama-3.1-8B (8.03e9): a bf16 staging snapshot of 16.06 GB, 14.96 GiB; (80 - 14.96 - 2 - 4) / 80 = 0.738
-        (8_030_261_248, 0.73),
+        # Pythia-410m (405e6): its bf16 snapshot, 0.81e9 bytes, 0.75 GiB, is the bucket; (80 - 0.75 - 2 - 4) / 80 = 0.9156
+        (405_334_016, 0.91),
+        # Pythia-1b (1.01e9) and Llama-3.1-8B (8.03e9): a bucket of 1 GiB (larger than their largest layer, smaller
+        # than their bf16 snapshot); (80 - 1 - 2 - 4) / 80 = 0.9125
+        (1_011_781_632, 0.91),
+        (8_030_261_248, 0.91),
     ],
 )
-def test_the_readme_commands_on_n_plus_1_gpus_get_an_engine_with_the_share_the_run_leaves(params, share):
+def test_the_readme_commands_on_n_plus_1_gpus_get_an_engine_with_the_share_the_run_leaves(params, largest):
     """The README's `accelerate launch ... --num_processes 7 ... --async_level 1` on 8 GPUs of 80 GiB, the flag left
-    out: the engine's GPU holds the push's staging buffer, and the engine gets the rest up to 0.9. Rank 0's GPU is
+    out: the engine's GPU holds the push's bucket, and the engine gets the rest up to vLLM's 0.9. Rank 0's GPU is
     ZeRO-3's (some GiB free of training's share). Hand-computed shares."""
     gib = 2**30
     separate = plumbing.Placement("7", False, 7, None)
     to_come = {"gradients": params * 2 // 7, "optimizer state": params * 12 // 7}
     gpus = (60 * gib, 80 * gib), (80 * gib, 80 * gib)
-    assert plumbing.engine_share(separate, *gpus, to_come, staging=params * 2) == share
-    with pytest.raises(plumbing.UsageError, match=f"lower it to at most {share} "):
-        plumbing.engine_share(separate._replace(memory_utilization=0.95), *gpus, to_come, staging=params * 2)
+    bucket = min(params * 2, plumbing.BUCKET_BYTES)
+    assert plumbing.engine_share(separate, *gpus, to_come, bucket=bucket) == 0.9
+    with pytest.raises(plumbing.UsageError, match=f"lower it to at most {largest} "):
+        plumbing.engine_share(separate._replace(memory_utilization=0.95), *gpus, to_come, bucket=bucket)
 
 
 def test_the_engine_line_says_what_the_engine_got_and_that_its_first_start_compiles():
-    """Printed at start: the device, the share and where it came from, the staging buffer and the snapshots in host
+    """Printed at start: the device, the share and where it came from, the push's bucket and the snapshots in host
     memory; on a GPU with CUDA graphs, that the first start compiles, and the flag that skips it."""
     gib = 2**30
     placement = plumbing.Placement("7", False, 7, 0.37)
-    line = plumbing.engine_line(placement, 80 * gib, 15 * gib, 48 * gib, flag_given=False, eager=False)
+    line = plumbing.engine_line(placement, 80 * gib, 15 * gib, gib, 48 * gib, flag_given=False, eager=False)
     assert line.startswith("engine: GPU 7 of its own, 0.37 of its 80.00 GiB (the largest share the run leaves")
-    assert "staging buffer of 15.00 GiB (the snapshots: 48.00 GiB at most, in pinned host memory)" in line
+    assert "bucket of 1.00 GiB (the snapshots of 15.00 GiB: 48.00 GiB at most, in pinned host memory)" in line
     assert "first start compiles the model" in line and "--vllm_enforce_eager" in line
-    eager = plumbing.engine_line(placement, 80 * gib, 15 * gib, 48 * gib, flag_given=True, eager=True)
+    eager = plumbing.engine_line(placement, 80 * gib, 15 * gib, gib, 48 * gib, flag_given=True, eager=True)
     assert "(--vllm_gpu_memory_utilization)" in eager and "compiles" not in eager
-    cpu = plumbing.engine_line(plumbing.Placement(None, False, 0, 0.9), 0, 3 * 2**20, 9 * 2**20, False, True)
+    cpu = plumbing.engine_line(plumbing.Placement(None, False, 0, 0.9), 0, 3 * 2**20, 3 * 2**20, 9 * 2**20, False, True)
     assert cpu == "engine: on the CPU; weight snapshots of 3.00 MiB each"
 
 
@@ -434,3 +442,42 @@ def test_ppo_s_push_under_zero3_gathers_the_policy_and_never_the_value_model(tok
     assert report["equal"]
     assert report["gathered"] == [name for name in report["parameters"] if name.startswith("policy.")]
     assert any(name.startswith("value_model.") for name in report["parameters"])
+
+
+def test_the_push_bucket_takes_whole_layers_and_a_tensor_larger_than_its_least():
+    """plumbing.bucket_bytes: BUCKET_BYTES (1 GiB), or the snapshot if smaller, or the largest layer if larger: here a
+    single tensor, an embedding of 768 Mi elements, 1.5 GiB in bf16. bucket_chunks cuts the snapshot into runs of
+    whole layers (plumbing.load_unit: q/k/v and gate/up, which vLLM fuses, always in one load) that fill the bucket in
+    order, each layout's offsets counted from the bucket's start: the embedding; layers 0 to 2 (3 x 192 Mi) and the
+    norm; the head. A layer split in the snapshot, or larger than the bucket, is refused."""
+    mi = 2**20
+    layers = {
+        f"model.layers.{i}.{part}.weight": n for i in range(3) for part, n in [("q_proj", 64 * mi), ("up", 128 * mi)]
+    }
+    sizes = {"model.embed_tokens.weight": 768 * mi, **layers, "model.norm.weight": 4096, "lm_head.weight": 768 * mi}
+    assert plumbing.bucket_bytes(sizes, element_size=2) == 768 * mi * 2  # 1.5 GiB
+    assert plumbing.bucket_bytes(sizes, element_size=2) > plumbing.BUCKET_BYTES
+    small = {"model.layers.0.q_proj.weight": mi, "model.norm.weight": 4096}
+    assert plumbing.bucket_bytes(small, element_size=2) == 2 * (mi + 4096)  # the whole snapshot
+    assert plumbing.bucket_bytes(small, element_size=2, least=1) == 2 * mi  # its largest layer
+    layout, offset = [], 0
+    for name, numel in sizes.items():
+        layout.append((name, [numel], offset))
+        offset += numel
+    chunks = plumbing.bucket_chunks(layout, capacity=768 * mi)
+    assert [(chunk.start, chunk.end) for chunk in chunks] == [
+        (0, 768 * mi),
+        (768 * mi, 768 * mi + 576 * mi + 4096),
+        (768 * mi + 576 * mi + 4096, offset),
+    ]
+    assert [name for chunk in chunks for name, _, _ in chunk.layout] == list(sizes)
+    assert chunks[1].layout[:2] == [
+        ("model.layers.0.q_proj.weight", [64 * mi], 0),
+        ("model.layers.0.up.weight", [128 * mi], 64 * mi),
+    ]
+    assert all(chunk.end - chunk.start <= 768 * mi for chunk in chunks)
+    with pytest.raises(RuntimeError, match="model.embed_tokens: 805306368 elements, a bucket of 536870912"):
+        plumbing.bucket_chunks(layout, capacity=512 * mi)
+    split = [layout[1], layout[3], layout[2]]  # layer 0's up after layer 1's q_proj
+    with pytest.raises(RuntimeError, match="the tensors of model.layers.0 are not together"):
+        plumbing.bucket_chunks(split, capacity=768 * mi)
