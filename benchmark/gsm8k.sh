@@ -53,7 +53,7 @@ GSM8K=(
     --save_freq 0                            # no checkpoints (a positive value makes the run resumable)
     --local_rollout_forward_batch_size 84
     --vllm_dtype bfloat16
-    --vllm_gpu_memory_utilization 0.85      # fits beside one bf16 staging snapshot (2.0 GiB): the whole step in one wave
+    --vllm_gpu_memory_utilization 0.91      # the largest the memory plan fits beside the push's 1 GiB bucket: the whole step in one wave
 )
 # TINY=1: the local fixture in the real format (configs main/socratic, splits train/test) and the
 # tiny task's policy; its prompts are at most 31 tokens of the tiny tokenizer.

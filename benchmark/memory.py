@@ -9,8 +9,9 @@ A model's parameters are counted from its config.json (a local folder), else fro
 (ARCHITECTURES: the paper's Pythia, Llama 3.1 8B and Rho-1B models), built on the meta device. The parts follow the
 code: the trained models' weights, gradients and AdamW state by ZeRO stage (plumbing.trained_memory); the reference
 (fp32, or sharded in the run's precision under ZeRO-3) and the reward model (--dtype) on every rank, the gold judge on
-rank 0; one weight snapshot on the engine's GPU (the push's staging buffer), and async level + 2 of them in rank 0's
-pinned host memory (plumbing.snapshot_memory), shown under the table; a CUDA context per process and GPU;
+rank 0; the weight push's bucket on the engine's GPU (plumbing.bucket_bytes: 1 GiB, or the largest layer, or the
+snapshot if smaller), and async level + 2 weight snapshots in rank 0's pinned host memory (plumbing.snapshot_memory),
+shown under the table; a CUDA context per process and GPU;
 the activations of one micro-batch (Korthikanti et al. 2022, table 2: 34 s b h bytes per layer in 16-bit, without the
 5 a s^2 b of attention scores that transformers' SDPA attention does not keep; 2 s b h with gradient checkpointing,
 plus one layer's), the response logits in fp32 (3 copies), and the largest no-grad forward of
@@ -30,7 +31,7 @@ sys.path.insert(0, str(ROOT))
 GIB = 2**30
 MARGIN = 0.05  # of each GPU, kept free: allocator slack and what the plan does not count
 SCRIPTS = ("online_dpo_async.py", "rloo_async.py", "ppo_async.py")
-STAGING = "the push's staging buffer (one snapshot)"  # the weight snapshots themselves are in host memory
+BUCKET = "the weight push's bucket"  # the weight snapshots themselves are in host memory
 # The architectures of the paper's models, by a piece of their hub ids or folder names (published configs).
 PYTHIA = dict(model_type="gpt_neox", vocab_size=50304, max_position_embeddings=2048, tie_word_embeddings=False)
 LLAMA_3_8B = dict(model_type="llama", vocab_size=128256, hidden_size=4096, num_hidden_layers=32)
@@ -78,7 +79,8 @@ class Model:
             auto = AutoModelForSequenceClassification if classifier else AutoModelForCausalLM
             model = auto.from_config(config)
         self.module = model  # on the meta device: shapes without memory (benchmark/plan.py counts its FLOPs)
-        self.params = sum(p.numel() for p in model.parameters())
+        self.sizes = {name: p.numel() for name, p in model.named_parameters()}  # tied ones once, as pushed
+        self.params = sum(self.sizes.values())
         self.hidden, self.layers = config.hidden_size, config.num_hidden_layers
         self.vocab = config.vocab_size
         self.kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads  # GPTNeoX: no GQA
@@ -192,16 +194,16 @@ def memory_plan(run: Run, gpu_bytes: int, gpus: int | None) -> dict:
     rank0 = dict(rank)
     if gold:
         rank0["gold judge (rank 0 only)"] = gold.params * 2
-    snapshot = policy.params * run.engine_bytes
+    snapshot, bucket = policy.params * run.engine_bytes, plumbing.bucket_bytes(policy.sizes, run.engine_bytes)
     gpus = gpus or processes + 1
     utilization = args.vllm_gpu_memory_utilization
     if gpus > processes:  # the engine's GPU of its own
-        engine = {"engine (vLLM's share)": int((utilization or 0.9) * gpu_bytes), STAGING: snapshot}
-        engine["rank 0's CUDA context (it writes the staging buffer)"] = plumbing.CUDA_CONTEXT
+        engine = {"engine (vLLM's share)": int((utilization or 0.9) * gpu_bytes), BUCKET: bucket}
+        engine["rank 0's CUDA context (it writes the bucket)"] = plumbing.CUDA_CONTEXT
         engine["engine's CUDA context"] = plumbing.CUDA_CONTEXT
         result = {"training rank 0": rank0, "engine's GPU": engine}
     else:
-        rank0 |= {"engine (vLLM's share)": int((utilization or 0.3) * gpu_bytes), STAGING: snapshot}
+        rank0 |= {"engine (vLLM's share)": int((utilization or 0.3) * gpu_bytes), BUCKET: bucket}
         rank0["engine's CUDA context"] = plumbing.CUDA_CONTEXT
         result = {"training rank 0, shared with the engine": rank0}
     if processes > 1:

@@ -63,7 +63,7 @@ NO_ROBOTS=(
     --save_freq 0                            # no checkpoints (a positive value makes the run resumable)
     --local_rollout_forward_batch_size 8
     --vllm_dtype bfloat16
-    --vllm_gpu_memory_utilization 0.73      # the largest the memory plan fits beside one bf16 staging snapshot (15 GiB)
+    --vllm_gpu_memory_utilization 0.91      # the most the plan fits beside the 1 GiB push bucket: 292 sequences of 1536 tokens, all 252 at once
     --gradient_checkpointing
 )
 # gradient accumulation: the step's prompts per GPU over the micro-batch

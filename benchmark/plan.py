@@ -11,8 +11,9 @@ engine's activations and workspace (vLLM's profile forward, its sampler's logits
 accounting. The share is --vllm_gpu_memory_utilization, or, left out, what plumbing.engine_share would give the run
 at its start, approximated as: the engine's GPU empty (free = total) and rank 0's GPU holding what memory.py plans
 there for the models loaded and its CUDA context (free = total less those; the gradients and optimizer state to come).
-Beside vLLM's share the engine's GPU holds one weight snapshot, the push's staging buffer, whatever the async level;
-the async level + 2 snapshots alive at once are in rank 0's pinned host memory (plumbing.snapshot_memory).
+Beside vLLM's share the engine's GPU holds the weight push's bucket (plumbing.bucket_bytes: 1 GiB, or the largest
+layer, or the snapshot if smaller), whatever the async level; the async level + 2 snapshots alive at once are in rank
+0's pinned host memory (plumbing.snapshot_memory).
 
 A token's KV is layers x KV heads x head dim x 2 (K and V) x the engine's bytes (GPTNeoX has no GQA: KV heads =
 attention heads). A sequence is counted at its longest, max_prompt_length + response_length, in whole blocks: vLLM
@@ -158,7 +159,7 @@ def engine_share(run: memory.Run, plan: dict, gpu_bytes: int) -> tuple[float, st
     engine_gpu = rank0_gpu if shared else (gpu_bytes, gpu_bytes)
     try:
         share = plumbing.engine_share(
-            placement, rank0_gpu, engine_gpu, to_come, staging=run.policy.params * run.engine_bytes
+            placement, rank0_gpu, engine_gpu, to_come, bucket=plumbing.bucket_bytes(run.policy.sizes, run.engine_bytes)
         )
     except plumbing.UsageError as error:
         raise SystemExit(f"{run.script}: the run would not start: {error}") from None
@@ -280,6 +281,7 @@ def report(plan: Plan, hardware: Hardware) -> str:
     P, R = args.max_prompt_length, args.response_length
     snapshot = run.policy.params * run.engine_bytes
     host = plumbing.snapshot_memory(snapshot, args.async_level)
+    bucket = plumbing.bucket_bytes(run.policy.sizes, run.engine_bytes)
     where = (
         "the engine shares rank 0's GPU: the async step assumes the two do not contend for it, an upper bound on the "
         "speed-up"
@@ -308,8 +310,8 @@ def report(plan: Plan, hardware: Hardware) -> str:
         f"{hardware.max_num_seqs}, vLLM's max_num_seqs) |",
         f"| **waves** | **{plan.waves}** |",
         "",
-        f"Weight snapshots: one on the engine's GPU beside vLLM's share (the push's staging buffer, {gib(snapshot)}), "
-        f"async level + 2 = {args.async_level + 2} in rank 0's pinned host memory ({gib(host)}).",
+        f"Weight snapshots of {gib(snapshot)}: async level + 2 = {args.async_level + 2} in rank 0's pinned host "
+        f"memory ({gib(host)}); the engine's GPU holds the push's bucket beside vLLM's share ({gib(bucket)}).",
         "",
         "| predicted time per step | s | from |",
         "|---|---|---|",

@@ -54,7 +54,7 @@ TLDR=(
     --missing_eos_penalty -1.0
     --local_rollout_forward_batch_size 32
     --vllm_dtype bfloat16
-    --vllm_gpu_memory_utilization 0.85      # the largest the memory plan fits beside one bf16 staging snapshot (2.8B: 5.2 GiB)
+    --vllm_gpu_memory_utilization 0.91      # the largest the memory plan fits beside the push's bucket (2.8B: 1 GiB)
     --save_freq 0                         # no checkpoints (a positive value makes the run resumable); evaluations are in the run
 )
 # TINY=1: the tiny task, which mirrors this controlled setup (SFT policy, proxy reward model, exact
