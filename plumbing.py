@@ -879,7 +879,7 @@ class SnapshotPlace(NamedTuple):
 
 
 # The push's bucket on the engine's device (WeightBucket), unless the snapshot is smaller or a load unit larger: 1.3 %
-# of an 80 GB GPU, where the whole snapshot it replaces took 19 % (an 8B policy in bf16, 15 GiB), left to the KV cache.
+# of an H100's 79 GiB, where the whole snapshot it replaces (an 8B policy in bf16, 15 GiB) took 19 %, now KV cache.
 # Still it holds Llama 3.1 8B's embedding whole (0.98 GiB in bf16), or two of its decoder layers, so that an 8B push
 # is 18 loads, not hundreds: each load walks all of vLLM's layers (docs/gpus.md).
 BUCKET_BYTES = 2**30
@@ -888,7 +888,7 @@ BUCKET_BYTES = 2**30
 def load_unit(name: str) -> str:
     """The part of the model a snapshot tensor is pushed with, in one load: its numbered layer (`model.layers.3`) or
     else its module (`lm_head`). vLLM's reload processes a layer (fuses q/k/v and gate/up, repacks on a CPU) once all
-    its weights came in one load, and one missing some is processed with what it was not sent taken from nothing."""
+    its weights came in one load: a layer split between two loads is processed half empty, and generates zeros."""
     parts = name.split(".")
     numbered = [i for i, part in enumerate(parts) if part.isdigit()]
     return ".".join(parts[: numbered[0] + 1]) if numbered else name.rpartition(".")[0]
@@ -919,10 +919,11 @@ def bucket_chunks(layout: list, capacity: int) -> list[Chunk]:
         units.setdefault(unit, []).append((name, shape, offset))
         last = unit
     chunks = []
-    for tensors in units.values():
-        start, end = tensors[0][2], tensors[-1][2] + math.prod(tensors[-1][1])
+    for unit, tensors in units.items():
+        (_, _, start), (_, shape, offset) = tensors[0], tensors[-1]
+        end = offset + math.prod(shape)
         if end - start > capacity:
-            raise RuntimeError(f"{load_unit(tensors[0][0])}: {end - start} elements, a bucket of {capacity}")
+            raise RuntimeError(f"{unit}: {end - start} elements, a bucket of {capacity}")
         if chunks and end - chunks[-1].start <= capacity:
             chunks[-1] = chunks[-1]._replace(end=end, layout=chunks[-1].layout + tensors)
         else:
@@ -964,7 +965,7 @@ class WeightBucket:
             raise RuntimeError(f"a snapshot of {snapshot.dtype} for a bucket of {self.flat.dtype}")
         handle = shared_handle(self.flat)
         for chunk in bucket_chunks(layout, self.flat.numel()):
-            self.flat[: chunk.end - chunk.start].copy_(snapshot[chunk.start : chunk.end], non_blocking=True)
+            self.flat[: chunk.end - chunk.start].copy_(snapshot[chunk.start : chunk.end])
             if self.flat.is_cuda:  # the engine's process reads it without our stream
                 torch.cuda.current_stream(self.flat.device).synchronize()
             yield Filled(handle=handle, layout=chunk.layout)

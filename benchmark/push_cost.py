@@ -1,14 +1,15 @@
-"""What a weight push costs, what of it is the copy of the host snapshot into the engine's staging buffer and what the
-engine's check of what it then holds (plumbing.WeightReceiver.holds), measured side by side in one run on the engine
-the scripts start:
+"""What a weight push costs through one buffer the size of the snapshot and through the fixed-size bucket the scripts
+stream it through (plumbing.WeightBucket), and what of it is the engine's check of what it then holds
+(plumbing.WeightReceiver.holds), measured side by side in one run on the engine the scripts start:
 
     python benchmark/push_cost.py                                   # the tiny task's policy, on a CPU
     python benchmark/push_cost.py --model_path models/pythia-1b --dtype bfloat16 --pushes 10     # on a GPU
 
-Each of `--pushes` versions differs from the last in every tensor; the push (push_weights: the staging copy, the load,
-the check, the prefix cache's reset) is timed, then the direct push (the same from a buffer already on the engine's
-device, as when the snapshots lived there), the staging copy alone, the check alone, and an empty check (the round trip
-to the engine's worker). Prints the medians in milliseconds, and the push's cost over the direct push's.
+Each of `--pushes` versions differs from the last in every tensor; the push (push_weights: the copies into the
+buffer, the loads, the checks, the prefix cache's reset) is timed through a buffer that holds the whole snapshot (one
+load), then through a bucket of `--bucket_fraction` of the snapshot (or of the largest layer, if larger: several
+loads), then the check alone and an empty check (the round trip to the engine's worker). Prints the medians in
+milliseconds, the bucket's loads per push, and the bucket push's cost over the whole buffer's.
 """
 
 import argparse
@@ -23,19 +24,12 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 
-def direct_push(llm, handle: tuple, weights) -> None:
-    """push_weights without its staging copy: the engine loads a buffer that holds theta_v already."""
-    import plumbing
-
-    loaded = llm.collective_rpc("load_shared_weights", args=(weights.version, handle, weights.layout))[0]
-    plumbing.check_loaded(weights.version, loaded, llm.reset_prefix_cache())
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model_path", default=str(ROOT / "benchmark" / "tiny_task" / "sft"))
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     parser.add_argument("--pushes", type=int, default=20)
+    parser.add_argument("--bucket_fraction", type=float, default=1 / 8)
     options = parser.parse_args()
 
     import torch
@@ -52,29 +46,32 @@ def main() -> None:
     llm = plumbing.make_engine(options.model_path, placement, dtype=options.dtype, max_model_len=64, seed=0)
     folder = tempfile.mkdtemp()
     try:
-        place = plumbing.SnapshotPlace(pinned=device is not None, folder=folder)
-        staging = plumbing.StagingBuffer(device, folder)
         names = dpo.checkpoint_names(model)
-        seconds = {"push": [], "direct push": [], "staging copy": [], "check": [], "round trip": []}
-        staged = lambda: plumbing.shared_handle(staging.flat)  # noqa: E731  (allocated at the first push)
+        snapshot = plumbing.snapshot_bytes(model, names, dtype)
+        place = plumbing.SnapshotPlace(pinned=device is not None, folder=folder)
+        whole = plumbing.WeightBucket(device, folder, least=snapshot)
+        bucket = plumbing.WeightBucket(device, folder, least=int(snapshot * options.bucket_fraction))
+        seconds = {"push, whole buffer": [], "push, bucket": [], "check": [], "round trip": []}
+        opened = lambda: plumbing.shared_handle(whole.flat)  # noqa: E731  (allocated at the first push)
         for version in range(1, options.pushes + 1):
             with torch.no_grad():
                 for parameter in model.parameters():
                     parameter.add_(1e-3)
             weights = dpo.Weights(version, *dpo.snapshot_weights(model.state_dict(), names, dtype, place))
             for name, call in [
-                ("push", lambda: dpo.push_weights(llm, staging, weights)),
-                ("direct push", lambda: direct_push(llm, staged(), weights)),
-                ("staging copy", lambda: staging.fill(weights.flat)),
-                ("check", lambda: llm.collective_rpc("holds", args=(version, staged(), weights.layout))),
-                ("round trip", lambda: llm.collective_rpc("holds", args=(version, staged(), []))),
+                ("push, whole buffer", lambda: dpo.push_weights(llm, whole, weights)),
+                ("push, bucket", lambda: dpo.push_weights(llm, bucket, weights)),
+                ("check", lambda: llm.collective_rpc("holds", args=(version, opened(), weights.layout))),
+                ("round trip", lambda: llm.collective_rpc("holds", args=(version, opened(), []))),
             ]:
                 start = time.perf_counter()
                 call()
                 seconds[name].append(time.perf_counter() - start)
         median = {name: statistics.median(s) for name, s in seconds.items()}
-        print(", ".join(f"{name} {1e3 * s:.2f} ms" for name, s in median.items()))
-        print(f"push / direct push: {median['push'] / median['direct push']:.2f}")
+        loads = len(plumbing.bucket_chunks(weights.layout, bucket.flat.numel()))
+        print(f"snapshot {snapshot / 2**20:.2f} MiB; bucket {bucket.flat.numel() * dtype.itemsize / 2**20:.2f} MiB")
+        print(", ".join(f"{name} {1e3 * s:.2f} ms" for name, s in median.items()) + f"; {loads} loads a bucket push")
+        print(f"push, bucket / push, whole buffer: {median['push, bucket'] / median['push, whole buffer']:.2f}")
     finally:
         llm.llm_engine.engine_core.shutdown()
         shutil.rmtree(folder, ignore_errors=True)
