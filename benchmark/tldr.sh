@@ -50,7 +50,6 @@ TLDR=(
     --total_episodes 131072               # 256 steps x 512 episodes ("mini-batch 512 for 256 steps", section 3.1)
     --lr_schedule linear                  # decayed linearly to 0 (table 4)
     --temperature 0.7
-    --adam_epsilon 1e-5
     --missing_eos_penalty -1.0
     --local_rollout_forward_batch_size 32
     --vllm_dtype bfloat16
