@@ -141,8 +141,9 @@ class Args:
     cliprange: float = 0.2  # PPO's epsilon: the per-token probability ratio is clipped to [1 - eps, 1 + eps]
     cliprange_value: float = 0.2  # new values are clipped to old value +- cliprange_value in the value loss
     vf_coef: float = 0.1  # weight of the value loss: loss = pg_loss + vf_coef * vf_loss
-    # trainer: the ratio's old policy is the trainer's model at the start of the step (the paper); engine: also
-    # weight each token by min(pi_old / pi_engine, tis_cap)
+    # pi_old of the ratio. trainer: theta_n, the trainer's weights at the top of step n, as the paper's code computes it;
+    # at N = T = 1 every ratio is then exactly 1 and nothing corrects for a batch that theta_(n-k) generated. engine:
+    # also weight each token by min(pi_old / pi_engine, tis_cap), pi_engine the policy that generated the batch
     old_logprobs: Literal["trainer", "engine"] = "trainer"
     tis_cap: float = 2.0  # --old_logprobs engine: cap of the per-token importance weight exp(trainer_old - engine)
     missing_eos_penalty: float = -3.0  # score of a completion without EOS (not gsm8k: its table 10 has none)

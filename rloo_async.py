@@ -132,8 +132,9 @@ class Args:
     kl_coef: float = 0.05
     cliprange: float = 0.2  # epsilon of Proximal RLOO: the sequence probability ratio is clipped to [1 - eps, 1 + eps]
     normalize_advantage: bool = False  # whiten the leave-one-out advantages over the batch (mean 0, std 1)
-    # trainer: the ratio's old policy is the trainer's model at the start of the step (the paper); engine: also
-    # weight each sequence by min(pi_old / pi_engine, tis_cap)
+    # pi_old of the ratio. trainer: theta_n, the trainer's weights at the top of step n, as the paper's code computes it;
+    # at N = T = 1 the ratio is then exactly 1 and nothing corrects for a batch that theta_(n-k) generated. engine: also
+    # weight each sequence by min(pi_old / pi_engine, tis_cap), pi_engine the policy that generated the batch
     old_logprobs: Literal["trainer", "engine"] = "trainer"
     tis_cap: float = 2.0  # `--old_logprobs engine`: cap of the per-sequence importance weight exp(trainer_old - engine)
     missing_eos_penalty: float = -3.0  # score of a completion without EOS (not gsm8k: its table 10 has none)
