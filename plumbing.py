@@ -254,7 +254,7 @@ def holds_a_run(output_dir: str) -> bool:
 # Flags that may change when a run is resumed; any other must be what the run started with.
 RESUMABLE_CHANGES = {"resume", "output_dir", "track", "wandb_project", "wandb_entity", "save_freq"}
 RESUMABLE_CHANGES |= {"keep_checkpoints", "num_sample_completions", "collective_timeout_minutes"}
-CHECKPOINT_FORMAT = 2  # 2: the shuffle generators in Progress; 1 (before): in files of their own
+CHECKPOINT_FORMAT = 3  # 3: the LR schedule steps once a step; 2: the shuffle generators in Progress; 1: in files
 
 
 def checkpoint_to_resume(output_dir: str, flags: dict, resume: bool, world_size: int) -> str | None:

@@ -97,7 +97,13 @@ class Args:
     learning_rate: float = 1e-4  # AdamW's initial learning rate (see --lr_schedule)
     # linear: to 0 over the run's optimizer steps (the paper's TLDR, No Robots); constant: GSM8k's (table 10)
     lr_schedule: Literal["linear", "constant"] = "linear"
-    adam_epsilon: float = 1e-5  # AdamW's epsilon
+    # AdamW as the paper's code builds it (transformers' Trainer, its TrainingArguments defaults): betas (0.9, 0.999)
+    adam_epsilon: float = 1e-8  # AdamW's epsilon
+    # AdamW's decoupled weight decay (0: none, the paper's); biases and normalisation weights never decay
+    weight_decay: float = 0.0
+    # the gradients' global norm is clipped to it before each optimizer step (None: no clipping); the paper's runs
+    # clipped at 1.0 (DeepSpeed's, as accelerate fills its config)
+    max_grad_norm: float | None = 1.0
 
     # generation and the engine
     # k: step n trains on completions sampled by policy version max(0, n - k), k steps old; 0: on-policy (synchronous)
@@ -126,8 +132,9 @@ class Args:
     kl_coef: float = 0.05
     cliprange: float = 0.2  # epsilon of Proximal RLOO: the sequence probability ratio is clipped to [1 - eps, 1 + eps]
     normalize_advantage: bool = False  # whiten the leave-one-out advantages over the batch (mean 0, std 1)
-    # trainer: the ratio's old policy is the trainer's model at the start of the step (the paper); engine: also
-    # weight each sequence by min(pi_old / pi_engine, tis_cap)
+    # pi_old of the ratio. trainer: theta_n, the trainer's weights at the top of step n, as the paper's code computes it;
+    # at N = T = 1 the ratio is then exactly 1 and nothing corrects for a batch that theta_(n-k) generated. engine: also
+    # weight each sequence by min(pi_old / pi_engine, tis_cap), pi_engine the policy that generated the batch
     old_logprobs: Literal["trainer", "engine"] = "trainer"
     tis_cap: float = 2.0  # `--old_logprobs engine`: cap of the per-sequence importance weight exp(trainer_old - engine)
     missing_eos_penalty: float = -3.0  # score of a completion without EOS (not gsm8k: its table 10 has none)
@@ -150,7 +157,6 @@ class Sizes(NamedTuple):
     batch_size: int
     episodes_per_step: int
     num_steps: int
-    num_updates: int
 
 
 # The domain of every numeric flag, checked before any model loads (plumbing.check_domains): flag -> (domain, why).
@@ -168,6 +174,8 @@ FLAG_DOMAINS = {
     "local_rollout_forward_batch_size": (">= 1", "a count of sequences"),
     "learning_rate": ("> 0", "0 would not train, < 0 would climb the loss"),
     "adam_epsilon": ("> 0", "AdamW divides by the root of the second moment plus it"),
+    "weight_decay": (">= 0", "< 0 would push the weights away from 0"),
+    "max_grad_norm": ("> 0", "the norm the gradients are clipped to (left out: no clipping)"),
     "async_level": (">= 0", "a count of policy versions"),
     "temperature": ("> 0", "logprobs divide logits by it"),
     "vllm_gpu_memory_utilization": ("in (0, 1]", "a share of the GPU"),
@@ -206,19 +214,33 @@ def compute_sizes(args: Args, world_size: int) -> Sizes:
             f"x {samples} completions per prompt; change --total_episodes or one of those flags"
         )
     num_steps = args.total_episodes // episodes_per_step
-    num_updates = num_steps * args.num_ppo_epochs * args.num_mini_batches
     mini_batches = (
         local_mini_batch_size,
         local_mini_batch_size * world_size,
         local_batch_size,
         local_batch_size * world_size,
     )
-    return Sizes(world_size, *mini_batches, episodes_per_step, num_steps, num_updates)
+    return Sizes(world_size, *mini_batches, episodes_per_step, num_steps)
 
 
-def lr_factor(schedule: str, update: int, num_updates: int) -> float:
-    """Learning rate of optimizer update `update` (0-indexed) over --learning_rate: linear decay to 0, or constant."""
-    return 1.0 if schedule == "constant" else 1.0 - update / num_updates
+def lr_factor(schedule: str, steps_begun: int, num_steps: int) -> float:
+    """The learning rate over --learning_rate once `steps_begun` steps have begun: linear decay to 0, or constant. The
+    schedule steps at the top of each step, before its N x T updates, as in the paper's loops (e.g. their
+    src/online_dpo_vllm_trainer.py:334-337, num_training_steps = batches at :169): step n (0-indexed) trains at
+    1 - (n + 1) / num_steps, the last step at 0."""
+    return 1.0 if schedule == "constant" else 1.0 - steps_begun / num_steps
+
+
+def make_optimizer(model: torch.nn.Module, args: Args) -> torch.optim.AdamW:
+    """AdamW as the paper's code builds it (transformers' Trainer.create_optimizer): torch's betas, --adam_epsilon,
+    --weight_decay on every trained weight but the biases and the normalisation layers' weights."""
+    norms = {name for name, module in model.named_modules() if type(module).__name__.endswith(("LayerNorm", "RMSNorm"))}
+    decays = {True: [], False: []}
+    for name, p in model.named_parameters():
+        if p.requires_grad:
+            decays["bias" not in name and name.rpartition(".")[0] not in norms].append(p)
+    groups = [{"params": decays[True], "weight_decay": args.weight_decay}, {"params": decays[False], "weight_decay": 0}]
+    return torch.optim.AdamW(groups, lr=args.learning_rate, eps=args.adam_epsilon)
 
 
 # == Checks of every flag and input, before any model loads ===========================================================
@@ -928,7 +950,7 @@ def rloo_targets(scores, batch: Batch, old_logprobs, ref_logprobs, engine_logpro
     return Targets(old_logps, advantages, is_weights), stats
 
 
-def rloo_update(model, optimizer, scheduler, accelerator, batch: Batch, targets: Targets, args, sizes, rng, step):
+def rloo_update(model, optimizer, accelerator, batch: Batch, targets: Targets, args, sizes, rng, step):
     """T epochs over the completions, each epoch N mini-batches, each accumulated from micro-batches. Sizes count
     prompts; each completion has its own advantage, so completions (not prompts) are shuffled. Returns the step's
     statistics and the largest and smallest ratio over all processes."""
@@ -949,10 +971,10 @@ def rloo_update(model, optimizer, scheduler, accelerator, batch: Batch, targets:
                     if plumbing.injected_fault("nan_loss", step):
                         loss = loss * float("nan")
                     accelerator.backward(loss)
+                    if accelerator.sync_gradients and args.max_grad_norm is not None:
+                        accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm)
                     optimizer.step()
                     optimizer.zero_grad()
-                if accelerator.sync_gradients:
-                    scheduler.step()
                 with torch.no_grad():
                     stats["loss"].append(loss.detach())
                     # on summed sequence logprobs, the quantity the ratio is taken of
@@ -1142,6 +1164,7 @@ def main(args: Args) -> None:
     if (deepspeed := accelerator.state.deepspeed_plugin) is not None:  # DeepSpeed wants these in its own config
         deepspeed.deepspeed_config["train_micro_batch_size_per_gpu"] = args.local_micro_batch_size
         deepspeed.deepspeed_config["gradient_accumulation_steps"] = args.gradient_accumulation_steps
+        deepspeed.deepspeed_config["gradient_clipping"] = args.max_grad_norm or 0.0  # DeepSpeed clips (0: it does not)
     engine_cores = plumbing.split_cores(device, accelerator.num_processes)
     # The generation thread needs the interpreter lock at every decoding step; training hands it over every switch
     # interval (5 ms by default) while it runs Python. 0.5 ms: pipeline efficiency 92.5% -> 96.1% (docs/speed.md).
@@ -1163,10 +1186,10 @@ def main(args: Args) -> None:
         "reference": flops(models.ref_policy, B * K, L, R + 1),
         "update": passes * flops(policy, B * K, L, R + 1),
     }
-    optimizer = torch.optim.AdamW(policy.parameters(), lr=args.learning_rate, eps=args.adam_epsilon)
+    optimizer = make_optimizer(policy, args)
     model, optimizer = accelerator.prepare(policy, optimizer)
-    # Stepped by hand once per optimizer update (accelerate's prepared scheduler would step per process).
-    lr = partial(lr_factor, args.lr_schedule, num_updates=sizes.num_updates)
+    # Stepped by hand at the top of each step (accelerate's prepared scheduler would step per process).
+    lr = partial(lr_factor, args.lr_schedule, num_steps=sizes.num_steps)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr)
     progress = plumbing.Progress(args.seed)  # the next step, the evaluations logged, the shuffle generator
     accelerator.register_for_checkpointing(scheduler, progress)
@@ -1257,8 +1280,9 @@ def main(args: Args) -> None:
             targets, stats = rloo_targets(scores, batch, old_logprobs, ref_logprobs, engine_logprobs, args)
 
             # 4. update: T epochs over N mini-batches of completions, each accumulated from micro-batches
+            scheduler.step()  # the learning rate of this step's updates (lr_factor)
             update_stats, ratios = rloo_update(
-                model, optimizer, scheduler, accelerator, batch, targets, args, sizes, progress.shuffle, step
+                model, optimizer, accelerator, batch, targets, args, sizes, progress.shuffle, step
             )
             laps.lap("update")
 

@@ -47,7 +47,6 @@ GSM8K=(
     --num_ppo_epochs 1
     --learning_rate 3e-6
     --lr_schedule constant                   # table 10: constant (the TLDR and No Robots runs decay linearly)
-    --adam_epsilon 1e-5
     --temperature 0.7
     --eval_freq 64                           # 9 evaluations of 512 steps, step 0 and the end included
     --save_freq 0                            # no checkpoints (a positive value makes the run resumable)

@@ -56,7 +56,6 @@ NO_ROBOTS=(
     --num_ppo_epochs 1
     --learning_rate 8e-7
     --lr_schedule linear                     # decayed linearly to 0 (table 7)
-    --adam_epsilon 1e-5
     --temperature 0.7
     --missing_eos_penalty -10.0
     --eval_freq 50                           # 9 evaluations of 397 steps, step 0 and the end included

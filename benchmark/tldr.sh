@@ -7,15 +7,15 @@
 #   TINY=1 bash benchmark/tldr.sh            the same commands on the tiny task, on a CPU (benchmark/lib.sh)
 #
 # Experiments:
-#   offpolicy  figures 3-4: online DPO, Best-of-2, RLOO and PPO, 410m, N = 1, 2, 4, 8, 16 mini-batches
+#   offpolicy  figures 3-4: online DPO, Best-of-2, RLOO and PPO, 410m, N = 1, 2, 4, ..., 64 mini-batches
 #              per generated batch, synchronous (N = 1 is on-policy: the algorithm comparison)
-#   scaling    figure 5: online DPO, N = 1..16, policy 1b / 2.8b with the 410m reward model (left) and
+#   scaling    figure 5: online DPO, N = 1..64, policy 1b / 2.8b with the 410m reward model (left) and
 #              the 410m policy with the 1b / 2.8b reward models (right)
 #   async      figure 1, section 3.5: online DPO sync (async_level 0) vs async (async_level 1), N = 1,
 #              at 410m, 1b, 2.8b with policy and reward model of the same size
 #   epochs     figure 7: async online DPO with T = 1, 2, 3 passes ("ppo epochs") over each batch
 #   k4         figure 8: async online DPO on the best and worst of K = 4 samples, half the learning
-#              rate and half the steps (same episodes: 128 steps of 256 prompts x 4 instead of 256 x 2)
+#              rate and half the steps (same episodes: 128 steps of 512 prompts x 4 instead of 256 x 2)
 set -euo pipefail
 BENCH=tldr
 EXPERIMENTS=(offpolicy scaling async epochs k4)
@@ -24,8 +24,8 @@ select_experiments "$@"
 
 # GPUs: 1 generation GPU + TRAIN_GPUS training GPUs (rank 0 starts the engine on GPU TRAIN_GPUS).
 # The paper ran TLDR on 4 A100s, 1 generation + 3 training GPUs, but table 4's mini-batch of 512
-# episodes (256 prompts x 2 samples; PPO: 512 prompts x 1) does not divide over 3 training
-# processes: we use 4 (a 5-GPU machine, or 5 GPUs of 8 with CUDA_VISIBLE_DEVICES); 2 or 8 work too.
+# (prompts or completions: see tldr() below) does not divide over 3 training processes: we use 4 (a
+# 5-GPU machine, or 5 GPUs of 8 with CUDA_VISIBLE_DEVICES); 2 or 8 work too.
 TRAIN_GPUS="${TRAIN_GPUS:-4}"
 # bf16 mixed precision, as the paper's half-precision runs; ZeRO-2 shards the optimizer state (the
 # 2.8b policy's AdamW state alone is 34 GB in fp32).
@@ -47,10 +47,8 @@ TLDR=(
     # models and reference summaries come from. We use 53 to reproduce the figures (they were made
     # with 53); 128 would also make every generation up to 2.4x longer.
     --response_length 53
-    --total_episodes 131072               # 256 steps x 512 episodes ("mini-batch 512 for 256 steps", section 3.1)
     --lr_schedule linear                  # decayed linearly to 0 (table 4)
     --temperature 0.7
-    --adam_epsilon 1e-5
     --missing_eos_penalty -1.0
     --local_rollout_forward_batch_size 32
     --vllm_dtype bfloat16
@@ -70,18 +68,24 @@ TINY_SWAP=(--task tiny --dataset_name benchmark/tiny_task/data --dataset_eval_sp
 #   learning rate.
 tldr() {
     local method=$1 policy=$2 rm=$3 n=$4 t=$5 k=$6 async=$7 lr=$8
-    # a mini-batch is 512 episodes (table 4): 256 prompts x 2 samples, PPO 512 prompts x 1; online DPO
-    # with K = 4 keeps its 256 best/worst pairs per mini-batch and samples twice as much (section 4.2)
-    local prompts=256
-    if [[ $method == ppo ]]; then prompts=512; fi
+    # Table 4's mini-batch of 512 for 256 steps (131072 "episodes") in the paper's code's units, which
+    # differ by trainer: online DPO and Best-of-2 count prompts, 512 prompts x K samples a step (their
+    # src/online_dpo_vllm_trainer.py:146); RLOO counts completions, 256 prompts x 2 (src/rloo_trainer.py:
+    # 128-132); PPO 512 prompts x 1. Our --total_episodes counts completions. K = 4 keeps 512 pairs a
+    # mini-batch and half the steps (section 4.2): the same 262144 completions as K = 2.
+    local prompts=512 episodes=131072
+    case $method in
+        online_dpo | best_of_2) episodes=262144 ;;
+        rloo) prompts=256 ;;
+    esac
     local per_gpu accum steps eval_freq
     per_gpu=$(exact_div $prompts "$TRAIN_GPUS" "prompts per mini-batch over TRAIN_GPUS")
     accum=$(exact_div "$per_gpu" "${MICRO[$policy]}" "prompts per GPU over the micro-batch")
-    steps=$(exact_div 131072 $((prompts * n * k)) "total episodes over episodes per step")
+    steps=$(exact_div $episodes $((prompts * n * k)) "total episodes over episodes per step")
     eval_freq=$(((steps + 7) / 8))  # 9 evaluations, step 0 and the end included
     local model=(--sft_model_path "mnoukhov/pythia$policy-sft-tldr" --reward_model_path "mnoukhov/pythia$rm-rm-tldr6.9b")
-    local sizes=(--local_micro_batch_size "${MICRO[$policy]}" --gradient_accumulation_steps "$accum"
-        --num_mini_batches "$n" --num_ppo_epochs "$t" --eval_freq "$eval_freq")
+    local sizes=(--total_episodes "$episodes" --local_micro_batch_size "${MICRO[$policy]}"
+        --gradient_accumulation_steps "$accum" --num_mini_batches "$n" --num_ppo_epochs "$t" --eval_freq "$eval_freq")
     local seed name
     for seed in $SEEDS; do
         name="$method-pythia$policy-rm$rm-N$n-T$t-K$k-async$async-lr$lr-s$seed"
@@ -111,7 +115,7 @@ tldr() {
 # scales collapse to one run and repeated commands run once), and `async` none: its sync point is
 # offpolicy's online DPO command at N = 1 and its async point epochs' at T = 1, both of which run
 # in tiny mode at other values (every run costs its start-up; the tests run this mode).
-NS=(1 2 4 8 16)
+NS=(1 2 4 8 16 32 64)  # figure 5 sweeps 1..64, figure 3 (PPO) goes to 64: 8 and 4 steps at N = 32, 64
 TS=(1 2 3)
 SCALES=(410m 1b 2.8b)
 ASYNC_LEVELS=(0 1)

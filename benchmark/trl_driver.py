@@ -102,8 +102,8 @@ def main(args: argparse.Namespace) -> None:
     )
     ours.disable_dropout(reward_model)
     reward_model.to(device).eval().requires_grad_(False)
-    # our optimizer: TRL's default would be fused AdamW with weight decay 0 and none on biases and norms
-    optimizer = torch.optim.AdamW(policy.parameters(), lr=args.learning_rate, eps=args.adam_epsilon)
+    # our optimizer at our default weight decay, 0 (TRL's default would be fused AdamW, the same with no decay)
+    optimizer = torch.optim.AdamW(policy.parameters(), lr=args.learning_rate, eps=args.adam_epsilon, weight_decay=0.0)
     timings = {"generation": 0.0, "weight_sync": 0.0, "scoring": 0.0}
 
     def sync():
@@ -193,7 +193,7 @@ def main(args: argparse.Namespace) -> None:
         adam_epsilon=args.adam_epsilon,
         lr_scheduler_type="linear",
         warmup_steps=0,
-        max_grad_norm=0.0,
+        max_grad_norm=1.0,  # our scripts' --max_grad_norm default (the paper's runs clipped at 1.0)
         bf16=bf16,
         fp16=False,
         use_cpu=device.type == "cpu",

@@ -57,7 +57,7 @@ WORK = {
     ),
 }
 SHARED = dict(
-    num_samples=2, adam_epsilon=1e-5, temperature=0.7, dtype="bfloat16", seed=1, vllm_gpu_memory_utilization=0.3
+    num_samples=2, adam_epsilon=1e-8, temperature=0.7, dtype="bfloat16", seed=1, vllm_gpu_memory_utilization=0.3
 )
 ALGORITHM = {"online_dpo": dict(beta=0.1), "rloo": dict(kl_coef=0.05, cliprange=0.2)}
 OVERRIDES = ("total_episodes", "local_micro_batch_size", "gradient_accumulation_steps")

@@ -267,6 +267,10 @@ def check_run(output_dir: Path, script: str) -> tuple[dict, list[dict], list[dic
             assert key in m and math.isfinite(m[key]), (m["step"], key)
     for e in evals:
         assert all(math.isfinite(v) for v in e.values() if isinstance(v, float)), e
+    # the schedule steps at the top of each step, as in the paper's loops: step n trains at lr (1 - (n + 1) / steps)
+    lr, linear = args["learning_rate"], args["lr_schedule"] == "linear"
+    expected = [lr * (1 - (m["step"] + 1) / num_steps) if linear else lr for m in train]
+    assert [m["lr"] for m in train] == pytest.approx(expected, rel=1e-6, abs=1e-15)
     assert train[-1]["episode"] == args["total_episodes"]
     assert (Path(output_dir) / "policy" / "model.safetensors").exists()
     return args, train, evals

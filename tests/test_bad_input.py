@@ -166,12 +166,12 @@ def test_an_output_dir_holding_a_run_needs_resume_with_the_same_flags(script, tm
     for name in ("step_000004", "step_000012", "step_000008.tmp"):
         (tmp_path / "checkpoints" / name).mkdir(parents=True)
     # a checkpoint of an older version (no format.json, or another format) is refused in one line
-    with pytest.raises(plumbing.UsageError, match=r"step_000012 is not a checkpoint of this version \(format 2\)"):
-        resume(str(tmp_path), resumed, True, world_size=1)
-    (tmp_path / "checkpoints" / "step_000012" / "format.json").write_text('{"format": 1}')
-    with pytest.raises(plumbing.UsageError, match=r"step_000012 is not a checkpoint of this version"):
+    with pytest.raises(plumbing.UsageError, match=r"step_000012 is not a checkpoint of this version \(format 3\)"):
         resume(str(tmp_path), resumed, True, world_size=1)
     (tmp_path / "checkpoints" / "step_000012" / "format.json").write_text('{"format": 2}')
+    with pytest.raises(plumbing.UsageError, match=r"step_000012 is not a checkpoint of this version"):
+        resume(str(tmp_path), resumed, True, world_size=1)
+    (tmp_path / "checkpoints" / "step_000012" / "format.json").write_text('{"format": 3}')
     assert resume(str(tmp_path), resumed, True, world_size=1) == str(tmp_path / "checkpoints" / "step_000012")
     with pytest.raises(
         plumbing.UsageError, match=r"--resume: --learning_rate .* -> 0\.5, training processes 1 -> 2 differ"

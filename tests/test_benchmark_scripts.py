@@ -127,17 +127,18 @@ def test_tldr_commands_are_table_4_and_the_figures_sweeps():
         )
         assert a.gold_judge == "cleanrl/EleutherAI_pythia-6.9b-deduped__reward__tldr"
         assert (a.max_prompt_length, a.response_length, a.temperature, a.missing_eos_penalty) == (512, 53, 0.7, -1.0)
-        assert (
-            a.total_episodes == 131072 and a.lr_schedule == "linear" and a.vllm_dtype == "bfloat16" and a.save_freq == 0
-        )
-        # batch: a mini-batch is 512 episodes = 256 prompts x 2 (PPO: 512 x 1); online DPO with K = 4 keeps 256 prompts
-        assert s.world_size == 4 and s.mini_batch_size == {1: 512, 2: 256, 4: 256}[k]
+        assert a.lr_schedule == "linear" and a.vllm_dtype == "bfloat16" and a.save_freq == 0
+        # table 4's mini-batch of 512 in the paper's code's units: online DPO and Best-of-2 count prompts (512 pairs
+        # a mini-batch, also at K = 4), RLOO completions (256 prompts x 2), PPO 512 prompts x 1; our episodes count
+        # completions: 256 steps x 512 x 2 for online DPO and Best-of-2, 256 x 512 for RLOO and PPO
+        assert a.total_episodes == (262144 if method in ("online_dpo", "best_of_2") else 131072)
+        assert s.world_size == 4 and s.mini_batch_size == (256 if method == "rloo" else 512)
         assert (
             s.mini_batch_size % 4 == 0
             and s.local_mini_batch_size == a.local_micro_batch_size * a.gradient_accumulation_steps
         )
         assert s.episodes_per_step == s.mini_batch_size * k * a.num_mini_batches
-        assert s.num_steps == 131072 // s.episodes_per_step and s.num_steps * s.episodes_per_step == 131072
+        assert s.num_steps * s.episodes_per_step == a.total_episodes
         assert s.num_steps * a.num_mini_batches == (
             256 if k <= 2 else 128
         )  # 256 updates; K = 4: half the steps (figure 8)
@@ -149,7 +150,7 @@ def test_tldr_commands_are_table_4_and_the_figures_sweeps():
         else:
             assert a.kl_coef == 0.05 and (method == "ppo" or a.rloo_k == 2)
         runs[(method, policy, rm, a.num_mini_batches, a.num_ppo_epochs, k, a.async_level)] = a
-    ns, scales = (1, 2, 4, 8, 16), ("410m", "1b", "2.8b")
+    ns, scales = (1, 2, 4, 8, 16, 32, 64), ("410m", "1b", "2.8b")  # figure 5's N; figure 3 (PPO) to 64 too
     for n in ns:  # figures 3-4: every method across N, synchronous, 410m
         for method, k in (("online_dpo", 2), ("best_of_2", 2), ("rloo", 2), ("ppo", 1)):
             assert (method, "410m", "410m", n, 1, k, 0) in runs
@@ -163,7 +164,7 @@ def test_tldr_commands_are_table_4_and_the_figures_sweeps():
         } == {(size, 0), (size, 1)}  # figure 1
         assert all(("online_dpo", size, size, 1, t, 2, 1) in runs for t in (1, 2, 3))  # figure 7
         assert ("online_dpo", size, size, 1, 1, 4, 1) in runs  # figure 8
-    assert len(runs) == len(commands) == 54
+    assert len(runs) == len(commands) == 70  # 8 runs a sweep point, 14 more for figures 1, 7 and 8
 
 
 def test_no_robots_commands_are_table_7():
@@ -245,7 +246,7 @@ def test_experiments_are_chosen_by_name_and_bad_sizes_are_refused():
         and "unknown experiment 'nonsense'; tldr has: offpolicy scaling async epochs k4" in proc.stderr
     )
     proc = bash("tldr", DRY_RUN="1", TRAIN_GPUS="3")  # 256 prompts do not divide over 3 training GPUs
-    assert proc.returncode == 2 and "256 does not divide by 3" in proc.stderr and proc.stdout == ""
+    assert proc.returncode == 2 and "512 does not divide by 3" in proc.stderr and proc.stdout == ""
 
 
 # ------------------------------------------------------------------------------------- tiny mode, end to end

@@ -4,7 +4,6 @@ import copy
 import json
 import math
 import random
-from functools import partial
 
 import numpy as np
 import pytest
@@ -105,10 +104,11 @@ def slow_sequence_logprob(model, pairs: dpo.Batch, row: int, temperature: float)
 
 def slow_dpo_update(model, pairs: dpo.Batch, ref_logps, tied, args: dpo.Args, rng, lr: float) -> dict:
     """dpo_update by hand: T passes over B pairs in the order rng.permutation(B) gives each pass; every mini-batch
-    of micro * G pairs one plain SGD step (lr times the linear schedule's factor) on the mean over its G
-    micro-batches of (the untied pairs' losses summed) / micro. Pair i: chosen row i, rejected row B + i."""
+    of micro * G pairs one plain SGD step at lr (the step's, the same for all its updates) on the mean over its G
+    micro-batches of (the untied pairs' losses summed) / micro, its gradient scaled down to a global norm of
+    --max_grad_norm when above it. Pair i: chosen row i, rejected row B + i."""
     B, micro, G = len(tied), args.local_micro_batch_size, args.gradient_accumulation_steps
-    num_updates, update = args.num_ppo_epochs * args.num_mini_batches, 0
+    clipped = []
     stats = {"loss": [], "logps_chosen": [], "logps_rejected": [], "kl": [], "margin": [], "accuracy": []}
     for epoch in range(args.num_ppo_epochs):
         order = rng.permutation(B).tolist()
@@ -143,32 +143,38 @@ def slow_dpo_update(model, pairs: dpo.Batch, ref_logps, tied, args: dpo.Args, rn
                 if epoch == 0:
                     stats["kl"].append(np.mean(kl))
             with torch.no_grad():
+                norm = math.sqrt(sum((p.grad**2).sum().item() for p in model.parameters()))
+                scale = 1.0 if args.max_grad_norm is None else min(1.0, args.max_grad_norm / (norm + 1e-6))
+                clipped.append(scale < 1)
                 for p in model.parameters():
-                    p -= lr * (1 - update / num_updates) * p.grad
-            update += 1
-    return {k: np.mean(v) for k, v in stats.items()}
+                    p -= lr * scale * p.grad
+    return {k: np.mean(v) for k, v in stats.items()} | {"clipped": np.mean(clipped)}
 
 
 @pytest.mark.parametrize(
-    "loss_type, micro, accumulation, mini_batches, epochs",
+    "loss_type, micro, accumulation, mini_batches, epochs, max_grad_norm",
     [
-        ("sigmoid", 2, 1, 1, 1),
-        ("sigmoid", 2, 2, 1, 1),
-        ("sigmoid", 2, 1, 2, 1),
-        ("sigmoid", 2, 1, 1, 2),
-        ("sigmoid", 2, 2, 2, 2),
-        ("sigmoid", 1, 3, 1, 1),  # micro-batches of one pair: the last of each mini-batch is trained on too
-        ("ipo", 2, 1, 1, 1),
-        ("ipo", 2, 2, 2, 2),
-        ("best_of_k_sft", 2, 1, 1, 1),
-        ("best_of_k_sft", 2, 2, 2, 2),
+        ("sigmoid", 2, 1, 1, 1, None),
+        ("sigmoid", 2, 2, 1, 1, None),
+        ("sigmoid", 2, 1, 2, 1, None),
+        ("sigmoid", 2, 1, 1, 2, None),
+        ("sigmoid", 2, 2, 2, 2, None),
+        ("sigmoid", 1, 3, 1, 1, None),  # micro-batches of one pair: the last of each mini-batch is trained on too
+        ("ipo", 2, 1, 1, 1, None),
+        ("ipo", 2, 2, 2, 2, None),
+        ("best_of_k_sft", 2, 1, 1, 1, None),
+        ("best_of_k_sft", 2, 2, 2, 2, None),
+        ("sigmoid", 2, 2, 2, 2, 0.02),  # every update's gradient clipped
+        ("ipo", 2, 1, 2, 1, 0.5),
     ],
 )
-def test_dpo_update_is_sgd_on_the_pairs_losses_by_hand(tokenizer, loss_type, micro, accumulation, mini_batches, epochs):
-    """dpo_update as main calls it (a prepared fp32 model, accelerate's accumulation, the linear schedule) against
-    slow_dpo_update: the statistics it returns (the margins beta h and the share of them above 0 included) and every
-    parameter's update. Micro-batches of `micro` pairs, every third pair tied, each row's reference logprob its own
-    (the policy's own, moved by noise)."""
+def test_dpo_update_is_sgd_on_the_pairs_losses_by_hand(
+    tokenizer, loss_type, micro, accumulation, mini_batches, epochs, max_grad_norm
+):
+    """dpo_update as main calls it (a prepared fp32 model, accelerate's accumulation) against slow_dpo_update: the
+    statistics it returns (the margins beta h and the share of them above 0 included) and every parameter's update,
+    without and with gradient clipping. Micro-batches of `micro` pairs, every third pair tied, each row's reference
+    logprob its own (the policy's own, moved by noise)."""
     from accelerate import Accelerator
     from transformers import LlamaForCausalLM
 
@@ -183,6 +189,7 @@ def test_dpo_update_is_sgd_on_the_pairs_losses_by_hand(tokenizer, loss_type, mic
         beta=0.5,
         max_prompt_length=6,
         response_length=6,
+        max_grad_norm=max_grad_norm,
     )
     sizes = dpo.compute_sizes(args, world_size=1)
     assert sizes.local_batch_size == B
@@ -197,17 +204,18 @@ def test_dpo_update_is_sgd_on_the_pairs_losses_by_hand(tokenizer, loss_type, mic
 
     accelerator = Accelerator(cpu=True, gradient_accumulation_steps=accumulation)
     model, optimizer = accelerator.prepare(policy, torch.optim.SGD(policy.parameters(), lr=lr))
-    schedule = partial(dpo.lr_factor, "linear", num_updates=sizes.num_updates)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
     stats = dpo.dpo_update(
-        model, optimizer, scheduler, accelerator, pairs, ref_logps, tied, args, sizes, np.random.default_rng(5), step=0
+        model, optimizer, accelerator, pairs, ref_logps, tied, args, sizes, np.random.default_rng(5), step=0
     )
     expected = slow_dpo_update(by_hand, pairs, ref_logps, tied, args, np.random.default_rng(5), lr)
+    clipped = expected.pop("clipped")  # the share of the updates whose gradient was clipped
+    assert clipped == 0 if max_grad_norm is None else clipped > 0
     for key, value in expected.items():
         assert stats[key].item() == pytest.approx(value, rel=1e-5, abs=1e-6), key
     moved = torch.cat([(p.detach() - before[name]).flatten() for name, p in policy.named_parameters()])
     moved_by_hand = torch.cat([(p.detach() - before[name]).flatten() for name, p in by_hand.named_parameters()])
-    assert moved_by_hand.abs().max() > 1e-2
+    # an update clipped to norm c moves a weight by lr x c at most
+    assert moved_by_hand.abs().max() > (1e-2 if max_grad_norm is None else 0.02 * lr * max_grad_norm)
     torch.testing.assert_close(moved, moved_by_hand, rtol=0, atol=1e-5 * moved_by_hand.abs().max().item())
 
 
@@ -535,7 +543,7 @@ def test_derived_sizes_and_indivisible_errors():
         16,
         32,
     )
-    assert (sizes.episodes_per_step, sizes.num_steps, sizes.num_updates) == (64, 2, 12)
+    assert (sizes.episodes_per_step, sizes.num_steps) == (64, 2)
     with pytest.raises(ValueError, match="--total_episodes 100 .* 64"):
         dpo.compute_sizes(
             dpo.Args(total_episodes=100, local_micro_batch_size=4, gradient_accumulation_steps=2, num_mini_batches=2), 2

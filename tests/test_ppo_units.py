@@ -339,7 +339,6 @@ def test_only_the_later_mini_batches_of_a_step_meet_a_moved_policy(tokenizer, nu
     ppo.disable_dropout(model)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.learning_rate)
     model, optimizer = accelerator.prepare(model, optimizer)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda update: 1.0)
     g = torch.Generator().manual_seed(1)
     prompts = [
         [tokenizer.bos_token_id] + torch.randint(4, len(tokenizer), (n,), generator=g).tolist() for n in (3, 5, 2, 6)
@@ -350,7 +349,7 @@ def test_only_the_later_mini_batches_of_a_step_meet_a_moved_policy(tokenizer, nu
     scores = torch.tensor([1.0, -1.0, 0.5, 2.0])
     targets = ppo.ppo_targets(scores, batch, old, values, old, old, 0.05, args)
     stats, (ratio_max, ratio_min) = ppo.ppo_update(
-        model, optimizer, scheduler, accelerator, batch, targets, args, sizes, np.random.default_rng(0), step=0
+        model, optimizer, accelerator, batch, targets, args, sizes, np.random.default_rng(0), step=0
     )
     if num_mini_batches == 1:
         assert ratio_max == ratio_min == 1.0
@@ -452,7 +451,6 @@ class UpdateCall(NamedTuple):
     model: ppo.PolicyAndValue
     by_hand: ppo.PolicyAndValue
     optimizer: object
-    scheduler: object
     accelerator: object
     batch: ppo.Batch
     targets: ppo.Targets
@@ -475,7 +473,6 @@ def ppo_step_setup(tokenizer, args, seed: int = 0) -> UpdateCall:
     sizes = ppo.compute_sizes(args, world_size=1)
     accelerator = Accelerator(cpu=True, gradient_accumulation_steps=args.gradient_accumulation_steps)
     model, optimizer = accelerator.prepare(model, torch.optim.SGD(model.parameters(), lr=args.learning_rate))
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda update: 1 - update / sizes.num_updates)
     g, eos = torch.Generator().manual_seed(1), tokenizer.eos_token_id
     prompts = [
         [tokenizer.bos_token_id] + torch.randint(4, len(tokenizer), (n,), generator=g).tolist() for n in (3, 5, 2, 6)
@@ -488,17 +485,17 @@ def ppo_step_setup(tokenizer, args, seed: int = 0) -> UpdateCall:
     ref = old - torch.randn(old.shape, generator=g) * 0.2 * batch.response_mask
     engine = old + torch.randn(old.shape, generator=g) * 0.5 * batch.response_mask
     targets = ppo.ppo_targets(torch.tensor([1.0, -1.0, 0.5, 2.0]), batch, old, values, ref, engine, 0.05, args)
-    return UpdateCall(model, by_hand, optimizer, scheduler, accelerator, batch, targets, sizes)
+    return UpdateCall(model, by_hand, optimizer, accelerator, batch, targets, sizes)
 
 
-def slow_ppo_update(model, batch, targets, args, sizes, seed: int, learning_rates: list[float]) -> dict:
+def slow_ppo_update(model, batch, targets, args, sizes, seed: int, lr: float) -> dict:
     """ppo_update by hand, for plain SGD: each epoch a new permutation of the completions from the same numpy stream,
     cut into mini-batches, each the mean of its micro-batches' gradients; each micro-batch's loss written out one
     real token at a time, pg_loss + vf_coef * vf_loss. Returns what every micro-batch saw."""
     eps, c = args.cliprange, args.cliprange_value
     batch_size, mini, micro = sizes.local_batch_size, sizes.local_mini_batch_size, args.local_micro_batch_size
-    params, rng, update = list(model.parameters()), np.random.default_rng(seed), 0
-    keys = "order loss pg_loss vf_loss approxkl clipfrac vf_clipfrac value_error policy_entropy ratios"
+    params, rng = list(model.parameters()), np.random.default_rng(seed)
+    keys = "order loss pg_loss vf_loss approxkl clipfrac vf_clipfrac value_error policy_entropy ratios clipped"
     seen = {key: [] for key in keys.split()}
     for _ in range(args.num_ppo_epochs):
         order = rng.permutation(batch_size).tolist()
@@ -548,17 +545,19 @@ def slow_ppo_update(model, batch, targets, args, sizes, seed: int, learning_rate
                     ("policy_entropy", "entropy"),
                 ):
                     seen[key].append(sum(tokens[token_key]) / count)
-            with torch.no_grad():
+            with torch.no_grad():  # one SGD step on the mean gradient, clipped to a global norm of --max_grad_norm
+                norm = math.sqrt(sum((total**2).sum().item() for total in step))
+                scale = 1.0 if args.max_grad_norm is None else min(1.0, args.max_grad_norm / (norm + 1e-6))
+                seen["clipped"].append(scale < 1)
                 for p, total in zip(params, step):
-                    p -= learning_rates[update] * total
-            update += 1
+                    p -= lr * scale * total
     return seen
 
 
-@pytest.mark.parametrize("old_logprobs", ["trainer", "engine"])
-def test_two_epochs_of_two_mini_batches_match_plain_sgd_by_hand(tokenizer, old_logprobs):
+@pytest.mark.parametrize("old_logprobs, max_grad_norm", [("trainer", None), ("engine", None), ("trainer", 0.05)])
+def test_two_epochs_of_two_mini_batches_match_plain_sgd_by_hand(tokenizer, old_logprobs, max_grad_norm):
     """ppo_update with --num_ppo_epochs 2 --num_mini_batches 2 and two accumulated micro-batches per mini-batch, on
-    plain SGD with the linear decay stepped once per optimizer step: the parameters of the policy and of the value
+    plain SGD (at --max_grad_norm 0.05 every update clipped): the parameters of the policy and of the value
     model it ends with are the slow version's, and so is every statistic it returns. The second epoch runs over the
     same completions again, in a new order, and meets ratios far from 1 and moved values (some clipped)."""
     args = ppo.Args(
@@ -568,6 +567,7 @@ def test_two_epochs_of_two_mini_batches_match_plain_sgd_by_hand(tokenizer, old_l
         num_mini_batches=2,
         num_ppo_epochs=2,
         old_logprobs=old_logprobs,
+        max_grad_norm=max_grad_norm,
         learning_rate=LEARNING_RATE,
         vf_coef=VF_COEF,
         cliprange=0.2,
@@ -575,11 +575,10 @@ def test_two_epochs_of_two_mini_batches_match_plain_sgd_by_hand(tokenizer, old_l
     )
     call = ppo_step_setup(tokenizer, args)
     batch, targets, sizes = call.batch, call.targets, call.sizes
-    assert (sizes.local_batch_size, sizes.num_updates) == (4, 4)
+    assert sizes.local_batch_size == 4
     stats, (ratio_max, ratio_min) = ppo.ppo_update(
         call.model,
         call.optimizer,
-        call.scheduler,
         call.accelerator,
         batch,
         targets,
@@ -588,8 +587,8 @@ def test_two_epochs_of_two_mini_batches_match_plain_sgd_by_hand(tokenizer, old_l
         np.random.default_rng(0),
         step=0,
     )
-    learning_rates = [LEARNING_RATE * (1 - update / 4) for update in range(4)]
-    seen = slow_ppo_update(call.by_hand, batch, targets, args, sizes, 0, learning_rates)
+    seen = slow_ppo_update(call.by_hand, batch, targets, args, sizes, 0, LEARNING_RATE)
+    assert seen["clipped"] == [max_grad_norm is not None] * 4  # the gradient's norm: 0.1 .. 1 (measured)
     for (name, got), expected in zip(call.model.named_parameters(), call.by_hand.parameters()):
         torch.testing.assert_close(got, expected, msg=name)
     # the two sum their gradients in different orders: float32 rounding, relative 1e-6 after 3 updates
@@ -623,8 +622,9 @@ def test_two_epochs_of_two_mini_batches_match_plain_sgd_by_hand(tokenizer, old_l
     assert sorted(first) == sorted(second) == [0, 1, 2, 3] and first != second
     first_mini_batch = lengths[first[0]] + lengths[first[1]]
     assert seen["ratios"][:first_mini_batch] == [1.0] * first_mini_batch
-    assert max(abs(r - 1) for r in seen["ratios"][sum(lengths) :]) > 0.3
-    assert 0 < np.mean(seen["clipfrac"][4:]) < 1 and 0 < np.mean(seen["vf_clipfrac"][4:]) < 1
+    if max_grad_norm is None:  # clipped to 0.05, the updates are too small to move a ratio far
+        assert max(abs(r - 1) for r in seen["ratios"][sum(lengths) :]) > 0.3
+        assert 0 < np.mean(seen["clipfrac"][4:]) < 1 and 0 < np.mean(seen["vf_clipfrac"][4:]) < 1
 
 
 def test_vf_coef_scales_the_value_model_s_gradient_and_nothing_else(tokenizer):
@@ -634,13 +634,14 @@ def test_vf_coef_scales_the_value_model_s_gradient_and_nothing_else(tokenizer):
     gradient of the policy loss, is the same for both."""
     moves = {}
     for vf_coef in (0.1, 0.4):
-        args = ppo.Args(total_episodes=4, local_micro_batch_size=4, vf_coef=vf_coef, learning_rate=1.0)
+        args = ppo.Args(
+            total_episodes=4, local_micro_batch_size=4, vf_coef=vf_coef, learning_rate=1.0, max_grad_norm=None
+        )
         call = ppo_step_setup(tokenizer, args)
         batch, targets, by_hand = call.batch, call.targets, call.by_hand
         ppo.ppo_update(
             call.model,
             call.optimizer,
-            call.scheduler,
             call.accelerator,
             batch,
             targets,

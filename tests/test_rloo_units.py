@@ -177,7 +177,6 @@ def test_only_the_later_mini_batches_of_a_step_meet_a_moved_policy(tokenizer, nu
     rloo.disable_dropout(policy)
     optimizer = torch.optim.AdamW(policy.parameters(), lr=args.learning_rate)
     model, optimizer = accelerator.prepare(policy, optimizer)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda update: 1.0)
     g = torch.Generator().manual_seed(1)
     prompts = [
         [tokenizer.bos_token_id] + torch.randint(4, len(tokenizer), (n,), generator=g).tolist() for n in (3, 5, 2, 6)
@@ -188,7 +187,7 @@ def test_only_the_later_mini_batches_of_a_step_meet_a_moved_policy(tokenizer, nu
     scores = torch.tensor([1.0, -1.0, 0.5, 2.0, -0.5, 0.0, 1.5, -2.0])
     targets, _ = rloo.rloo_targets(scores, batch, old, old, old, args)
     stats, (ratio_max, ratio_min) = rloo.rloo_update(
-        model, optimizer, scheduler, accelerator, batch, targets, args, sizes, np.random.default_rng(0), step=0
+        model, optimizer, accelerator, batch, targets, args, sizes, np.random.default_rng(0), step=0
     )
     if num_mini_batches == 1:
         assert ratio_max == ratio_min == 1.0
@@ -273,14 +272,14 @@ def test_rloo_targets_match_a_slow_loop_over_every_field(tokenizer, k, normalize
 
 
 # ------------------------------------------------------------------------------ rloo_update: epochs and mini-batches
-def slow_rloo_update(model, batch, targets, args, sizes, seed: int, learning_rates: list[float]) -> dict:
+def slow_rloo_update(model, batch, targets, args, sizes, seed: int, lr: float) -> dict:
     """rloo_update by hand, for plain SGD: each epoch a new permutation of the completions from the same numpy stream,
     cut into mini-batches, each the mean of its micro-batches' gradients; the loss written out one completion at a
     time. Returns what every micro-batch saw."""
     n, k, eps = len(targets.old_logps), args.rloo_k, args.cliprange
     mini, micro = sizes.local_mini_batch_size * k, args.local_micro_batch_size * k
-    params, rng, update = list(model.parameters()), np.random.default_rng(seed), 0
-    seen = {"order": [], "loss": [], "approxkl": [], "clipfrac": [], "ratios": []}
+    params, rng = list(model.parameters()), np.random.default_rng(seed)
+    seen = {"order": [], "loss": [], "approxkl": [], "clipfrac": [], "ratios": [], "clipped": []}
     for _ in range(args.num_ppo_epochs):
         order = rng.permutation(n).tolist()
         seen["order"].append(order)
@@ -315,17 +314,19 @@ def slow_rloo_update(model, batch, targets, args, sizes, seed: int, learning_rat
                 seen["approxkl"].append(0.5 * sum(squares) / len(idx))
                 seen["clipfrac"].append(sum(clipped) / len(idx))
                 seen["ratios"] += ratios
-            with torch.no_grad():
+            with torch.no_grad():  # one SGD step on the mean gradient, clipped to a global norm of --max_grad_norm
+                norm = math.sqrt(sum((total**2).sum().item() for total in step))
+                scale = 1.0 if args.max_grad_norm is None else min(1.0, args.max_grad_norm / (norm + 1e-6))
+                seen["clipped"].append(scale < 1)
                 for p, total in zip(params, step):
-                    p -= learning_rates[update] * total
-            update += 1
+                    p -= lr * scale * total
     return seen
 
 
-@pytest.mark.parametrize("old_logprobs", ["trainer", "engine"])
-def test_two_epochs_of_two_mini_batches_match_plain_sgd_by_hand(tokenizer, old_logprobs):
+@pytest.mark.parametrize("old_logprobs, max_grad_norm", [("trainer", None), ("engine", None), ("trainer", 0.05)])
+def test_two_epochs_of_two_mini_batches_match_plain_sgd_by_hand(tokenizer, old_logprobs, max_grad_norm):
     """rloo_update with --num_ppo_epochs 2 --num_mini_batches 2 and two accumulated micro-batches per mini-batch, on
-    plain SGD with the linear decay stepped once per optimizer step: the parameters it ends with are the slow version's,
+    plain SGD (at --max_grad_norm 0.05 every update clipped): the parameters it ends with are the slow version's,
     and so are the statistics it returns. The second epoch runs over the same completions again, in a new order, and
     meets ratios far from 1 (some clipped)."""
     from accelerate import Accelerator
@@ -338,16 +339,16 @@ def test_two_epochs_of_two_mini_batches_match_plain_sgd_by_hand(tokenizer, old_l
         num_mini_batches=2,
         num_ppo_epochs=2,
         old_logprobs=old_logprobs,
+        max_grad_norm=max_grad_norm,
     )
     sizes = rloo.compute_sizes(args, world_size=1)
-    assert (sizes.local_batch_size, sizes.num_updates) == (4, 4)  # 4 prompts x 2 completions, 2 x 2 updates
+    assert sizes.local_batch_size == 4  # 4 prompts x 2 completions
     torch.manual_seed(0)
     policy = LlamaForCausalLM(small_config(tokenizer))
     rloo.disable_dropout(policy)
     by_hand = copy.deepcopy(policy)
     accelerator = Accelerator(cpu=True, gradient_accumulation_steps=args.gradient_accumulation_steps)
     model, optimizer = accelerator.prepare(policy, torch.optim.SGD(policy.parameters(), lr=LEARNING_RATE))
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda update: 1 - update / sizes.num_updates)
     g = torch.Generator().manual_seed(1)
     prompts = [
         [tokenizer.bos_token_id] + torch.randint(4, len(tokenizer), (n,), generator=g).tolist() for n in (3, 5, 2, 6)
@@ -359,10 +360,10 @@ def test_two_epochs_of_two_mini_batches_match_plain_sgd_by_hand(tokenizer, old_l
     scores = torch.tensor([1.0, -1.0, 0.5, 2.0, -0.5, 0.0, 1.5, -2.0])
     targets, _ = rloo.rloo_targets(scores, batch, old, old, engine, args)
     stats, (ratio_max, ratio_min) = rloo.rloo_update(
-        model, optimizer, scheduler, accelerator, batch, targets, args, sizes, np.random.default_rng(0), step=0
+        model, optimizer, accelerator, batch, targets, args, sizes, np.random.default_rng(0), step=0
     )
-    learning_rates = [LEARNING_RATE * (1 - update / 4) for update in range(4)]
-    seen = slow_rloo_update(by_hand, batch, targets, args, sizes, 0, learning_rates)
+    seen = slow_rloo_update(by_hand, batch, targets, args, sizes, 0, LEARNING_RATE)
+    assert seen["clipped"] == [max_grad_norm is not None] * 4  # the gradient's norm: 0.1 .. 1 (measured)
     for (name, got), expected in zip(model.named_parameters(), by_hand.parameters()):
         torch.testing.assert_close(got, expected, msg=name)
     # the two sum their gradients in different orders: float32 rounding, relative 1e-6 in a ratio of 2 after 3 updates
@@ -375,8 +376,9 @@ def test_two_epochs_of_two_mini_batches_match_plain_sgd_by_hand(tokenizer, old_l
     first, second = seen["order"]
     assert sorted(first) == sorted(second) == list(range(8)) and first != second
     assert seen["ratios"][:4] == [1.0] * 4
-    assert max(abs(r - 1) for r in seen["ratios"][8:]) > 0.3
-    assert 0 < np.mean(seen["clipfrac"][4:]) < 1
+    if max_grad_norm is None:  # clipped to 0.05, the updates are too small to move a ratio far
+        assert max(abs(r - 1) for r in seen["ratios"][8:]) > 0.3
+        assert 0 < np.mean(seen["clipfrac"][4:]) < 1
 
 
 def test_rloo_metrics_by_hand():

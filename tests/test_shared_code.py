@@ -65,6 +65,13 @@ def test_the_plumbing_is_written_once():
         assert "\nimport plumbing\n" in source
 
 
+def test_the_tiny_task_builder_judges_as_the_files_do():
+    """benchmark/tiny_task/build.py keeps its own copy of the tiny task's gold judge (it builds the task without
+    importing an algorithm file): the same text as theirs, so the data it labels is judged as the runs judge."""
+    builder = top_level_blocks((ROOT / "benchmark" / "tiny_task" / "build.py").read_text())
+    assert builder["tiny_gold_score"] == top_level_blocks((ROOT / FILES[0]).read_text())["tiny_gold_score"]
+
+
 def test_a_one_character_change_in_a_shared_block_is_caught():
     sources = {name: (ROOT / name).read_text() for name in FILES}
     changed = sources["rloo_async.py"].replace(

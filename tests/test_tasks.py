@@ -330,8 +330,43 @@ def test_reference_perplexity_against_a_slow_loop(script, tokenizer, tmp_path):
 
 
 def test_learning_rate_schedules(script):
-    assert [script.lr_factor("linear", update, 4) for update in range(5)] == [1.0, 0.75, 0.5, 0.25, 0.0]
-    assert [script.lr_factor("constant", update, 4) for update in range(5)] == [1.0] * 5
+    # the scheduler steps before each of the 4 steps trains: they train at 3/4, 1/2, 1/4 and 0 of --learning_rate
+    assert [script.lr_factor("linear", begun, 4) for begun in range(1, 5)] == [0.75, 0.5, 0.25, 0.0]
+    assert [script.lr_factor("constant", begun, 4) for begun in range(1, 5)] == [1.0] * 4
+
+
+def test_the_optimizer_is_the_paper_codes(script):
+    """AdamW as transformers' Trainer builds it in the paper's code: torch's betas, epsilon 1e-8, weight decay 0 by
+    default; with --weight_decay, every trained weight decays but the biases and the LayerNorm / RMSNorm weights. One
+    step on zero gradients moves each weight by exactly lr x decay x itself, or not at all."""
+    import torch
+    from transformers import GPTNeoXConfig, GPTNeoXForCausalLM, LlamaConfig, LlamaForCausalLM
+
+    assert (script.Args.adam_epsilon, script.Args.weight_decay, script.Args.max_grad_norm) == (1e-8, 0.0, 1.0)
+    small = dict(vocab_size=16, hidden_size=8, intermediate_size=16, num_hidden_layers=1, num_attention_heads=2)
+    neox = GPTNeoXForCausalLM(GPTNeoXConfig(**small, tie_word_embeddings=False))
+    llama = LlamaForCausalLM(LlamaConfig(**small, tie_word_embeddings=False))
+    decayed = {  # by hand: the weights of the embeddings, the attention and MLP matrices and the head
+        neox: ["gpt_neox.embed_in.weight", "gpt_neox.layers.0.attention.query_key_value.weight",
+               "gpt_neox.layers.0.attention.dense.weight", "gpt_neox.layers.0.mlp.dense_h_to_4h.weight",
+               "gpt_neox.layers.0.mlp.dense_4h_to_h.weight", "lm_head.weight"],
+        llama: ["model.embed_tokens.weight", *(f"model.layers.0.self_attn.{x}_proj.weight" for x in "qkvo"),
+                *(f"model.layers.0.mlp.{x}_proj.weight" for x in ("gate", "up", "down")), "lm_head.weight"],
+    }  # fmt: skip
+    for model, names in decayed.items():
+        optimizer = script.make_optimizer(model, script.Args(learning_rate=0.5, weight_decay=0.1))
+        assert (optimizer.defaults["betas"], optimizer.defaults["eps"]) == ((0.9, 0.999), 1e-8)
+        for p in model.parameters():
+            torch.nn.init.uniform_(p.data, 0.5, 1.5)  # no weight 0 (transformers starts the biases at 0)
+            p.grad = torch.zeros_like(p)
+        before = {name: p.detach().clone() for name, p in model.named_parameters()}
+        optimizer.step()
+        for name, p in model.named_parameters():
+            factor = 1 - 0.5 * 0.1 if name in names else 1.0
+            torch.testing.assert_close(p.detach(), before[name] * factor, rtol=0, atol=1e-7, msg=name)
+        assert len(before) > len(names)  # the biases and norms were there, and kept
+        no_decay = script.make_optimizer(model, script.Args())
+        assert [group["weight_decay"] for group in no_decay.param_groups] == [0.0, 0]
 
 
 def test_eval_completions_are_written_atomically_one_file_per_step(tmp_path):
