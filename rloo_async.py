@@ -223,12 +223,12 @@ def compute_sizes(args: Args, world_size: int) -> Sizes:
     return Sizes(world_size, *mini_batches, episodes_per_step, num_steps)
 
 
-def lr_factor(schedule: str, steps_begun: int, num_steps: int) -> float:
-    """The learning rate over --learning_rate once `steps_begun` steps have begun: linear decay to 0, or constant. The
-    schedule steps at the top of each step, before its N x T updates, as in the paper's loops (e.g. their
-    src/online_dpo_vllm_trainer.py:334-337, num_training_steps = batches at :169): step n (0-indexed) trains at
+def lr_factor(schedule: str, step: int, num_steps: int) -> float:
+    """The learning rate of step `step`'s N x T updates (0-indexed) over --learning_rate: linear decay to 0, or
+    constant. As the paper's loops, which step their schedule once per batch, at its top (e.g. their
+    src/online_dpo_vllm_trainer.py:334-337, num_training_steps = batches at :169): step n trains at
     1 - (n + 1) / num_steps, the last step at 0."""
-    return 1.0 if schedule == "constant" else 1.0 - steps_begun / num_steps
+    return 1.0 if schedule == "constant" else 1.0 - (step + 1) / num_steps
 
 
 def make_optimizer(model: torch.nn.Module, args: Args) -> torch.optim.AdamW:
@@ -1188,7 +1188,7 @@ def main(args: Args) -> None:
     }
     optimizer = make_optimizer(policy, args)
     model, optimizer = accelerator.prepare(policy, optimizer)
-    # Stepped by hand at the top of each step (accelerate's prepared scheduler would step per process).
+    # Stepped by hand once a step (accelerate's prepared scheduler would step per process).
     lr = partial(lr_factor, args.lr_schedule, num_steps=sizes.num_steps)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr)
     progress = plumbing.Progress(args.seed)  # the next step, the evaluations logged, the shuffle generator
@@ -1280,7 +1280,6 @@ def main(args: Args) -> None:
             targets, stats = rloo_targets(scores, batch, old_logprobs, ref_logprobs, engine_logprobs, args)
 
             # 4. update: T epochs over N mini-batches of completions, each accumulated from micro-batches
-            scheduler.step()  # the learning rate of this step's updates (lr_factor)
             update_stats, ratios = rloo_update(
                 model, optimizer, accelerator, batch, targets, args, sizes, progress.shuffle, step
             )
@@ -1302,6 +1301,7 @@ def main(args: Args) -> None:
                 work = (phase_flops, sizes.episodes_per_step, tokens)
                 logger.log(metrics | plumbing.pipeline_metrics(laps, rollout.timings, engine.started, *work))
                 bar.set_postfix(lag=step - rollout.version, score=f"{reduced['scores']:.3f}", kl=f"{reduced['kl']:.2f}")
+            scheduler.step()  # the next step's learning rate (lr_factor), after this one's was logged
             # 7. evaluations arrive from the generation thread a little later; score them as they come
             for eval_rollout in arrived_evaluations(channels, accelerator):
                 log_eval(eval_rollout)

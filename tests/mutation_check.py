@@ -117,7 +117,7 @@ MUTANTS = [
            "steps counted in prompts, not completions"),
     Mutant("S07", SHARED, "compute_sizes", "args.total_episodes % episodes_per_step != 0 or ", "",
            "the divisibility check dropped"),
-    Mutant("S08", SHARED, "lr_factor", "1.0 - steps_begun / num_steps", "1.0 - (steps_begun - 1) / num_steps",
+    Mutant("S08", SHARED, "lr_factor", "1.0 - (step + 1) / num_steps", "1.0 - step / num_steps",
            "off by one: the schedule stepped after each step, not before"),
     Mutant("S09", SHARED, "lr_factor", 'schedule == "constant"', 'schedule == "linear"', "the schedules swapped"),
     Mutant("S10", SHARED, "prompt_indices_for_step", "divmod(step, num_prompts // batch_size)",

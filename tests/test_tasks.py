@@ -330,9 +330,9 @@ def test_reference_perplexity_against_a_slow_loop(script, tokenizer, tmp_path):
 
 
 def test_learning_rate_schedules(script):
-    # the scheduler steps before each of the 4 steps trains: they train at 3/4, 1/2, 1/4 and 0 of --learning_rate
-    assert [script.lr_factor("linear", begun, 4) for begun in range(1, 5)] == [0.75, 0.5, 0.25, 0.0]
-    assert [script.lr_factor("constant", begun, 4) for begun in range(1, 5)] == [1.0] * 4
+    # as the paper's loops, stepped at the top of each of the 4 steps: they train at 3/4, 1/2, 1/4 and 0 of the rate
+    assert [script.lr_factor("linear", step, 4) for step in range(4)] == [0.75, 0.5, 0.25, 0.0]
+    assert [script.lr_factor("constant", step, 4) for step in range(4)] == [1.0] * 4
 
 
 def test_the_optimizer_is_the_paper_codes(script):
