@@ -7,15 +7,15 @@ engine's), what each part takes, from a script's command line and its accelerate
 
 A model's parameters are counted from its config.json (a local folder), else from the architecture its name names
 (ARCHITECTURES: the paper's Pythia, Llama 3.1 8B and Rho-1B models), built on the meta device. The parts follow the
-code: the trained models' weights, gradients and AdamW state by ZeRO stage (plumbing.trained_memory); the reference
-(fp32, or sharded in the run's precision under ZeRO-3) and the reward model (--dtype) on every rank, the gold judge on
-rank 0; the weight push's bucket on the engine's GPU (plumbing.bucket_bytes: 1 GiB, or the largest layer, or the
-snapshot if smaller), and async level + 2 weight snapshots in rank 0's pinned host memory (plumbing.snapshot_memory),
-shown under the table; a CUDA context per process and GPU;
-the activations of one micro-batch (Korthikanti et al. 2022, table 2: 34 s b h bytes per layer in 16-bit, without the
-5 a s^2 b of attention scores that transformers' SDPA attention does not keep; 2 s b h with gradient checkpointing,
-plus one layer's), the response logits in fp32 (3 copies), and the largest no-grad forward of
---local_rollout_forward_batch_size sequences. A GPU fits when its total is at most 95 % of it.
+code: the trained models' weights, gradients and AdamW state by ZeRO stage (plumbing.engine.trained_memory); the
+reference (fp32, or sharded in the run's precision under ZeRO-3) and the reward model (--dtype) on every rank, the gold
+judge on rank 0; the weight push's bucket on the engine's GPU (plumbing.weights.bucket_bytes: 1 GiB, or the largest
+layer, or the snapshot if smaller), and async level + 2 weight snapshots in rank 0's pinned host memory
+(plumbing.engine.snapshot_memory), shown under the table; a CUDA context per process and GPU
+(plumbing.engine.CUDA_CONTEXT); the activations of one micro-batch (Korthikanti et al. 2022, table 2: 34 s b h bytes
+per layer in 16-bit, without the 5 a s^2 b of attention scores that transformers' SDPA attention does not keep; 2 s b h
+with gradient checkpointing, plus one layer's), the response logits in fp32 (3 copies), and the largest no-grad
+forward of --local_rollout_forward_batch_size sequences. A GPU fits when its total is at most 95 % of it.
 """
 
 import argparse
@@ -176,7 +176,7 @@ def memory_plan(run: Run, gpu_bytes: int, gpus: int | None) -> dict:
     trained = policy.params + (value.params if value else 0)
     shard = processes if stage == 3 else 1
     L, R, micro = args.max_prompt_length + args.response_length, args.response_length, args.local_micro_batch_size
-    training = plumbing.trained_memory(trained, stage, processes, bf16)
+    training = plumbing.engine.trained_memory(trained, stage, processes, bf16)
     rank = {f"trained models' {part}": n for part, n in training.items()}
     rank["reference policy"] = policy.params * (2 if stage and bf16 else 4) // shard  # DeepSpeed's bf16 parameters
     if reward:
@@ -190,21 +190,21 @@ def memory_plan(run: Run, gpu_bytes: int, gpus: int | None) -> dict:
     rank["largest no-grad forward"] = max(
         no_grad_forward(policy, forward, L, R + 1, act), no_grad_forward(reward, forward, L, 0, act) if reward else 0
     )
-    rank["CUDA context"] = plumbing.CUDA_CONTEXT
+    rank["CUDA context"] = plumbing.engine.CUDA_CONTEXT
     rank0 = dict(rank)
     if gold:
         rank0["gold judge (rank 0 only)"] = gold.params * 2
-    snapshot, bucket = policy.params * run.engine_bytes, plumbing.bucket_bytes(policy.sizes, run.engine_bytes)
+    snapshot, bucket = policy.params * run.engine_bytes, plumbing.weights.bucket_bytes(policy.sizes, run.engine_bytes)
     gpus = gpus or processes + 1
     utilization = args.vllm_gpu_memory_utilization
     if gpus > processes:  # the engine's GPU of its own
         engine = {"engine (vLLM's share)": int((utilization or 0.9) * gpu_bytes), BUCKET: bucket}
-        engine["rank 0's CUDA context (it writes the bucket)"] = plumbing.CUDA_CONTEXT
-        engine["engine's CUDA context"] = plumbing.CUDA_CONTEXT
+        engine["rank 0's CUDA context (it writes the bucket)"] = plumbing.engine.CUDA_CONTEXT
+        engine["engine's CUDA context"] = plumbing.engine.CUDA_CONTEXT
         result = {"training rank 0": rank0, "engine's GPU": engine}
     else:
         rank0 |= {"engine (vLLM's share)": int((utilization or 0.3) * gpu_bytes), BUCKET: bucket}
-        rank0["engine's CUDA context"] = plumbing.CUDA_CONTEXT
+        rank0["engine's CUDA context"] = plumbing.engine.CUDA_CONTEXT
         result = {"training rank 0, shared with the engine": rank0}
     if processes > 1:
         result["training ranks 1 ..."] = rank
@@ -213,7 +213,8 @@ def memory_plan(run: Run, gpu_bytes: int, gpus: int | None) -> dict:
     summary += (
         f", micro-batch {micro} x {L} tokens, async level {args.async_level}, {gpus} GPUs of {gpu_bytes / GIB:.0f} GiB"
     )
-    host = {f"weight snapshots, pinned ({args.async_level + 2})": plumbing.snapshot_memory(snapshot, args.async_level)}
+    pinned = plumbing.engine.snapshot_memory(snapshot, args.async_level)
+    host = {f"weight snapshots, pinned ({args.async_level + 2})": pinned}
     return {"summary": summary, "gpus": result, "host": host}
 
 

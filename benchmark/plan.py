@@ -8,12 +8,12 @@ section 4 advises then. Docs: docs/reproducing.md ("Run plans"); the memory of e
 
 The engine's KV cache is vLLM's share of its GPU less the policy's weights in the engine's dtype and a reserve for the
 engine's activations and workspace (vLLM's profile forward, its sampler's logits, CUDA graphs, cuBLAS): vLLM's own
-accounting. The share is --vllm_gpu_memory_utilization, or, left out, what plumbing.engine_share would give the run
-at its start, approximated as: the engine's GPU empty (free = total) and rank 0's GPU holding what memory.py plans
+accounting. The share is --vllm_gpu_memory_utilization, or, left out, what plumbing.engine.engine_share would give the
+run at its start, approximated as: the engine's GPU empty (free = total) and rank 0's GPU holding what memory.py plans
 there for the models loaded and its CUDA context (free = total less those; the gradients and optimizer state to come).
-Beside vLLM's share the engine's GPU holds the weight push's bucket (plumbing.bucket_bytes: 1 GiB, or the largest
-layer, or the snapshot if smaller), whatever the async level; the async level + 2 snapshots alive at once are in rank
-0's pinned host memory (plumbing.snapshot_memory).
+Beside vLLM's share the engine's GPU holds the weight push's bucket (plumbing.weights.bucket_bytes: 1 GiB, or the
+largest layer, or the snapshot if smaller), whatever the async level; the async level + 2 snapshots alive at once are in
+rank 0's pinned host memory (plumbing.engine.snapshot_memory).
 
 A token's KV is layers x KV heads x head dim x 2 (K and V) x the engine's bytes (GPTNeoX has no GQA: KV heads =
 attention heads). A sequence is counted at its longest, max_prompt_length + response_length, in whole blocks: vLLM
@@ -24,14 +24,14 @@ blocks among the K samples of one prompt. Sequences in flight = min(KV cache // 
 the step's completions); waves = ceil(completions / in flight), each wave's sequences starting and ending together.
 
 Generation G = prefill + decode. Prefill: each completion's prompt (conservative where the prefix cache shares it
-among a prompt's K samples) through the policy, forward FLOPs
-(plumbing.forward_flops: 2 per parameter and token, no attention term) at the peak x MFU. Decode: each wave takes
-response_length steps; a step reads the weights once and each in-flight sequence's KV so far, whose mean over the
-wave is max_prompt_length + response_length / 2 tokens, at the memory bandwidth, or computes the wave's tokens'
-forward FLOPs at the peak x MFU, whichever takes longer (a roofline; decoding is memory-bound but for large waves of
-small models). Training T: the trainer's FLOPs per process and step as each script counts them (its phase_flops:
-scoring, reference, old logprobs, update) at the peak x MFU. The weight push, evaluation and overheads are not
-counted. Sync step = G + T; async step = max(G, T); speed-up = sync / async.
+among a prompt's K samples) through the policy, forward FLOPs (plumbing.run_folder.forward_flops: 2 per parameter and
+token, no attention term) at the peak x MFU. Decode: each wave takes response_length steps; a step reads the weights
+once and each in-flight sequence's KV so far, whose mean over the wave is max_prompt_length + response_length / 2
+tokens, at the memory bandwidth, or computes the wave's tokens' forward FLOPs at the peak x MFU, whichever takes longer
+(a roofline; decoding is memory-bound but for large waves of small models). Training T: the trainer's FLOPs per process
+and step as each script counts them (its own step_flops: scoring, reference, old logprobs, update) at the peak x MFU.
+The weight push, evaluation and overheads are not counted. Sync step = G + T; async step = max(G, T); speed-up = sync
+/ async.
 """
 
 import argparse
@@ -59,8 +59,8 @@ ENGINE_RESERVE_GIB = 2.0
 MAX_NUM_SEQS = 1024  # vLLM's default for its LLM class on a GPU of 70 GiB or more other than an A100
 BLOCK_SIZE = 16  # tokens per KV block: vLLM's default on CUDA
 MOST_SAMPLES = 64  # the largest K the advice tries
-# memory.py's rank-0 parts in GPU memory when the engine starts (plumbing.engine_share's "free once the models are
-# loaded"), and those training allocates later (its `to_come`)
+# memory.py's rank-0 parts in GPU memory when the engine starts (plumbing.engine.engine_share's "free once the models
+# are loaded"), and those training allocates later (its `to_come`)
 SHARED = "training rank 0, shared with the engine"  # memory.py's name of that GPU
 LOADED = ("trained models' weights", "reference policy", "reward model", "gold judge (rank 0 only)", "CUDA context")
 TO_COME = ("trained models' gradients", "trained models' optimizer state")
@@ -124,46 +124,38 @@ def kv_per_token(model: memory.Model, dtype_bytes: int) -> int:
 
 
 def phase_flops(run: memory.Run, sizes: NamedTuple) -> dict[str, int]:
-    """The trainer's FLOPs per process and step, by phase, as each script's main counts them (its `phase_flops`), on
-    memory.py's meta-device models."""
-    args, flops = run.args, plumbing.forward_flops
-    L, R = args.max_prompt_length + args.response_length, args.response_length
-    B, K = sizes.local_batch_size, run.samples
-    passes = (4 if args.gradient_checkpointing else 3) * args.num_ppo_epochs
-    policy = run.policy.module  # the reference policy has its shape
-    scoring = {"scoring": 0 if run.reward is None else flops(run.reward.module, B * K, L)}
-    if run.script == "online_dpo_async.py":
-        return scoring | {
-            "reference": flops(policy, 2 * B, L, R + 1),
-            "update": passes * flops(policy, 2 * B, L, R + 1),
-        }
-    if run.script == "rloo_async.py":
-        each = flops(policy, B * K, L, R + 1)
-        return scoring | {"old_logprobs": each, "reference": each, "update": passes * each}
-    trained = flops(policy, B, L, R + 1) + flops(run.value.module, B, L)
-    return scoring | {"old_logprobs": trained, "reference": flops(policy, B, L, R + 1), "update": passes * trained}
+    """The trainer's FLOPs per process and step, by phase: the script's own `step_flops` (what its main logs), on
+    memory.py's meta-device models, with run.samples completions per prompt (the advice tries other K)."""
+    module, policy = run.module, run.policy.module  # the reference policy has the policy's shape
+    samples = {"online_dpo_async.py": "num_samples", "rloo_async.py": "rloo_k"}.get(run.script)
+    args = dataclasses.replace(run.args, **{samples: run.samples}) if samples else run.args
+    reward = None if run.reward is None else run.reward.module
+    models = module.Models(
+        None, ref_policy=policy, reward_model=reward, reward_tokenizer=None, gold_model=None, gold_tokenizer=None
+    )
+    trained = module.PolicyAndValue(policy, run.value.module) if run.script == "ppo_async.py" else policy
+    return module.step_flops(trained, models, sizes, args)
 
 
 def engine_share(run: memory.Run, plan: dict, gpu_bytes: int) -> tuple[float, str]:
-    """The engine's share of its GPU and where it comes from: the flag, or plumbing.engine_share on the GPUs as the
-    module docstring approximates them."""
+    """The engine's share of its GPU and where it comes from: the flag, or plumbing.engine.engine_share on the GPUs as
+    the module docstring approximates them."""
     if run.args.vllm_gpu_memory_utilization is not None:
         return run.args.vllm_gpu_memory_utilization, "--vllm_gpu_memory_utilization"
     shared = SHARED in plan["gpus"]
     rank0 = plan["gpus"][SHARED if shared else "training rank 0"]
     rank0_gpu = (gpu_bytes - sum(rank0.get(part, 0) for part in LOADED), gpu_bytes)
     to_come = {part.removeprefix("trained models' "): rank0[part] for part in TO_COME}
-    placement = plumbing.Placement(
+    placement = plumbing.engine.Placement(
         devices="0", shared=shared, engine_gpu=0 if shared else run.processes, memory_utilization=None
     )
     engine_gpu = rank0_gpu if shared else (gpu_bytes, gpu_bytes)
+    bucket = plumbing.weights.bucket_bytes(run.policy.sizes, run.engine_bytes)
     try:
-        share = plumbing.engine_share(
-            placement, rank0_gpu, engine_gpu, to_come, bucket=plumbing.bucket_bytes(run.policy.sizes, run.engine_bytes)
-        )
-    except plumbing.UsageError as error:
+        share = plumbing.engine.engine_share(placement, rank0_gpu, engine_gpu, to_come, bucket=bucket)
+    except plumbing.command_line.UsageError as error:
         raise SystemExit(f"{run.script}: the run would not start: {error}") from None
-    return share, "left out: the largest the run leaves, plumbing.engine_share"
+    return share, "left out: the largest the run leaves, plumbing.engine.engine_share"
 
 
 def predict(run: memory.Run, sizes: NamedTuple, share: float, hardware: Hardware) -> dict:
@@ -189,12 +181,12 @@ def predict(run: memory.Run, sizes: NamedTuple, share: float, hardware: Hardware
 
     def decode_step(sequences: int) -> DecodeStep:
         read = weights + int(sequences * kv_token * mean_context)
-        compute = plumbing.forward_flops(policy.module, sequences, 1) / flop_rate
+        compute = plumbing.run_folder.forward_flops(policy.module, sequences, 1) / flop_rate
         return DecodeStep(read=read, memory=read / hardware.bandwidth, compute=compute)
 
     full, last = decode_step(in_flight), decode_step(completions - (waves - 1) * in_flight)
     decode = R * ((waves - 1) * full.seconds + last.seconds)
-    prefill_flops = plumbing.forward_flops(policy.module, completions, P, 1)
+    prefill_flops = plumbing.run_folder.forward_flops(policy.module, completions, P, 1)
     flops = phase_flops(run, sizes)
     return dict(
         kv_cache=kv_cache,
@@ -218,7 +210,7 @@ def make_plan(command: list[str], hardware: Hardware, gpus: int | None) -> Plan:
     run = memory.read_command(command)
     try:
         sizes = run.module.compute_sizes(run.args, run.processes)
-    except plumbing.UsageError as error:
+    except plumbing.command_line.UsageError as error:
         raise SystemExit(f"{run.script}: {error}") from None
     memory_plan = memory.memory_plan(run, hardware.gpu_bytes, gpus)
     share, source = engine_share(run, memory_plan, hardware.gpu_bytes)
@@ -280,8 +272,8 @@ def report(plan: Plan, hardware: Hardware) -> str:
     run, args, full = plan.run, plan.run.args, plan.full_step
     P, R = args.max_prompt_length, args.response_length
     snapshot = run.policy.params * run.engine_bytes
-    host = plumbing.snapshot_memory(snapshot, args.async_level)
-    bucket = plumbing.bucket_bytes(run.policy.sizes, run.engine_bytes)
+    host = plumbing.engine.snapshot_memory(snapshot, args.async_level)
+    bucket = plumbing.weights.bucket_bytes(run.policy.sizes, run.engine_bytes)
     where = (
         "the engine shares rank 0's GPU: the async step assumes the two do not contend for it, an upper bound on the "
         "speed-up"

@@ -71,6 +71,7 @@ def main(args: argparse.Namespace) -> None:
     import online_dpo_async as ours
     import plumbing
 
+    plumbing.command_line.quiet_known_noise()  # as our scripts (plumbing.run)
     out = Path(args.output_dir)
     out.mkdir(parents=True, exist_ok=True)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -88,7 +89,9 @@ def main(args: argparse.Namespace) -> None:
     )
 
     tokenizer = AutoTokenizer.from_pretrained(args.sft_model_path)
-    train = ours.load_prompts(args.dataset_name, "train", tokenizer, args.max_prompt_length)
+    # the prompts as our scripts read them: the tiny task's format, those over --max_prompt_length dropped
+    ours_args = ours.Args(dataset_name=args.dataset_name, max_prompt_length=args.max_prompt_length)
+    train = ours.load_prompts(ours_args, "train", tokenizer)
     dataset = Dataset.from_dict({"prompt": ordered_prompts(train.queries, num_steps, prompts_per_step, args.seed)})
     # fp32 weights under bf16 autocast for the policy (and TRL's reference, a copy of it); bf16 weights for the reward model
     policy = AutoModelForCausalLM.from_pretrained(args.sft_model_path, dtype=torch.float32, use_safetensors=True).to(
@@ -123,20 +126,12 @@ def main(args: argparse.Namespace) -> None:
             tokenizer.eos_token_id,
             tokenizer.pad_token_id,
         )
-        q_ids, q_mask, r_ids, r_mask, eos = (t.to(device) for t in (q_ids, q_mask, r_ids, r_mask, eos))
+        batch = ours.Batch(*(t.to(device) for t in (q_ids, q_mask, r_ids, r_mask, eos)))
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16):
             scores = ours.score_completions(
-                reward_model,
-                tokenizer,
-                tokenizer,
-                q_ids,
-                q_mask,
-                r_ids,
-                r_mask,
-                eos,
-                args.local_rollout_forward_batch_size,
+                reward_model, tokenizer, tokenizer, batch, args.local_rollout_forward_batch_size
             )
-        scores = ours.apply_missing_eos_penalty(scores, eos, args.missing_eos_penalty).tolist()
+        scores = ours.apply_missing_eos_penalty(scores, batch.contain_eos, args.missing_eos_penalty).tolist()
         timings["scoring"] += time.perf_counter() - start
         return scores
 
@@ -269,9 +264,7 @@ def main(args: argparse.Namespace) -> None:
     # TRL evaluates nothing during training: the final policy, once, as our scripts' end-of-run evaluation (the same eval
     # prompts, generate() with the same per-prompt seeds and temperature, the tiny task's gold judge against the references)
     if args.num_eval_prompts:
-        evaluation = ours.load_prompts(
-            args.dataset_name, "test", tokenizer, args.max_prompt_length, limit=args.num_eval_prompts
-        )
+        evaluation = ours.load_prompts(ours_args, "test", tokenizer, limit=args.num_eval_prompts)
         push()
         seeds = [args.seed + i for i in range(len(evaluation.token_ids))]
         responses, _ = ours.generate(

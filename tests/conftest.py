@@ -355,7 +355,7 @@ def start_and_stop(
 
     import psutil
 
-    import plumbing
+    from plumbing.watchdog import shared_memory_files
 
     proc = subprocess.Popen(
         argv, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
@@ -369,7 +369,7 @@ def start_and_stop(
             )
             time.sleep(0.05)
         family = [psutil.Process(proc.pid), *psutil.Process(proc.pid).children(recursive=True)]
-        shared_memory = plumbing.shared_memory_files(family)
+        shared_memory = shared_memory_files(family)
         if sig == signal.SIGKILL:
             os.killpg(proc.pid, sig)
         else:
@@ -439,11 +439,11 @@ def run_tracking_children(
 
 
 def run_with_fault(script: str, fault: str, flags: list[str], output_dir: Path) -> tuple[int, str, float, list]:
-    """Run with a fault injected (ASYNC_RLHF_TEST_FAULT, the scripts' test-only hook); returns exit code,
-    output, seconds from the fault to the exit, and every process the run started."""
+    """Run with a fault injected by the test-only launcher (tests/fault_launcher.py); returns exit code, output,
+    seconds from the fault to the exit, and every process the run started."""
     import re
 
-    argv = [sys.executable, script, *flags, "--output_dir", str(output_dir)]
-    code, output, children, exited = run_tracking_children(argv, env={"ASYNC_RLHF_TEST_FAULT": fault})
+    argv = [sys.executable, "tests/fault_launcher.py", fault, script, *flags, "--output_dir", str(output_dir)]
+    code, output, children, exited = run_tracking_children(argv)
     fault_time = re.search(r"injected test fault .*\(time ([\d.]+)\)", output)
     return code, output, exited - float(fault_time.group(1)) if fault_time else float("nan"), children

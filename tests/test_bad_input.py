@@ -78,20 +78,23 @@ def edges(domain: str, kind: type) -> tuple[list, list]:
 
 
 def test_every_numeric_flag_has_a_domain_and_both_sides_of_each_bound_are_checked(script):
-    """A flag added without a domain fails here; every domain is exercised just inside and just outside its bounds."""
-    domains = script.FLAG_DOMAINS | script.ALGORITHM_DOMAINS
+    """A flag added without a domain fails here; every domain is exercised just inside and just outside its bounds.
+    check_domains gets the file's own domains, as the file passes them, and adds COMMON_DOMAINS itself."""
+    own = script.ALGORITHM_DOMAINS
+    domains = plumbing.command_line.COMMON_DOMAINS | own
     numbers = numeric_flags(script)
-    assert sorted(numbers) == sorted(domains), "give each numeric flag a domain in FLAG_DOMAINS or ALGORITHM_DOMAINS"
+    assert sorted(numbers) == sorted(domains), "give each numeric flag a domain in COMMON_DOMAINS or ALGORITHM_DOMAINS"
+    check_domains, usage_error = plumbing.command_line.check_domains, plumbing.command_line.UsageError
     defaults = vars(script.Args())
-    plumbing.check_domains(defaults, domains)  # the defaults are in their domains
+    check_domains(defaults, own)  # the defaults are in their domains
     for flag, (domain, why) in domains.items():
         inside, outside = edges(domain, numbers[flag])
         for value in inside:
-            plumbing.check_domains({**defaults, flag: value}, domains)
+            check_domains({**defaults, flag: value}, own)
         for value in outside:
-            with pytest.raises(plumbing.UsageError, match=rf"^--{flag} must be .* \({re.escape(why)}\), got "):
-                plumbing.check_domains({**defaults, flag: value}, domains)
-    plumbing.check_domains({**defaults, "num_eval_prompts": None}, domains)  # an optional flag left out
+            with pytest.raises(usage_error, match=rf"^--{flag} must be .* \({re.escape(why)}\), got "):
+                check_domains({**defaults, flag: value}, own)
+    check_domains({**defaults, "num_eval_prompts": None}, own)  # an optional flag left out
 
 
 @pytest.mark.parametrize("flag", ["--task", "--loss_type or --old_logprobs", "--lr_schedule"])
@@ -108,25 +111,27 @@ def test_an_unknown_choice_is_refused_by_the_parser(script, flag, capsys):
 
 def test_a_response_beyond_the_models_context_is_refused(tokenizer, tmp_path):
     policy = save_random_policy(tokenizer, tmp_path / "policy")  # 128 positions
-    plumbing.check_model(str(policy), "--sft_model_path", (12, 116), False)
+    plumbing.command_line.check_model(str(policy), "--sft_model_path", (12, 116), False)
     with pytest.raises(
-        plumbing.UsageError,
+        plumbing.command_line.UsageError,
         match=r"--max_prompt_length 12 \+ --response_length 117 exceed the 128-token context of --sft_model_path",
     ):
-        plumbing.check_model(str(policy), "--sft_model_path", (12, 117), False)
+        plumbing.command_line.check_model(str(policy), "--sft_model_path", (12, 117), False)
 
 
 def test_missing_models_and_pickled_weights_are_refused(script, tokenizer, tmp_path):
     import torch
     from transformers import AutoModelForCausalLM
 
-    with pytest.raises(plumbing.UsageError, match=f"^--reward_model_path {tmp_path}/nowhere: no such file or folder$"):
-        plumbing.check_model(str(tmp_path / "nowhere"), "--reward_model_path", (12, 12), False)
+    with pytest.raises(
+        plumbing.command_line.UsageError, match=f"^--reward_model_path {tmp_path}/nowhere: no such file or folder$"
+    ):
+        plumbing.command_line.check_model(str(tmp_path / "nowhere"), "--reward_model_path", (12, 12), False)
     model = AutoModelForCausalLM.from_config(small_config(tokenizer))
     model.config.save_pretrained(tmp_path / "bin")
     torch.save(model.state_dict(), tmp_path / "bin" / "pytorch_model.bin")  # the pickled format
-    with pytest.raises(plumbing.UsageError, match="--sft_model_path .*bin has no .safetensors weights"):
-        plumbing.check_model(str(tmp_path / "bin"), "--sft_model_path", (12, 12), False)
+    with pytest.raises(plumbing.command_line.UsageError, match="--sft_model_path .*bin has no .safetensors weights"):
+        plumbing.command_line.check_model(str(tmp_path / "bin"), "--sft_model_path", (12, 12), False)
     assert script.Args().trust_remote_code is False
 
 
@@ -134,47 +139,56 @@ def test_a_tokenizer_without_eos_is_refused_and_one_without_pad_pads_with_eos(to
     tokenizer.save_pretrained(tmp_path / "tok")
     config = json.loads((tmp_path / "tok" / "tokenizer_config.json").read_text())
     json.dump({**config, "pad_token": None}, open(tmp_path / "tok" / "tokenizer_config.json", "w"))
-    no_pad = plumbing.load_tokenizer(str(tmp_path / "tok"), "--sft_model_path", False)
+    no_pad = plumbing.command_line.load_tokenizer(str(tmp_path / "tok"), "--sft_model_path", False)
     assert no_pad.pad_token_id == no_pad.eos_token_id == tokenizer.eos_token_id
     json.dump({**config, "pad_token": None, "eos_token": None}, open(tmp_path / "tok" / "tokenizer_config.json", "w"))
-    with pytest.raises(plumbing.UsageError, match="the tokenizer of --sft_model_path .*tok has no EOS token"):
-        plumbing.load_tokenizer(str(tmp_path / "tok"), "--sft_model_path", False)
+    with pytest.raises(
+        plumbing.command_line.UsageError, match="the tokenizer of --sft_model_path .*tok has no EOS token"
+    ):
+        plumbing.command_line.load_tokenizer(str(tmp_path / "tok"), "--sft_model_path", False)
 
 
-def test_datasets_of_an_unknown_kind_or_split_name_the_flag(script, tokenizer, tmp_path):
+def test_datasets_of_an_unknown_kind_or_split_name_the_flag(tmp_path):
+    """plumbing's load_split, which the three files call."""
+    load_split, usage_error = plumbing.command_line.load_split, plumbing.command_line.UsageError
     (tmp_path / "prompts.txt").write_text("sort: a ->\n")
-    with pytest.raises(script.UsageError, match="--dataset_name .*prompts.txt: a single file must be one of"):
-        script.load_split(str(tmp_path / "prompts.txt"), "train")
-    with pytest.raises(script.UsageError, match="--dataset_name .* split validation"):
-        script.load_split(str(TINY / "data"), "validation")
-    with pytest.raises(script.UsageError, match=f"^--dataset_name {tmp_path}/nowhere: no such file or folder$"):
-        script.load_split(str(tmp_path / "nowhere"), "train")
+    with pytest.raises(usage_error, match="--dataset_name .*prompts.txt: a single file must be one of"):
+        load_split(str(tmp_path / "prompts.txt"), "train")
+    with pytest.raises(usage_error, match="--dataset_name .* split validation"):
+        load_split(str(TINY / "data"), "validation")
+    with pytest.raises(usage_error, match=f"^--dataset_name {tmp_path}/nowhere: no such file or folder$"):
+        load_split(str(tmp_path / "nowhere"), "train")
 
 
 def test_an_output_dir_holding_a_run_needs_resume_with_the_same_flags(script, tmp_path):
     flags = vars(script.Args(output_dir=str(tmp_path)))
-    resume = plumbing.checkpoint_to_resume
+    resume = plumbing.run_folder.checkpoint_to_resume
     assert resume(str(tmp_path), flags, False, world_size=1) is None  # empty: a fresh run
     (tmp_path / "args.json").write_text(json.dumps({**flags, "world_size": 1}))
     (tmp_path / "metrics.jsonl").write_text("")
     assert resume(str(tmp_path), flags, False, world_size=1) is None  # a run stopped while starting: not a run
     (tmp_path / "metrics.jsonl").write_text('{"step": 0, "episode": 0, "eval/win_rate": 0.5}\n')
-    with pytest.raises(plumbing.UsageError, match=f"--output_dir {tmp_path} holds another run: pass --resume"):
+    with pytest.raises(
+        plumbing.command_line.UsageError, match=f"--output_dir {tmp_path} holds another run: pass --resume"
+    ):
         resume(str(tmp_path), flags, False, world_size=1)
     resumed = {**flags, "resume": True}
     assert resume(str(tmp_path), resumed, True, world_size=1) is None  # no checkpoint yet: starts over
     for name in ("step_000004", "step_000012", "step_000008.tmp"):
         (tmp_path / "checkpoints" / name).mkdir(parents=True)
     # a checkpoint of an older version (no format.json, or another format) is refused in one line
-    with pytest.raises(plumbing.UsageError, match=r"step_000012 is not a checkpoint of this version \(format 3\)"):
+    with pytest.raises(
+        plumbing.command_line.UsageError, match=r"step_000012 is not a checkpoint of this version \(format 3\)"
+    ):
         resume(str(tmp_path), resumed, True, world_size=1)
     (tmp_path / "checkpoints" / "step_000012" / "format.json").write_text('{"format": 2}')
-    with pytest.raises(plumbing.UsageError, match=r"step_000012 is not a checkpoint of this version"):
+    with pytest.raises(plumbing.command_line.UsageError, match=r"step_000012 is not a checkpoint of this version"):
         resume(str(tmp_path), resumed, True, world_size=1)
     (tmp_path / "checkpoints" / "step_000012" / "format.json").write_text('{"format": 3}')
     assert resume(str(tmp_path), resumed, True, world_size=1) == str(tmp_path / "checkpoints" / "step_000012")
     with pytest.raises(
-        plumbing.UsageError, match=r"--resume: --learning_rate .* -> 0\.5, training processes 1 -> 2 differ"
+        plumbing.command_line.UsageError,
+        match=r"--resume: --learning_rate .* -> 0\.5, training processes 1 -> 2 differ",
     ):
         resume(str(tmp_path), {**resumed, "learning_rate": 0.5}, True, world_size=2)
 
@@ -215,6 +229,53 @@ def test_the_command_line_prints_one_line_and_writes_nothing(name, flags, line, 
     assert sorted(p.name for p in tmp_path.rglob("*")) == before
 
 
+def tree(folder) -> dict[str, bytes | None]:
+    """Every path under `folder`, with a file's contents."""
+    return {str(p.relative_to(folder)): p.read_bytes() if p.is_file() else None for p in folder.rglob("*")}
+
+
+@pytest.mark.parametrize(
+    "name, flags, line",
+    [
+        (
+            "online_dpo_async.py",
+            ["--output_dir", "{file}"],
+            "--output_dir {file} is a file, not a folder: choose another --output_dir",
+        ),
+        (
+            "rloo_async.py",
+            ["--exp_name", "../x"],
+            "--exp_name '../x' must be a plain name (letters, digits, '_', '.', '-'): it names the run and its folder "
+            "runs/<exp_name>__<seed>__<time>",
+        ),
+        (
+            "ppo_async.py",
+            ["--exp_name", "a/b"],
+            "--exp_name 'a/b' must be a plain name (letters, digits, '_', '.', '-'): it names the run and its folder "
+            "runs/<exp_name>__<seed>__<time>",
+        ),
+    ],
+)
+def test_an_output_dir_that_is_a_file_and_an_exp_name_that_is_a_path_are_refused(name, flags, line, tmp_path):
+    """From the shell, in a fresh working folder: exit 1, one line on stderr, and nothing written in the folder or
+    beside it (no runs/, no run folder where the name's path would lead; the file given as --output_dir unchanged)."""
+    work = tmp_path / "work"
+    work.mkdir()
+    file = work / "notes.txt"
+    file.write_text("not a run folder\n")
+    before = tree(tmp_path)
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / name), *(flag.format(file=file) for flag in flags)],
+        cwd=work,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 1, proc.stderr
+    assert proc.stderr.strip().splitlines() == ["error: " + line.format(file=file)]
+    assert tree(tmp_path) == before and not (work / "runs").exists()
+
+
 def not_a_reward_model(flag: str, path) -> str:
     return f"{flag} {path} is not a reward model: it has no score head, which loading would initialise at random"
 
@@ -223,24 +284,28 @@ def test_a_causal_lm_is_not_a_reward_model_and_the_tiny_reward_model_is(tmp_path
     """From the config, before any weights load: the tiny SFT policy is a causal LM, the tiny reward model a sequence
     classifier; a config that names no architecture cannot be told and is left to the check at load time."""
     lengths = (12, 12)
-    plumbing.check_model(str(TINY / "reward"), "--reward_model_path", lengths, False, reward=True)
-    plumbing.check_model(str(TINY / "sft"), "--sft_model_path", lengths, False)  # a policy need not be a classifier
+    plumbing.command_line.check_model(str(TINY / "reward"), "--reward_model_path", lengths, False, reward=True)
+    plumbing.command_line.check_model(
+        str(TINY / "sft"), "--sft_model_path", lengths, False
+    )  # a policy need not be a classifier
     for flag in ("--reward_model_path", "--gold_judge"):
-        with pytest.raises(plumbing.UsageError, match=f"^{re.escape(not_a_reward_model(flag, TINY / 'sft'))}$"):
-            plumbing.check_model(str(TINY / "sft"), flag, lengths, False, reward=True)
+        with pytest.raises(
+            plumbing.command_line.UsageError, match=f"^{re.escape(not_a_reward_model(flag, TINY / 'sft'))}$"
+        ):
+            plumbing.command_line.check_model(str(TINY / "sft"), flag, lengths, False, reward=True)
     unnamed = tmp_path / "unnamed"
     shutil.copytree(TINY / "sft", unnamed)
     config = json.loads((unnamed / "config.json").read_text())
     (unnamed / "config.json").write_text(json.dumps({k: v for k, v in config.items() if k != "architectures"}))
-    plumbing.check_model(str(unnamed), "--reward_model_path", lengths, False, reward=True)
+    plumbing.command_line.check_model(str(unnamed), "--reward_model_path", lengths, False, reward=True)
 
 
 def test_at_load_time_a_score_head_initialised_at_random_is_refused():
     """The check of a hub id that was not in the cache before it loaded: the head among the missing weights."""
-    reward_model = plumbing.load_reward_model(str(TINY / "reward"), "--gold_judge", use_safetensors=True)
+    reward_model = plumbing.command_line.load_reward_model(str(TINY / "reward"), "--gold_judge", use_safetensors=True)
     assert reward_model.score.weight.shape == (1, 128)
-    with pytest.raises(plumbing.UsageError, match=f"^--gold_judge {TINY / 'sft'} is not a reward model"):
-        plumbing.load_reward_model(str(TINY / "sft"), "--gold_judge", use_safetensors=True)
+    with pytest.raises(plumbing.command_line.UsageError, match=f"^--gold_judge {TINY / 'sft'} is not a reward model"):
+        plumbing.command_line.load_reward_model(str(TINY / "sft"), "--gold_judge", use_safetensors=True)
 
 
 @pytest.mark.parametrize(

@@ -93,12 +93,14 @@ def test_quickstart_run_command_learns(tmp_path):
 
 
 def test_known_third_party_noise_is_silenced_unless_async_rlhf_verbose():
-    """The messages every run printed (docs/flags.md): silenced when plumbing loads, each raised here as its source
-    raises it; ASYNC_RLHF_VERBOSE=1 shows them (and the progress bars of model loading and of datasets) again."""
+    """The messages every run printed (docs/flags.md), each raised here as its source raises it: importing plumbing
+    changes nothing (nothing runs at import); plumbing.command_line.quiet_known_noise, which plumbing.run calls,
+    silences them and the progress bars of model loading and of datasets; with ASYNC_RLHF_VERBOSE=1 it leaves them."""
     code = """
 import logging, warnings
 import datasets, transformers
 import plumbing
+{quiet}
 warnings.warn("`torch.distributed.reduce_op` is deprecated, please use `torch.distributed.ReduceOp` instead", FutureWarning)
 logging.getLogger("torch._library.triton").warning("Triton not available, find_triton_kernels = []")
 from deepspeed.accelerator import get_accelerator
@@ -106,13 +108,16 @@ get_accelerator()
 print(transformers.utils.logging.is_progress_bar_enabled(), datasets.is_progress_bar_enabled())
 """
     noise = ["torch.distributed.reduce_op", "Triton not available", "Setting accelerator to CPU"]
-    for verbose in ("", "1"):
+    quiet = "plumbing.command_line.quiet_known_noise()"
+    for called, verbose, shown in [("", "", True), (quiet, "", False), (quiet, "1", True)]:
         env = {**os.environ, "ASYNC_RLHF_VERBOSE": verbose}
-        proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, env=env)
+        proc = subprocess.run(
+            [sys.executable, "-c", code.format(quiet=called)], cwd=ROOT, capture_output=True, text=True, env=env
+        )
         assert proc.returncode == 0, proc.stderr
-        assert proc.stdout.splitlines()[-1].split() == [str(bool(verbose))] * 2
+        assert proc.stdout.splitlines()[-1].split() == [str(shown)] * 2, (called, verbose)
         output = proc.stdout + proc.stderr  # DeepSpeed logs to stdout
-        assert [message in output for message in noise] == [bool(verbose)] * 3, output
+        assert [message in output for message in noise] == [shown] * 3, (called, verbose, output)
 
 
 # The fast tier (docs/tests.md) runs one example of each file; the others are slow.
@@ -158,7 +163,8 @@ def test_cpu_example_commands_run(command, tmp_path):
 
 def test_every_training_process_gets_rank_0s_run_name(tmp_path):
     """The default --output_dir is runs/<run name>, and the name holds the time: each process must take rank 0's,
-    even when its clock is already in the next second (here rank 1's is made one second ahead)."""
+    even when its clock is already in the next second (here rank 1's is made one second ahead). Args().exp_name is
+    None: plumbing.run names the run after its file, as here."""
     probe = tmp_path / "probe.py"
     probe.write_text(f"""import importlib, os, sys, time, types
 sys.path.insert(0, {str(ROOT)!r})
@@ -166,12 +172,13 @@ from accelerate import Accelerator
 import plumbing
 accelerator = Accelerator()
 if accelerator.process_index == 1:
-    plumbing.time = types.SimpleNamespace(time=lambda: time.time() + 1)
+    plumbing.run_folder.time = types.SimpleNamespace(time=lambda: time.time() + 1)
 for name in ("online_dpo_async", "rloo_async", "ppo_async"):
     args = importlib.import_module(name).Args()
-    line = f"{{name}} rank {{accelerator.process_index}}: {{plumbing.name_run(args.exp_name, args.seed)}}\\n"
+    assert args.exp_name is None
+    line = f"{{name}} rank {{accelerator.process_index}}: {{plumbing.run_folder.name_run(name, args.seed)}}\\n"
     os.write(1, line.encode())  # one write a line: the two processes share the pipe
-plumbing.leave_process_group()  # as a run ends
+plumbing.command_line.leave_process_group()  # as a run ends
 """)
     proc = run_script(
         [sys.executable, "-m", "accelerate.commands.launch", "--config_file", "configs/cpu_2proc.yaml", str(probe)],
@@ -199,8 +206,8 @@ def test_gpu_commands_parse():
         and tyro.cli(dpo.Args, args=one_gpu[2:]).vllm_placement == "auto"
     )
     # auto: one GPU is shared with the one training process; 8 GPUs give 7 training processes and the engine its own
-    assert plumbing.engine_placement("auto", ["0"], 1, None).shared
-    assert not plumbing.engine_placement("auto", [str(i) for i in range(8)], 7, None).shared
+    assert plumbing.engine.engine_placement("auto", ["0"], 1, None).shared
+    assert not plumbing.engine.engine_placement("auto", [str(i) for i in range(8)], 7, None).shared
     commands = [line for line in lines if line.startswith("accelerate launch")]
     assert len(commands) == 3
     for command in commands:
@@ -315,12 +322,13 @@ def test_docs_commands_run_dry_or_name_flags_their_script_has(command, tmp_path)
 
 
 def domain_table() -> str:
-    """docs/flags.md's table of the flags' domains, from FLAG_DOMAINS and each file's ALGORITHM_DOMAINS."""
+    """docs/flags.md's table of the flags' domains, from plumbing.command_line.COMMON_DOMAINS and each file's
+    ALGORITHM_DOMAINS."""
     scripts = ["online_dpo_async.py", "rloo_async.py", "ppo_async.py"]
     modules = {name: importlib.import_module(name.removesuffix(".py")) for name in scripts}
     rows = {}
     for name, module in modules.items():
-        for flag, (domain, why) in (module.FLAG_DOMAINS | module.ALGORITHM_DOMAINS).items():
+        for flag, (domain, why) in (plumbing.command_line.COMMON_DOMAINS | module.ALGORITHM_DOMAINS).items():
             rows.setdefault((flag, domain, why), []).append(name)
     lines = ["| flag | must be | why | files |", "|---|---|---|---|"]
     for (flag, domain, why), names in rows.items():
@@ -337,9 +345,10 @@ def test_the_flag_domains_in_the_docs_are_the_checked_ones():
 
 SCRIPTS = {name: importlib.import_module(name) for name in ("online_dpo_async", "rloo_async", "ppo_async")}
 ALGORITHM_SECTIONS = {"online_dpo_async": "online DPO", "rloo_async": "RLOO", "ppo_async": "PPO"}
+# RunArgs' sections (plumbing/command_line.py), first in every file; then each file's own
+RUN_SECTIONS = ["run", "the engine", "trainer numerics and memory", "checkpoints"]
 # shared flags whose text says what differs between the algorithms: completions per prompt, the value model
-SAID_PER_FILE = {"exp_name", "total_episodes", "local_rollout_forward_batch_size", "learning_rate"}
-SAID_PER_FILE |= {"reward_model_path", "dtype"}
+SAID_PER_FILE = {"total_episodes", "local_rollout_forward_batch_size", "learning_rate", "reward_model_path"}
 
 
 @dataclasses.dataclass
@@ -355,11 +364,27 @@ class Example:
 
 
 def test_flag_sections_read_the_titles_and_helps_of_the_class_body():
-    assert plumbing.flag_sections(Example) == [
+    assert plumbing.command_line.flag_sections(Example) == [
         ("first", [("a", "a's help")]),
         ("second (with a note)", [("b", "b's help, on two lines"), ("c", "c's")]),
     ]
-    assert plumbing.parse_args(Example, "Doc.\n\nMore.", ["--b", "x", "--c"]) == Example(1, "x", True)
+    assert plumbing.command_line.parse_args(Example, "Doc.\n\nMore.", ["--b", "x", "--c"]) == Example(1, "x", True)
+
+
+@dataclasses.dataclass
+class Extended(Example):
+    # third
+    d: float = 0.5  # d's
+
+
+def test_flag_sections_put_the_base_classes_sections_first():
+    """As RunArgs' sections come before each file's Args' own."""
+    assert [title for title, _ in plumbing.command_line.flag_sections(Extended)] == [
+        "first",
+        "second (with a note)",
+        "third",
+    ]
+    assert plumbing.command_line.parse_args(Extended, "Doc.", ["--d", "2", "--a", "3"]) == Extended(a=3, d=2.0)
 
 
 @pytest.mark.parametrize("name", SCRIPTS)
@@ -369,29 +394,30 @@ def test_the_grouped_command_line_reads_flags_as_tyro_reads_the_flat_args(name):
     module = SCRIPTS[name]
     for flags in [[], ["--seed", "3", "--track", "--output_dir", "x", "--num_eval_prompts", "8"], ["--resume"]]:
         expected = tyro.cli(module.Args, args=flags, use_underscores=True)
-        assert plumbing.parse_args(module.Args, module.__doc__, flags) == expected
+        assert plumbing.command_line.parse_args(module.Args, module.__doc__, flags) == expected
 
 
 def test_help_is_grouped_the_same_way_in_the_three_files_and_says_what_every_flag_means():
-    """--help's groups are Args' sections, in the same order in the three files (the algorithm's own section is
-    named after it); a flag the files share has the same section and text (except SAID_PER_FILE); every flag has a
-    text, an optional one says what None means, and one whose domain starts at 0 says what 0 means."""
-    sections = {name: plumbing.flag_sections(module.Args) for name, module in SCRIPTS.items()}
+    """--help's groups are RunArgs' sections, then Args' own, in the same order in the three files (the algorithm's
+    own section is named after it); a flag the files share has the same section and text (except SAID_PER_FILE);
+    every flag has a text, an optional one says what None means, and one whose domain starts at 0 says what 0
+    means."""
+    run_sections = [title for title, _ in plumbing.command_line.flag_sections(plumbing.command_line.RunArgs)]
+    assert run_sections == RUN_SECTIONS
+    sections = {name: plumbing.command_line.flag_sections(module.Args) for name, module in SCRIPTS.items()}
     titles = {name: [title for title, _ in s] for name, s in sections.items()}
     for name, names in titles.items():
-        assert names[:2] + names[3:] == [
-            "run",
+        assert names[:5] + names[6:] == RUN_SECTIONS + [
             "data and models (local folders or files, or hub ids)",
             "optimisation",
-            "generation and the engine",
-            "trainer numerics and memory",
+            "generation",
             ALGORITHM_SECTIONS[name],
-            "evaluation and checkpoints",
+            "evaluation",
         ]
-        assert names[2].startswith("batch sizes (in prompts; each gets "), names[2]
+        assert names[5].startswith("batch sizes (in prompts; each gets "), names[5]
     where = {}  # flag -> {(section index, help)}
     for name, module in SCRIPTS.items():
-        domains = module.FLAG_DOMAINS | module.ALGORITHM_DOMAINS
+        domains = plumbing.command_line.COMMON_DOMAINS | module.ALGORITHM_DOMAINS
         for index, (title, flags) in enumerate(sections[name]):
             for flag, text in flags:
                 assert text, f"{name} --{flag} has no help"
@@ -404,7 +430,7 @@ def test_help_is_grouped_the_same_way_in_the_three_files_and_says_what_every_fla
                     where.setdefault(flag, set()).add((index, None if flag in SAID_PER_FILE else text))
     assert {flag: w for flag, w in where.items() if len(w) > 1} == {}
     for name in SCRIPTS:
-        total_episodes = dict(sections[name][2][1])["total_episodes"]
+        total_episodes = dict(sections[name][5][1])["total_episodes"]
         assert "a multiple of the completions per step" in total_episodes, total_episodes
 
 
@@ -413,7 +439,8 @@ def test_help_shows_each_section_as_a_box_of_its_flags(script):
     boxes = re.findall(r"╭─ ([^\n]+?) options ─+╮\n(.*?)╰", help_text(script), re.S)
     shown = [(title, re.findall(r"^│ --(\w+)", body, re.M)) for title, body in boxes if title != "options"]
     module = SCRIPTS[script.removesuffix(".py")]
-    assert shown == [(title, [flag for flag, _ in flags]) for title, flags in plumbing.flag_sections(module.Args)]
+    sections = plumbing.command_line.flag_sections(module.Args)
+    assert shown == [(title, [flag for flag, _ in flags]) for title, flags in sections]
     assert "{None}|INT (STR, FLOAT) is optional" in help_text(script)
 
 
@@ -426,7 +453,7 @@ def test_the_docs_list_the_flags_by_the_help_groups():
     documented = [(title, sorted(set(re.findall(r"`--(\w+)`", body)))) for title, body in bullets]
     expected = {}
     for module in SCRIPTS.values():
-        for title, flags in plumbing.flag_sections(module.Args):
+        for title, flags in plumbing.command_line.flag_sections(module.Args):
             title = title.split(" (")[0]
             expected[title] = sorted(set(expected.get(title, [])) | {flag for flag, _ in flags})
     assert len(documented) == len(dict(documented)) and dict(documented) == expected

@@ -2,7 +2,6 @@
 
 import os
 import queue
-import threading
 import time
 
 import psutil
@@ -12,6 +11,22 @@ from conftest import perturbed_policy, save_random_policy
 
 import online_dpo_async as dpo
 import plumbing
+from plumbing.engine import engine_placement, make_engine
+from plumbing.watchdog import kill_process_trees, release_shared_memory, shared_memory_files, started_processes
+from plumbing.weights import (
+    SnapshotPlace,
+    WeightBucket,
+    Weights,
+    bucket_bytes,
+    bucket_chunks,
+    check_loaded,
+    checkpoint_names,
+    push_weights,
+    shared_handle,
+    snapshot_bytes,
+    snapshot_sizes,
+    snapshot_weights,
+)
 
 PROMPT_LENGTH, BLOCK_SIZE = 45, 32  # prompts span more than one KV-cache block
 # the tests on the module's engine run on one xdist worker, which starts the engine once
@@ -27,8 +42,8 @@ def policy_a(tokenizer, tmp_path_factory):
 def engine(policy_a):
     """The scripts' engine (its own processes, the weight receiver), with prefix caching on small KV blocks."""
     path = policy_a
-    placement = plumbing.engine_placement("auto", [], 1, None)
-    llm = plumbing.make_engine(
+    placement = engine_placement("auto", [], 1, None)
+    llm = make_engine(
         str(path), placement, dtype="float32", max_model_len=128, enforce_eager=True, seed=0, block_size=BLOCK_SIZE
     )
     yield llm
@@ -74,9 +89,9 @@ def test_engine_after_a_weight_push_matches_the_trainer_on_long_prompts(engine, 
     ).eval()
     weights_dir = tmp_path / "push"
     weights_dir.mkdir()
-    place = plumbing.SnapshotPlace(pinned=False, folder=str(weights_dir))
-    snapshot = dpo.snapshot_weights(new_policy.state_dict(), dpo.checkpoint_names(new_policy), torch.float32, place)
-    dpo.push_weights(engine, plumbing.WeightBucket(None, str(weights_dir)), dpo.Weights(1, *snapshot))
+    place = SnapshotPlace(pinned=False, folder=str(weights_dir))
+    snapshot = snapshot_weights(new_policy.state_dict(), checkpoint_names(new_policy), torch.float32, place)
+    push_weights(engine, WeightBucket(None, str(weights_dir)), Weights(1, *snapshot))
     for prompt, (tokens, logprobs) in zip(prompts, greedy_with_engine(engine, prompts, 8)):
         expected_tokens, expected_logprobs = greedy_with_transformers(new_policy, prompt, 8)
         assert tokens == expected_tokens
@@ -107,51 +122,51 @@ def test_engine_after_a_weight_push_matches_the_trainer_on_long_prompts(engine, 
 @on_the_module_engine
 @pytest.mark.parametrize("async_level", [0, 1, 2, 3])
 def test_the_engine_device_holds_one_bucket_at_every_async_level(engine, policy_a, tokenizer, tmp_path, async_level):
-    """Three pushes of versions that differ, through the scripts' code: the trainer's publish (a snapshot in host
-    memory), the generation thread pulling each version its schedule needs and pushing it (push_weights), and the
-    snapshots let go once nothing owes them (owed_snapshots). At every push the engine's device holds the push's
-    bucket alone (on a CPU a shared-memory file of the weights folder, as the GPU's is CUDA memory), the same one each
-    time, of bucket_bytes: here the largest layer's, less than a snapshot, so each push takes several loads; the host
-    holds at most async_level + 2 snapshots, the count the memory plan takes."""
-    from accelerate import Accelerator
+    """Three pushes of versions that differ, through the scripts' code: the trainer's publish (PolicySnapshots.take: a
+    snapshot in host memory), the generation thread pulling each version its schedule needs and pushing it
+    (plumbing.Engine.push), and the snapshots let go once nothing owes them (PolicySnapshots.keep). At every push the
+    engine's device holds the push's bucket alone (on a CPU a shared-memory file of the weights folder, as the GPU's is
+    CUDA memory), the same one each time, of bucket_bytes: here the largest layer's, less than a snapshot, so each push
+    takes several loads; the host holds at most async_level + 2 snapshots, the count the memory plan takes."""
     from transformers import AutoModelForCausalLM
 
-    policy, accelerator = AutoModelForCausalLM.from_pretrained(policy_a), Accelerator(cpu=True)
-    names, folder = dpo.checkpoint_names(policy), tmp_path
-    place, bucket = (
-        plumbing.SnapshotPlace(pinned=False, folder=str(folder)),
-        plumbing.WeightBucket(None, str(folder), 1),
-    )
     num_steps = async_level + 4  # versions 1, 2 and 3 are pushed
+    # a batch of 2 prompts (of 4) x 2 completions a step, in float32 as the engine
+    args = dpo.Args(response_length=2, seed=0, local_micro_batch_size=2, total_episodes=4 * num_steps, dtype="float32")
+    policy, processes = AutoModelForCausalLM.from_pretrained(policy_a), plumbing.Processes(args)
+    folder = tmp_path
+    snapshots = plumbing.PolicySnapshots(processes, policy)  # as the scripts make them, and place them
+    snapshots.place, bucket = SnapshotPlace(pinned=False, folder=str(folder)), WeightBucket(None, str(folder), 1)
     schedule = dpo.generation_schedule(num_steps, async_level, eval_steps=[])
-    to_publish, snapshots = dpo.published_versions(schedule), {}
-    channels = dpo.Channels(queue.Queue(), queue.Queue(), queue.Queue(), threading.Event(), [])
+    to_publish = dpo.published_versions(schedule)
+    channels = dpo.Channels(queue.Queue(), queue.Queue(), queue.Queue())
     held = []  # at each push: the engine device's buffers (name, bytes) and the host's snapshots
+    link = plumbing.Engine.around(engine, bucket)
 
     def push(weights):
-        dpo.push_weights(engine, bucket, weights)
+        plumbing.Engine.push(link, weights)  # push_weights through the bucket
         files = {f.name: f.stat().st_size for f in folder.iterdir()}
         on_device = [(name, size) for name, size in files.items() if name.startswith("bucket-")]
         held.append((weights.version, on_device, sum(name.startswith("snapshot-") for name in files)))
 
-    args = dpo.Args(response_length=2, seed=0)
+    link.push = push
     prompts = [[tokenizer.bos_token_id, 5 + i, 6] for i in range(4)]
-    work = (engine, schedule, prompts, [], args, 1, 2, tokenizer.eos_token_id, channels, push)
-    thread = threading.Thread(target=dpo.generation_thread, args=work, daemon=True)
-    thread.start()
+    none = dpo.Prompts([], [], [])
+    inputs = dpo.Inputs(tokenizer, None, dpo.Prompts(prompts, [""] * 4, [""] * 4), none)
+    link.run_thread(dpo.generation_thread, link, channels, schedule, inputs, args, dpo.compute_sizes(args, 1))
     for step in range(num_steps):
-        rollout = dpo.get_or_raise(channels.rollouts, channels)
+        rollout = link.get(channels.rollouts)
         assert (rollout.step, rollout.version) == (step, max(0, step - async_level))
         with torch.no_grad():
             for parameter in policy.parameters():
                 parameter.add_(1e-3)
-        if step + 1 in to_publish:
-            dpo.publish(step + 1, accelerator, policy, names, torch.float32, place, snapshots, channels)
-        for version in snapshots.keys() - dpo.owed_snapshots(snapshots, schedule, step + 1, set()).keys():
-            del snapshots[version]
-    thread.join(timeout=60)
-    one = plumbing.bucket_bytes(plumbing.snapshot_sizes(policy, names), element_size=4, least=1)
-    assert one < plumbing.snapshot_bytes(policy, names, torch.float32)
+        if step + 1 in to_publish:  # the test keeps no reference to a snapshot: only the snapshots and the channel
+            channels.weights.put(snapshots.take(policy, step + 1))
+        snapshots.keep(dpo.published_versions(dpo.pending_events(schedule, step + 1, set())))
+    link.thread.join(timeout=60)
+    names = snapshots.names
+    one = bucket_bytes(snapshot_sizes(policy, names), element_size=4, least=1)
+    assert one < snapshot_bytes(policy, names, torch.float32)
     assert [version for version, _, _ in held] == [1, 2, 3]
     assert all(len(on_device) == 1 and on_device[0][1] == one for _, on_device, _ in held), held
     assert len({name for _, on_device, _ in held for name, _ in on_device}) == 1  # allocated once
@@ -160,35 +175,35 @@ def test_the_engine_device_holds_one_bucket_at_every_async_level(engine, policy_
 
 @on_the_module_engine
 def test_an_engine_holding_other_weights_than_it_was_sent_stops_the_run(engine, tokenizer, tmp_path):
-    """After a push the engine says what it holds against the snapshot (plumbing.WeightReceiver.holds): the version,
-    and every tensor it keeps under the sent name compared element for element. Pushed policy b holds b; asked
-    against policy c's snapshot, which it never loaded (a push that delivered nothing), it differs, and
-    plumbing.check_loaded stops the run naming the tensors, as it does for a prefix cache not reset."""
+    """After a push the engine says what it holds against the snapshot (plumbing.weights.WeightReceiver.holds): the
+    version, and every tensor it keeps under the sent name compared element for element. Pushed policy b holds b;
+    asked against policy c's snapshot, which it never loaded (a push that delivered nothing), it differs, and
+    plumbing.weights.check_loaded stops the run naming the tensors, as it does for a prefix cache not reset."""
     from transformers import AutoModelForCausalLM
 
-    place = plumbing.SnapshotPlace(pinned=False, folder=str(tmp_path))
+    place = SnapshotPlace(pinned=False, folder=str(tmp_path))
     b, c = (
         AutoModelForCausalLM.from_pretrained(save_random_policy(tokenizer, tmp_path / n, seed=s))
         for n, s in (("b", 1), ("c", 2))
     )
-    snapshot_b = dpo.Weights(5, *dpo.snapshot_weights(b.state_dict(), dpo.checkpoint_names(b), torch.float32, place))
-    snapshot_c = dpo.Weights(6, *dpo.snapshot_weights(c.state_dict(), dpo.checkpoint_names(c), torch.float32, place))
-    dpo.push_weights(engine, plumbing.WeightBucket(None, str(tmp_path)), snapshot_b)  # checks what it holds: b
-    held = engine.collective_rpc("holds", args=(5, plumbing.shared_handle(snapshot_b.flat), snapshot_b.layout))[0]
+    snapshot_b = Weights(5, *snapshot_weights(b.state_dict(), checkpoint_names(b), torch.float32, place))
+    snapshot_c = Weights(6, *snapshot_weights(c.state_dict(), checkpoint_names(c), torch.float32, place))
+    push_weights(engine, WeightBucket(None, str(tmp_path)), snapshot_b)  # checks what it holds: b
+    held = engine.collective_rpc("holds", args=(5, shared_handle(snapshot_b.flat), snapshot_b.layout))[0]
     # norms and the embeddings compare on a CPU (its linear layers repack their weights and leave them empty)
     assert held["version"] == 5 and held["compared"] >= 5 and held["differ"] == []
-    stale = engine.collective_rpc("holds", args=(6, plumbing.shared_handle(snapshot_c.flat), snapshot_c.layout))[0]
+    stale = engine.collective_rpc("holds", args=(6, shared_handle(snapshot_c.flat), snapshot_c.layout))[0]
     # the random policies' norms are all ones: their embeddings and heads tell them apart
     assert stale["compared"] == held["compared"] and stale["differ"] == ["model.embed_tokens.weight", "lm_head.weight"]
     with pytest.raises(
         RuntimeError,
         match=rf"does not hold policy version 6 after its push: 2 of {2 * held['compared']} tensors compared differ",
     ):
-        plumbing.check_loaded(6, [held, stale], cache_reset=True)  # a push's loads, checked together
+        check_loaded(6, [held, stale], cache_reset=True)  # a push's loads, checked together
     with pytest.raises(RuntimeError, match="does not hold policy version 5 after its push: its prefix cache was not"):
-        plumbing.check_loaded(5, [held], cache_reset=False)
+        check_loaded(5, [held], cache_reset=False)
     with pytest.raises(RuntimeError, match="does not hold policy version 7 after its push: it loaded version 5"):
-        plumbing.check_loaded(7, [held], cache_reset=True)
+        check_loaded(7, [held], cache_reset=True)
     paths = [snapshot_b.flat.shared_path, snapshot_c.flat.shared_path]
     assert all(os.path.exists(path) for path in paths)
     del snapshot_b, snapshot_c
@@ -199,7 +214,7 @@ def test_an_engine_holding_other_weights_than_it_was_sent_stops_the_run(engine, 
 def test_generated_completions_stop_at_eos_and_are_reproducible(engine, tokenizer):
     prompts = [[tokenizer.bos_token_id, 7, 8, 9]] * 2
     first, logprobs = dpo.generate(
-        engine, prompts, n=3, temperature=1.0, max_tokens=10, eos_token_id=tokenizer.eos_token_id, seeds=[11, 12]
+        engine, prompts, n=3, temperature=1.0, max_tokens=10, eos=tokenizer.eos_token_id, seeds=[11, 12]
     )
     again, again_logprobs = dpo.generate(engine, prompts, 3, 1.0, 10, tokenizer.eos_token_id, [11, 12], logprobs=True)
     assert logprobs is None and [len(lp) for lp in again_logprobs] == [len(c) for c in again]
@@ -219,9 +234,9 @@ def test_engine_logprobs_are_the_trainers_after_temperature(engine, policy_a, to
     from transformers import AutoModelForCausalLM
 
     policy = AutoModelForCausalLM.from_pretrained(policy_a).eval()
-    place = plumbing.SnapshotPlace(pinned=False, folder=str(tmp_path))
-    snapshot = rloo.snapshot_weights(policy.state_dict(), rloo.checkpoint_names(policy), torch.float32, place)
-    rloo.push_weights(engine, plumbing.WeightBucket(None, str(tmp_path)), rloo.Weights(0, *snapshot))
+    place = SnapshotPlace(pinned=False, folder=str(tmp_path))
+    snapshot = snapshot_weights(policy.state_dict(), checkpoint_names(policy), torch.float32, place)
+    push_weights(engine, WeightBucket(None, str(tmp_path)), Weights(0, *snapshot))
     prompts = [
         tokenizer(q).input_ids for q in ("sort: fox ant cat ->", "sort: yak bee cow dog elk emu ->", "sort: ape asp ->")
     ]
@@ -229,11 +244,11 @@ def test_engine_logprobs_are_the_trainers_after_temperature(engine, policy_a, to
     responses, logprobs = rloo.generate(engine, prompts, 4, temperature, length, eos, [0, 1, 2], logprobs=True)
     q_ids, q_mask = rloo.left_pad(prompts, 12, tokenizer.pad_token_id)
     q_ids, q_mask = q_ids.repeat_interleave(4, 0), q_mask.repeat_interleave(4, 0)
-    r_ids, r_mask, _ = rloo.truncate_responses(responses, length, eos, tokenizer.pad_token_id)
-    pushed = rloo.pad_logprobs(logprobs, length, r_mask)
+    batch = rloo.Batch(q_ids, q_mask, *rloo.truncate_responses(responses, length, eos, tokenizer.pad_token_id))
+    pushed = rloo.pad_logprobs(logprobs, batch)
     with torch.no_grad():
-        trainer = rloo.response_logprobs(policy, q_ids, q_mask, r_ids, r_mask, temperature)
-        raw = rloo.response_logprobs(policy, q_ids, q_mask, r_ids, r_mask, 1.0)
+        trainer = rloo.response_logprobs(policy, batch, temperature)
+        raw = rloo.response_logprobs(policy, batch, 1.0)
     assert [len(lp) for lp in logprobs] == [len(r) for r in responses]
     diff = (pushed - trainer).abs().max().item()
     print(f"max |engine - trainer| per token: {diff:.2e}")
@@ -244,39 +259,26 @@ def test_engine_logprobs_are_the_trainers_after_temperature(engine, policy_a, to
 
 
 @on_the_module_engine
-def test_a_failure_in_the_generation_thread_surfaces_in_the_trainer(engine, tokenizer):
+def test_a_failure_in_the_generation_thread_surfaces_in_the_trainer(engine, tokenizer, tmp_path):
     """Fault injected with a real engine error: a prompt token id outside the vocabulary."""
-    args = dpo.Args(num_samples=2, response_length=4)
-    channels = dpo.Channels(queue.Queue(), queue.Queue(), queue.Queue(), threading.Event(), [])
-    bad_prompts = [[tokenizer.bos_token_id, 10_000]] * 4
-    thread = threading.Thread(
-        target=dpo.generation_thread,
-        args=(
-            engine,
-            dpo.generation_schedule(2, 1, []),
-            bad_prompts,
-            [],
-            args,
-            2,
-            2,
-            tokenizer.eos_token_id,
-            channels,
-            None,
-        ),
-        daemon=True,
-    )
+    args = dpo.Args(num_samples=2, response_length=4, local_micro_batch_size=2, total_episodes=8)  # 2 steps of 2 x 2
+    channels = dpo.Channels(queue.Queue(), queue.Queue(), queue.Queue())
+    bad_prompts = dpo.Prompts([[tokenizer.bos_token_id, 10_000]] * 4, [""] * 4, [""] * 4)
+    inputs = dpo.Inputs(tokenizer, None, bad_prompts, dpo.Prompts([], [], []))
+    link = plumbing.Engine.around(engine, WeightBucket(None, str(tmp_path)))
+    schedule, sizes = dpo.generation_schedule(2, 1, []), dpo.compute_sizes(args, 1)
     start = time.perf_counter()
-    thread.start()
+    link.run_thread(dpo.generation_thread, link, channels, schedule, inputs, args, sizes)
     with pytest.raises(RuntimeError, match="generation thread failed") as raised:
-        dpo.get_or_raise(channels.rollouts, channels)
+        link.get(channels.rollouts)
     assert time.perf_counter() - start < 10
-    assert raised.value.__cause__ is channels.error[0]
-    thread.join(timeout=5)
-    assert not thread.is_alive()
+    assert raised.value.__cause__ is link.thread_error
+    link.thread.join(timeout=5)
+    assert not link.thread.is_alive()
 
 
 def engine_parameters(llm) -> dict[str, torch.Tensor]:
-    """Every parameter of the engine's model, copied to the CPU (plumbing.WeightReceiver, in the worker)."""
+    """Every parameter of the engine's model, copied to the CPU (plumbing.weights.WeightReceiver, in the worker)."""
     from safetensors.torch import load
 
     return load(llm.collective_rpc("parameter_copies")[0])
@@ -301,12 +303,12 @@ PUSHED_FAMILIES = [
 @pytest.mark.slow
 @pytest.mark.parametrize("arch, tied", PUSHED_FAMILIES)
 def test_each_push_loads_exactly_what_a_checkpoint_would(arch, tied, tokenizer, tmp_path):
-    """The scripts' engine (plumbing.make_engine) takes three pushes (push_weights, as the scripts push) of models
-    whose every tensor differs, norms and biases included, for each family researchers train now: GPTNeoX, Llama
+    """The scripts' engine (plumbing.engine.make_engine) takes three pushes (push_weights, as the scripts push) of
+    models whose every tensor differs, norms and biases included, for each family researchers train now: GPTNeoX, Llama
     (untied and tied), Qwen2, Qwen3 (tied), Mistral, Gemma 2, OLMo 2, Phi-3 and GPT-2. After each, the engine says it
-    holds the pushed version (plumbing.WeightReceiver.holds), through one bucket that holds the whole snapshot (version
-    1) and through one that holds its largest layer (2 and 3: a push of several loads, a layer at a time, each layer
-    larger than the bucket's least), every engine parameter is bit for bit what vLLM's
+    holds the pushed version (plumbing.weights.WeightReceiver.holds), through one bucket that holds the whole snapshot
+    (version 1) and through one that holds its largest layer (2 and 3: a push of several loads, a layer at a time, each
+    layer larger than the bucket's least), every engine parameter is bit for bit what vLLM's
     loader makes of the same model saved by save_pretrained, and differs from the previous version's; long prompts
     (the prefix cache was reset) give the new model's greedy tokens and logprobs. vLLM's CPU linear layers repack
     their weights and leave the parameter empty: those are checked through the logprobs, which every weight moves.
@@ -314,13 +316,13 @@ def test_each_push_loads_exactly_what_a_checkpoint_would(arch, tied, tokenizer, 
     models = [perturbed_policy(tokenizer, arch, tied, seed) for seed in range(4)]
     models[0].save_pretrained(tmp_path / "v0")
     tokenizer.save_pretrained(tmp_path / "v0")
-    placement = plumbing.engine_placement("auto", [], 1, None)
+    placement = engine_placement("auto", [], 1, None)
     ours = {process.pid for process in psutil.Process().children(recursive=True)}
-    llm = plumbing.make_engine(
+    llm = make_engine(
         str(tmp_path / "v0"), placement, dtype="float32", max_model_len=128, enforce_eager=True, seed=0, block_size=32
     )
-    processes = plumbing.started_processes(ours)
-    shared_memory = plumbing.shared_memory_files(processes)
+    processes = started_processes(ours)
+    shared_memory = shared_memory_files(processes)
     try:
         g = torch.Generator().manual_seed(0)
         prompts = [
@@ -329,16 +331,16 @@ def test_each_push_loads_exactly_what_a_checkpoint_would(arch, tied, tokenizer, 
         ]
         greedy_with_engine(llm, prompts, 4)  # the prefix cache holds version 0's KV
         before = engine_parameters(llm)
-        place = plumbing.SnapshotPlace(pinned=False, folder=str(tmp_path))
-        whole, small = plumbing.WeightBucket(None, str(tmp_path)), plumbing.WeightBucket(None, str(tmp_path), least=1)
+        place = SnapshotPlace(pinned=False, folder=str(tmp_path))
+        whole, small = WeightBucket(None, str(tmp_path)), WeightBucket(None, str(tmp_path), least=1)
         for version, model in enumerate(models[1:], start=1):
-            flat, layout = dpo.snapshot_weights(model.state_dict(), dpo.checkpoint_names(model), torch.float32, place)
+            flat, layout = snapshot_weights(model.state_dict(), checkpoint_names(model), torch.float32, place)
             bucket = whole if version == 1 else small
-            dpo.push_weights(llm, bucket, dpo.Weights(version, flat, layout))
-            loads = len(plumbing.bucket_chunks(layout, bucket.flat.numel()))
+            push_weights(llm, bucket, Weights(version, flat, layout))
+            loads = len(bucket_chunks(layout, bucket.flat.numel()))
             assert loads == 1 if version == 1 else loads > 3, loads
-            # what the engine says it holds, which push_weights has checked already (plumbing.check_loaded)
-            held = llm.collective_rpc("holds", args=(version, plumbing.shared_handle(flat), layout))[0]
+            # what the engine says it holds, which push_weights has checked already (check_loaded)
+            held = llm.collective_rpc("holds", args=(version, shared_handle(flat), layout))[0]
             assert held["version"] == version and held["compared"] > 0 and held["differ"] == [], held
             pushed, generated = engine_parameters(llm), greedy_with_engine(llm, prompts, 4)
             model.save_pretrained(tmp_path / f"v{version}")
@@ -357,7 +359,7 @@ def test_each_push_loads_exactly_what_a_checkpoint_would(arch, tied, tokenizer, 
                 assert tokens == expected_tokens, version
                 assert logprobs == pytest.approx(expected_logprobs, abs=1e-5), version  # float32: 2.2e-6 at most
     finally:
-        # stopped as the scripts stop it (plumbing.stop_engine): its worker's own exit takes seconds, ten engines here
+        # stopped as the scripts stop it (plumbing.Engine.stop): its worker's own exit takes seconds, ten engines here
         llm.llm_engine.engine_core.shutdown(timeout=1)
-        plumbing.kill_process_trees(processes)
-        plumbing.release_shared_memory(shared_memory)
+        kill_process_trees(processes)
+        release_shared_memory(shared_memory)

@@ -1,13 +1,15 @@
-"""Runs that survive faults. The fault handling, signals, watchdog and checkpoint format are plumbing.py's, and the
-code that calls them is the same text in the three files (tests/test_shared_code.py) but for main(): each behaviour
-is run on one file, and each file runs the faults whose wiring is its own (its loss's NaN check, its resume state).
+"""Runs that survive faults. The fault handling, signals, watchdog and checkpoint format are the plumbing's
+(plumbing/), and the code that calls them is the same text in the three files (tests/test_shared_code.py) but for
+main(): each behaviour is run on one file, and each file runs the faults whose wiring is its own (its loss, its
+resume state). Faults are injected from outside the method's code, by tests/fault_launcher.py.
 A fault injected in generation or in reward scoring, a NaN loss or a NaN score stops the run cleanly; a signal while
 the engine starts stops it at once; the engine dies with a trainer killed by SIGKILL; a run stopped mid-way (SIGKILL
 to the process group, Ctrl-C, SIGTERM) resumes to the same result as one that was not."""
 
-import importlib
+import ast
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -62,8 +64,8 @@ def test_a_fault_surfaces_promptly_and_shuts_the_engine_down(script, fault, tmp_
 @pytest.mark.slow
 @pytest.mark.parametrize("script", SCRIPTS)
 def test_a_nan_loss_stops_the_run_and_keeps_the_last_good_checkpoint(script, tmp_path):
-    """Each file's loss, made NaN at step 5 (its own update function holds the hook): the run stops before the step is
-    logged or checkpointed, naming the last good checkpoint, and its processes are gone."""
+    """Each file's loss, made NaN at step 5 (the launcher wraps the file's loss function): the run stops before the
+    step is logged or checkpointed, naming the last good checkpoint, and its processes are gone."""
     code, output, _, children = run_with_fault(script, "nan_loss:5", [*SMALL, "--save_freq", "2"], tmp_path)
     assert code not in (0, None) and "loss is nan at step 5" in output, output[-3000:]
     assert output.strip().splitlines()[-1].startswith("error: loss is nan at step 5"), output[-3000:]
@@ -74,10 +76,10 @@ def test_a_nan_loss_stops_the_run_and_keeps_the_last_good_checkpoint(script, tmp
     assert not psutil.wait_procs(children, timeout=10)[1]
 
 
-@pytest.mark.parametrize("script", SCRIPTS)
-def test_nan_or_inf_scores_are_refused_naming_the_step_and_the_source(script):
-    """The shared check, run right after scoring and before any pairing or advantage."""
-    check_scores = importlib.import_module(script.removesuffix(".py")).check_scores
+def test_nan_or_inf_scores_are_refused_naming_the_step_and_the_source():
+    """The plumbing's check, which every file runs right after scoring (Processes.check_scores, on the scores of
+    every process) and before any pairing or advantage."""
+    check_scores = plumbing.distributed.check_scores
     check_scores(torch.tensor([0.5, -3.0, 0.0, 1e30]), "reward model --reward_model_path rm", 7)  # finite: goes on
     for bad, shown in [(float("nan"), "nan"), (float("inf"), "inf"), (-float("inf"), "-inf")]:
         with pytest.raises(RuntimeError) as error:
@@ -92,6 +94,21 @@ def test_nan_or_inf_scores_are_refused_naming_the_step_and_the_source(script):
         str(error.value)
         == "GSM8k's verifier gave nan/inf scores at step 0 (5 of 6 completions: nan, nan, nan, nan, ...)"
     )
+
+
+def test_the_method_code_holds_no_fault_hooks():
+    """Faults are injected from outside (tests/fault_launcher.py): no file of the method or the plumbing reads a
+    test's environment variable or names a fault."""
+    for path in [*(ROOT / s for s in SCRIPTS), *sorted((ROOT / "plumbing").glob("*.py"))]:
+        tree = ast.parse(path.read_text())
+        names = {node.id for node in ast.walk(tree) if isinstance(node, ast.Name)}
+        names |= {node.attr for node in ast.walk(tree) if isinstance(node, ast.Attribute)}
+        names |= {node.name for node in ast.walk(tree) if isinstance(node, (ast.FunctionDef, ast.ClassDef))}
+        texts = [
+            node.value for node in ast.walk(tree) if isinstance(node, ast.Constant) and isinstance(node.value, str)
+        ]
+        assert not [name for name in names if re.search(r"(^|_)(fault|inject)", name, re.I)], path
+        assert not [text for text in texts if "ASYNC_RLHF_TEST" in text or "injected test fault" in text], path
 
 
 @pytest.mark.slow
@@ -188,7 +205,7 @@ def test_a_finished_run_released_its_shared_memory(script, flags):
 @pytest.mark.xdist_group("resume_online_dpo_async.py")
 def test_resuming_a_finished_run_says_so_and_loads_nothing(tmp_path):
     """--resume on a run that saved its final policy: one line naming the folder, exit 0, nothing loaded or trained
-    again (plumbing.checkpoint_to_resume, which every file's check_inputs calls)."""
+    again (plumbing.run_folder.checkpoint_to_resume, which every file's RunFolder calls)."""
     finished = shared_run([sys.executable, "online_dpo_async.py", *RESUMABLE])
     run = tmp_path / "run"
     shutil.copytree(finished, run)
@@ -260,7 +277,7 @@ def test_a_signal_while_the_engine_starts_stops_the_run_at_once(script, sig, to_
                     pass
             time.sleep(0.05)
         family = [psutil.Process(proc.pid), *psutil.Process(proc.pid).children(recursive=True)]
-        shared_memory = plumbing.shared_memory_files(family)
+        shared_memory = plumbing.watchdog.shared_memory_files(family)
         if to_group:
             os.killpg(proc.pid, sig)
         else:
@@ -285,7 +302,7 @@ def test_a_signal_while_the_engine_starts_stops_the_run_at_once(script, sig, to_
 
 @pytest.mark.slow
 def test_the_engine_dies_with_a_trainer_killed_by_sigkill(tmp_path):
-    """kill -9 of the trainer alone, mid-run: its watchdog (plumbing.start_watchdog, which every file's engine start
+    """kill -9 of the trainer alone, mid-run: its watchdog (plumbing.watchdog, which every file's engine start
     calls) kills the engine's processes, which would otherwise live on (re-parented to init), and removes the
     weights folder."""
     script = "online_dpo_async.py"
@@ -338,7 +355,7 @@ def test_weights_folders_of_dead_trainers_are_removed(tmp_path):
     for name in names:
         (tmp_path / name).mkdir()
         (tmp_path / name / "model.safetensors").write_bytes(b"weights")
-    assert plumbing.remove_stale_weights_folders(str(tmp_path)) == [str(tmp_path / names[0])]
+    assert plumbing.watchdog.remove_stale_weights_folders(str(tmp_path)) == [str(tmp_path / names[0])]
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted(names[1:])
 
 
@@ -363,15 +380,15 @@ def test_orphaned_message_queues_and_semaphores_are_released_and_only_those(tmp_
         os.link(tmp_path / "sem.Xy12ab", tmp_path / "sem.mp-mapped")  # as sem_open does: the maps name sem.Xy12ab
         os.unlink(tmp_path / "sem.Xy12ab")
         os.utime(tmp_path / "sem.mp-mapped", (old, old))
-        assert plumbing.shared_memory_files([psutil.Process()], str(tmp_path)) == [
+        assert plumbing.watchdog.shared_memory_files([psutil.Process()], str(tmp_path)) == [
             str(tmp_path / "psm_mapped"),
             str(tmp_path / "sem.mp-mapped"),
         ]
-        released = plumbing.release_orphaned_shared_memory(folder=str(tmp_path), min_age=60)
+        released = plumbing.watchdog.release_orphaned_shared_memory(folder=str(tmp_path), min_age=60)
         assert sorted(released) == [str(tmp_path / "psm_orphan"), str(tmp_path / "sem.mp-orphan")]
         assert sorted(p.name for p in tmp_path.iterdir()) == ["other", "psm_mapped", "psm_new", "sem.mp-mapped"]
         # a watchdog names the files: those go whatever their age, if unmapped
         named = [str(tmp_path / name) for name in ("psm_new", "psm_mapped", "sem.mp-mapped", "other")]
-        assert plumbing.release_orphaned_shared_memory(named, folder=str(tmp_path)) == [named[0], named[3]]
+        assert plumbing.watchdog.release_orphaned_shared_memory(named, folder=str(tmp_path)) == [named[0], named[3]]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["psm_mapped", "sem.mp-mapped"]
-    assert plumbing.release_orphaned_shared_memory(named, folder=str(tmp_path)) == named[1:3]  # unmapped now
+    assert plumbing.watchdog.release_orphaned_shared_memory(named, folder=str(tmp_path)) == named[1:3]  # unmapped now

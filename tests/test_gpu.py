@@ -11,17 +11,17 @@ import pytest
 import torch
 from conftest import perturbed_policy, read_metrics, run_script
 
-import online_dpo_async as dpo
-import plumbing
+from plumbing.engine import engine_placement, make_engine, visible_gpus
+from plumbing.weights import SnapshotPlace, WeightBucket, Weights, checkpoint_names, push_weights, snapshot_weights
 
-# This process may touch CUDA before an engine starts: the engine is spawned (plumbing.make_engine), never forked.
+# This process may touch CUDA before an engine starts: the engine is spawned (make_engine), never forked.
 pytestmark = pytest.mark.skipif(torch.cuda.device_count() == 0, reason="needs a CUDA GPU")
 
 PROMPT_LENGTH = 45  # prompts longer than one KV-cache block (16 tokens)
 
 
 def engine_parameters(llm) -> dict[str, torch.Tensor]:
-    """Every parameter of the engine's model, copied to the CPU (plumbing.WeightReceiver, in the worker)."""
+    """Every parameter of the engine's model, copied to the CPU (plumbing.weights.WeightReceiver, in the worker)."""
     from safetensors.torch import load
 
     return load(llm.collective_rpc("parameter_copies")[0])
@@ -44,9 +44,9 @@ def engine_sharing_the_trainers_gpu(model, tokenizer, folder):
     model.save_pretrained(folder)
     tokenizer.save_pretrained(folder)
     trainer = model.cuda()
-    placement = plumbing.engine_placement("shared", plumbing.visible_gpus(), 1, 0.3)
+    placement = engine_placement("shared", visible_gpus(), 1, 0.3)
     os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"  # as the scripts set it: the push's handle is pickled
-    return trainer, plumbing.make_engine(str(folder), placement, dtype="bfloat16", max_model_len=64, seed=0)
+    return trainer, make_engine(str(folder), placement, dtype="bfloat16", max_model_len=64, seed=0)
 
 
 @pytest.mark.parametrize("arch, tied", [("gptneox", False), ("llama", False), ("llama", True)])
@@ -73,15 +73,15 @@ def test_each_ipc_push_loads_exactly_what_a_checkpoint_would(arch, tied, tokeniz
         llm.generate(prompts, greedy, use_tqdm=False)  # CUDA graphs captured, the prefix cache full of version 0's KV
         before, memory = engine_parameters(llm), []
         place, bucket = (  # a bucket of the largest layer: each push is several loads by CUDA IPC
-            plumbing.SnapshotPlace(pinned=True, folder=None),
-            plumbing.WeightBucket(torch.device("cuda"), None, least=1),
+            SnapshotPlace(pinned=True, folder=None),
+            WeightBucket(torch.device("cuda"), None, least=1),
         )
         for version, model in enumerate(models[1:], start=1):
             trainer.cpu()
             trainer = model.cuda()
-            names = dpo.checkpoint_names(trainer)
-            flat, layout = dpo.snapshot_weights(trainer.state_dict(), names, torch.bfloat16, place)
-            dpo.push_weights(llm, bucket, dpo.Weights(version, flat, layout))
+            names = checkpoint_names(trainer)
+            flat, layout = snapshot_weights(trainer.state_dict(), names, torch.bfloat16, place)
+            push_weights(llm, bucket, Weights(version, flat, layout))
             pushed = engine_parameters(llm)
             outputs = llm.generate(prompts, greedy, use_tqdm=False)
             sampled_outputs = llm.generate(prompts, sampled, use_tqdm=False)
@@ -232,18 +232,18 @@ def test_snapshots_freed_over_six_pushes_leave_gpu_memory_as_after_the_second(to
         llm.generate(prompts, sampled, use_tqdm=False)  # CUDA graphs captured, the prefix cache filled
         alive, memory, before = {}, [], torch.cuda.memory_allocated()
         place, bucket = (
-            plumbing.SnapshotPlace(pinned=True, folder=None),
-            plumbing.WeightBucket(torch.device("cuda"), None),
+            SnapshotPlace(pinned=True, folder=None),
+            WeightBucket(torch.device("cuda"), None),
         )
         for version, model in enumerate(models[1:], start=1):
             trainer.cpu()
             trainer = model.cuda()
-            names = dpo.checkpoint_names(trainer)
-            flat, layout = dpo.snapshot_weights(trainer.state_dict(), names, torch.bfloat16, place)
+            names = checkpoint_names(trainer)
+            flat, layout = snapshot_weights(trainer.state_dict(), names, torch.bfloat16, place)
             assert flat.is_pinned() and not flat.is_cuda
-            alive[version] = dpo.Weights(version, flat, layout)
+            alive[version] = Weights(version, flat, layout)
             del flat
-            dpo.push_weights(llm, bucket, alive[version])
+            push_weights(llm, bucket, alive[version])
             llm.generate(prompts, sampled, use_tqdm=False)
             alive.pop(version - 2, None)  # loaded, and owed nothing any more
             memory.append((torch.cuda.memory_allocated(), engine_memory(llm)))

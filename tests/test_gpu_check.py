@@ -80,14 +80,14 @@ def check_files(words: list[str], out: Path) -> None:
 
 
 def parse_algorithm(script: str, flags: list[str], world_size: int = 1):
-    """The flags as the script reads them (plumbing.parse_args: an unknown flag or a bad value stops it) and its sizes
-    (compute_sizes: every domain, and the episodes must divide into steps)."""
+    """The flags as the script reads them (plumbing.command_line.parse_args: an unknown flag or a bad value stops it)
+    and its sizes (compute_sizes: every domain, and the episodes must divide into steps)."""
     import importlib
 
-    import plumbing
+    from plumbing.command_line import parse_args
 
     module = importlib.import_module(script.removesuffix(".py"))
-    args = plumbing.parse_args(module.Args, module.__doc__, flags)
+    args = parse_args(module.Args, module.__doc__, flags)
     return args, module.compute_sizes(args, world_size)
 
 

@@ -1,7 +1,8 @@
 """The GPU path's logic, checked on a CPU: engine placement and the GPU memory check, the names and snapshot of the
 weight push, response-only logits, gradient checkpointing, FLOP counts. The method's functions are in all three files
-(each stands alone), so each of their tests runs against every file; placement, the memory check and FLOP counting
-are plumbing.py's. A bf16 run with gradient checkpointing: tests/test_online_dpo_runs.py. What needs a GPU is in
+(each stands alone), so each of their tests runs against every file; placement and the memory check are
+plumbing/engine.py's, the weight push's names, snapshot and bucket plumbing/weights.py's, FLOP counting
+plumbing/run_folder.py's. A bf16 run with gradient checkpointing: tests/test_online_dpo_runs.py. What needs a GPU is in
 test_gpu.py."""
 
 import importlib
@@ -14,11 +15,19 @@ import torch
 from conftest import ROOT, perturbed_policy, run_script, small_config
 
 import plumbing
+from plumbing.engine import Placement, engine_line, engine_placement, engine_share, snapshot_memory, trained_memory
+from plumbing.weights import (
+    BUCKET_BYTES,
+    SnapshotPlace,
+    bucket_bytes,
+    bucket_chunks,
+    checkpoint_names,
+    snapshot_weights,
+    views,
+)
 
 FILES = ["online_dpo_async", "rloo_async", "ppo_async"]
-CPU_PLACE = plumbing.SnapshotPlace(
-    pinned=False, folder=tempfile.gettempdir()
-)  # shared memory files, removed with their buffer
+CPU_PLACE = SnapshotPlace(pinned=False, folder=tempfile.gettempdir())  # shared memory files, removed with their buffer
 
 
 @pytest.fixture(params=FILES)
@@ -30,40 +39,40 @@ def algo(request):
 # Engine placement
 # ---------------------------------------------------------------------------------------------
 def test_placement_on_a_cpu_has_no_gpu():
-    assert plumbing.engine_placement("auto", [], 2, None) == plumbing.Placement(None, False, 0, 0.9)
+    assert engine_placement("auto", [], 2, None) == Placement(None, False, 0, 0.9)
 
 
 def test_placement_one_gpu_is_shared_with_training():
-    assert plumbing.engine_placement("auto", ["0"], 1, None) == plumbing.Placement("0", True, 0, None)
-    assert plumbing.engine_placement("auto", ["3"], 1, 0.45) == plumbing.Placement("3", True, 0, 0.45)
+    assert engine_placement("auto", ["0"], 1, None) == Placement("0", True, 0, None)
+    assert engine_placement("auto", ["3"], 1, 0.45) == Placement("3", True, 0, 0.45)
 
 
 def test_placement_n_plus_one_gpus_gives_the_engine_its_own(monkeypatch):
     # training uses visible GPUs 0..N-1; the engine the next one, alone: rank 0 writes the push's bucket there
     monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
-    assert plumbing.engine_placement("auto", ["0", "1"], 1, None) == plumbing.Placement("1", False, 1, None)
-    assert plumbing.engine_placement("auto", ["4", "5", "6", "7"], 3, None) == plumbing.Placement("7", False, 3, None)
+    assert engine_placement("auto", ["0", "1"], 1, None) == Placement("1", False, 1, None)
+    assert engine_placement("auto", ["4", "5", "6", "7"], 3, None) == Placement("7", False, 3, None)
     # more GPUs than N + 1: the first spare one
-    assert plumbing.engine_placement("auto", ["0", "1", "2", "3"], 2, None) == plumbing.Placement("2", False, 2, None)
+    assert engine_placement("auto", ["0", "1", "2", "3"], 2, None) == Placement("2", False, 2, None)
 
 
 def test_placement_can_be_forced(monkeypatch):
     monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
-    assert plumbing.engine_placement("shared", ["0", "1"], 1, None) == plumbing.Placement("0", True, 0, None)
-    assert plumbing.engine_placement("separate", ["0", "1"], 1, 0.5) == plumbing.Placement("1", False, 1, 0.5)
+    assert engine_placement("shared", ["0", "1"], 1, None) == Placement("0", True, 0, None)
+    assert engine_placement("separate", ["0", "1"], 1, 0.5) == Placement("1", False, 1, 0.5)
     with pytest.raises(
         plumbing.UsageError,
         match=r"--vllm_placement separate: 2 training process\(es\) and the engine need 3 GPUs there, 2 are visible",
     ):
-        plumbing.engine_placement("separate", ["0", "1"], 2, None)
+        engine_placement("separate", ["0", "1"], 2, None)
 
 
 @pytest.mark.parametrize(
     "local, total, gpus, placement",
     [
-        ("7", 14, 8, plumbing.Placement("7", False, 7, None)),  # 2 nodes of 7 training processes: GPU 7 is spare
-        ("8", 16, 8, plumbing.Placement("0", True, 0, None)),  # 2 nodes of 8: none is, the engine shares rank 0's
-        ("4", 8, 8, plumbing.Placement("4", False, 4, None)),  # 2 nodes of 4 on 8-GPU nodes: the first spare one
+        ("7", 14, 8, Placement("7", False, 7, None)),  # 2 nodes of 7 training processes: GPU 7 is spare
+        ("8", 16, 8, Placement("0", True, 0, None)),  # 2 nodes of 8: none is, the engine shares rank 0's
+        ("4", 8, 8, Placement("4", False, 4, None)),  # 2 nodes of 4 on 8-GPU nodes: the first spare one
     ],
 )
 def test_placement_past_one_node_counts_the_gpus_of_rank_0s_node(monkeypatch, local, total, gpus, placement):
@@ -71,13 +80,13 @@ def test_placement_past_one_node_counts_the_gpus_of_rank_0s_node(monkeypatch, lo
     node, so what counts is that node's GPUs against its training processes, not the global process count."""
     monkeypatch.setenv("WORLD_SIZE", str(total))
     monkeypatch.setenv("LOCAL_WORLD_SIZE", local)
-    assert plumbing.engine_placement("auto", [str(i) for i in range(gpus)], total, None) == placement
+    assert engine_placement("auto", [str(i) for i in range(gpus)], total, None) == placement
     if placement.shared:
         with pytest.raises(
             plumbing.UsageError,
             match=r"8 training process\(es\) on rank 0's node, of 16 in all, and the engine need 9 GPUs there",
         ):
-            plumbing.engine_placement("separate", [str(i) for i in range(gpus)], total, None)
+            engine_placement("separate", [str(i) for i in range(gpus)], total, None)
 
 
 def test_the_gpu_memory_check_counts_what_training_allocates_later():
@@ -87,21 +96,21 @@ def test_the_gpu_memory_check_counts_what_training_allocates_later():
     (40 - 16 - 4) / 80 = 0.25 does."""
     gib = 2**30
     to_come, bucket = {"optimizer state": 8 * gib, "gradients": 4 * gib}, 2 * gib
-    shared = plumbing.Placement("0", True, 0, 0.3)
+    shared = Placement("0", True, 0, 0.3)
     gpu = (40 * gib, 80 * gib)
     with pytest.raises(plumbing.UsageError) as raised:
-        plumbing.engine_share(shared, gpu, gpu, to_come, bucket)
+        engine_share(shared, gpu, gpu, to_come, bucket)
     message = str(raised.value)
     assert "\n" not in message and message.startswith(
         "--vllm_gpu_memory_utilization 0.3: the engine would take 24.0 GiB"
     )
     assert "40.0 GiB free" in message and "training will add 16.0 GiB there (optimizer state 8.0 GiB" in message
     assert "the weight push's bucket 2.0 GiB" in message and "lower it to at most 0.25" in message
-    assert plumbing.engine_share(shared._replace(memory_utilization=0.25), gpu, gpu, to_come, bucket) == 0.25
+    assert engine_share(shared._replace(memory_utilization=0.25), gpu, gpu, to_come, bucket) == 0.25
     # left out, the share is the largest that fits, 0.25, within the 0.3 a shared GPU's engine gets at most
-    assert plumbing.engine_share(shared._replace(memory_utilization=None), gpu, gpu, to_come, bucket) == 0.25
+    assert engine_share(shared._replace(memory_utilization=None), gpu, gpu, to_come, bucket) == 0.25
     roomy = (60 * gib, 80 * gib)  # (60 - 16 - 4) / 80 = 0.5 would fit: the engine still gets 0.3
-    assert plumbing.engine_share(shared._replace(memory_utilization=None), roomy, roomy, to_come, bucket) == 0.3
+    assert engine_share(shared._replace(memory_utilization=None), roomy, roomy, to_come, bucket) == 0.3
 
 
 def test_with_a_gpu_of_its_own_the_engine_holds_the_push_bucket_beside_its_share():
@@ -112,24 +121,24 @@ def test_with_a_gpu_of_its_own_the_engine_holds_the_push_bucket_beside_its_share
     80 = 0.725: 0.72. The snapshots, 3 at async level 1, take 48 GiB of rank 0's pinned host memory (torch rounds each
     block up to a power of two: 15 GiB take 16)."""
     gib = 2**30
-    separate = plumbing.Placement("7", False, 7, 0.9)
+    separate = Placement("7", False, 7, 0.9)
     to_come = {"optimizer state": 8 * gib, "gradients": 4 * gib}
     with pytest.raises(plumbing.UsageError, match="lower the model size, .* or shard the models"):
-        plumbing.engine_share(separate, (15 * gib, 80 * gib), (80 * gib, 80 * gib), to_come, 0)
-    assert plumbing.snapshot_memory(16 * gib, async_level=1) == plumbing.snapshot_memory(15 * gib, 1) == 48 * gib
-    assert plumbing.snapshot_memory(16 * gib, async_level=3) == 80 * gib
+        engine_share(separate, (15 * gib, 80 * gib), (80 * gib, 80 * gib), to_come, 0)
+    assert snapshot_memory(16 * gib, async_level=1) == snapshot_memory(15 * gib, 1) == 48 * gib
+    assert snapshot_memory(16 * gib, async_level=3) == 80 * gib
     gpus = (20 * gib, 80 * gib), (80 * gib, 80 * gib)
-    assert plumbing.engine_share(separate, *gpus, to_come, gib) == 0.9
+    assert engine_share(separate, *gpus, to_come, gib) == 0.9
     with pytest.raises(plumbing.UsageError) as raised:
-        plumbing.engine_share(separate._replace(memory_utilization=0.95), *gpus, to_come, gib)
+        engine_share(separate._replace(memory_utilization=0.95), *gpus, to_come, gib)
     message = str(raised.value)
     assert "the engine's GPU has 80.0 GiB free and the engine would take 76.0 GiB, beside the weight push's" in message
     assert "bucket of 1.0 GiB" in message and "lower it to at most 0.91" in message
-    assert plumbing.engine_share(separate._replace(memory_utilization=0.91), *gpus, to_come, gib) == 0.91
-    assert plumbing.engine_share(separate._replace(memory_utilization=None), *gpus, to_come, gib) == 0.9
-    assert plumbing.engine_share(separate._replace(memory_utilization=None), *gpus, to_come, 16 * gib) == 0.72
+    assert engine_share(separate._replace(memory_utilization=0.91), *gpus, to_come, gib) == 0.91
+    assert engine_share(separate._replace(memory_utilization=None), *gpus, to_come, gib) == 0.9
+    assert engine_share(separate._replace(memory_utilization=None), *gpus, to_come, 16 * gib) == 0.72
     # with a small policy, the engine gets vLLM's default, 0.9, not all the (80 - 2 - 4) / 80 = 0.92 that fit
-    assert plumbing.engine_share(separate._replace(memory_utilization=None), *gpus, to_come, 0) == 0.9
+    assert engine_share(separate._replace(memory_utilization=None), *gpus, to_come, 0) == 0.9
 
 
 def test_a_2_8b_policy_sharing_one_gpu_gets_the_share_training_leaves():
@@ -140,15 +149,15 @@ def test_a_2_8b_policy_sharing_one_gpu_gets_the_share_training_leaves():
     4.29e9) / 85.90e9 = 0.2005 fits: 0.2. (Beside a whole bf16 snapshot, 0.14; beside the three snapshots of async
     level 1, 16.7e9 bytes, none fitted.)"""
     gib, params = 2**30, 2.78e9
-    trained = plumbing.trained_memory(int(params), zero_stage=0, processes=1, bf16=True)  # fp32 under autocast
+    trained = trained_memory(int(params), zero_stage=0, processes=1, bf16=True)  # fp32 under autocast
     assert trained == {"weights": 11_120_000_000, "gradients": 11_120_000_000, "optimizer state": 22_240_000_000}
     to_come = {part: trained[part] for part in ("gradients", "optimizer state")}
     free = 80 * gib - int(params * (4 + 4 + 2))
     gpu = (free, 80 * gib)
     with pytest.raises(plumbing.UsageError, match="lower it to at most 0.2, or give the engine a GPU of its own"):
-        plumbing.engine_share(plumbing.Placement("0", True, 0, 0.3), gpu, gpu, to_come, gib)
-    assert plumbing.engine_share(plumbing.Placement("0", True, 0, None), gpu, gpu, to_come, gib) == 0.2
-    assert plumbing.engine_share(plumbing.Placement("0", True, 0, None), gpu, gpu, to_come, int(params) * 2) == 0.14
+        engine_share(Placement("0", True, 0, 0.3), gpu, gpu, to_come, gib)
+    assert engine_share(Placement("0", True, 0, None), gpu, gpu, to_come, gib) == 0.2
+    assert engine_share(Placement("0", True, 0, None), gpu, gpu, to_come, int(params) * 2) == 0.14
 
 
 @pytest.mark.parametrize(
@@ -167,38 +176,38 @@ def test_the_readme_commands_on_n_plus_1_gpus_get_an_engine_with_the_share_the_r
     out: the engine's GPU holds the push's bucket, and the engine gets the rest up to vLLM's 0.9. Rank 0's GPU is
     ZeRO-3's (some GiB free of training's share). Hand-computed shares."""
     gib = 2**30
-    separate = plumbing.Placement("7", False, 7, None)
+    separate = Placement("7", False, 7, None)
     to_come = {"gradients": params * 2 // 7, "optimizer state": params * 12 // 7}
     gpus = (60 * gib, 80 * gib), (80 * gib, 80 * gib)
-    bucket = min(params * 2, plumbing.BUCKET_BYTES)
-    assert plumbing.engine_share(separate, *gpus, to_come, bucket=bucket) == 0.9
+    bucket = min(params * 2, BUCKET_BYTES)
+    assert engine_share(separate, *gpus, to_come, bucket=bucket) == 0.9
     with pytest.raises(plumbing.UsageError, match=f"lower it to at most {largest} "):
-        plumbing.engine_share(separate._replace(memory_utilization=0.95), *gpus, to_come, bucket=bucket)
+        engine_share(separate._replace(memory_utilization=0.95), *gpus, to_come, bucket=bucket)
 
 
 def test_the_engine_line_says_what_the_engine_got_and_that_its_first_start_compiles():
     """Printed at start: the device, the share and where it came from, the push's bucket and the snapshots in host
     memory; on a GPU with CUDA graphs, that the first start compiles, and the flag that skips it."""
     gib = 2**30
-    placement = plumbing.Placement("7", False, 7, 0.37)
-    line = plumbing.engine_line(placement, 80 * gib, 15 * gib, gib, 48 * gib, flag_given=False, eager=False)
+    placement = Placement("7", False, 7, 0.37)
+    line = engine_line(placement, 80 * gib, 15 * gib, gib, 48 * gib, flag_given=False, eager=False)
     assert line.startswith("engine: GPU 7 of its own, 0.37 of its 80.00 GiB (the largest share the run leaves")
     assert "bucket of 1.00 GiB (the snapshots of 15.00 GiB: 48.00 GiB at most, in pinned host memory)" in line
     assert "first start compiles the model" in line and "--vllm_enforce_eager" in line
-    eager = plumbing.engine_line(placement, 80 * gib, 15 * gib, gib, 48 * gib, flag_given=True, eager=True)
+    eager = engine_line(placement, 80 * gib, 15 * gib, gib, 48 * gib, flag_given=True, eager=True)
     assert "(--vllm_gpu_memory_utilization)" in eager and "compiles" not in eager
-    cpu = plumbing.engine_line(plumbing.Placement(None, False, 0, 0.9), 0, 3 * 2**20, 3 * 2**20, 9 * 2**20, False, True)
+    cpu = engine_line(Placement(None, False, 0, 0.9), 0, 3 * 2**20, 3 * 2**20, 9 * 2**20, False, True)
     assert cpu == "engine: on the CPU; weight snapshots of 3.00 MiB each"
 
 
 def test_trained_memory_by_zero_stage_by_hand():
     """700 parameters over 7 processes: DeepSpeed's bf16 keeps 2 + 2 + 12 bytes a parameter, ZeRO-1 shards the 12,
     ZeRO-2 the gradients too, ZeRO-3 the weights too; without DeepSpeed, fp32 weights and gradients, 8 bytes of Adam."""
-    assert plumbing.trained_memory(700, 1, 7, True) == {"weights": 1400, "gradients": 1400, "optimizer state": 1200}
-    assert plumbing.trained_memory(700, 2, 7, True) == {"weights": 1400, "gradients": 200, "optimizer state": 1200}
-    assert plumbing.trained_memory(700, 3, 7, True) == {"weights": 200, "gradients": 200, "optimizer state": 1200}
-    assert plumbing.trained_memory(700, 3, 7, False) == {"weights": 400, "gradients": 400, "optimizer state": 800}
-    assert plumbing.trained_memory(700, 0, 7, True) == {"weights": 2800, "gradients": 2800, "optimizer state": 5600}
+    assert trained_memory(700, 1, 7, True) == {"weights": 1400, "gradients": 1400, "optimizer state": 1200}
+    assert trained_memory(700, 2, 7, True) == {"weights": 1400, "gradients": 200, "optimizer state": 1200}
+    assert trained_memory(700, 3, 7, True) == {"weights": 200, "gradients": 200, "optimizer state": 1200}
+    assert trained_memory(700, 3, 7, False) == {"weights": 400, "gradients": 400, "optimizer state": 800}
+    assert trained_memory(700, 0, 7, True) == {"weights": 2800, "gradients": 2800, "optimizer state": 5600}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -207,7 +216,7 @@ def test_trained_memory_by_zero_stage_by_hand():
 @pytest.mark.parametrize("arch", ["llama", "gptneox"])
 @pytest.mark.parametrize("tied", [False, True])
 @pytest.mark.parametrize("loaded", [False, True])
-def test_pushed_names_are_those_save_pretrained_writes(algo, tokenizer, tmp_path, arch, tied, loaded):
+def test_pushed_names_are_those_save_pretrained_writes(tokenizer, tmp_path, arch, tied, loaded):
     """The engine loads checkpoint names: GPTNeoX's in-memory `lm_head` is `embed_out` on disk, and a tied output
     embedding is not written. A model built from its config and one loaded from a checkpoint (which carries
     transformers' load-time renames) must both give the saved file's keys."""
@@ -221,23 +230,23 @@ def test_pushed_names_are_those_save_pretrained_writes(algo, tokenizer, tmp_path
         model.save_pretrained(tmp_path / "resaved")
     with safe_open(str(tmp_path / ("resaved" if loaded else "saved") / "model.safetensors"), "pt") as f:
         saved = set(f.keys())
-    names = algo.checkpoint_names(model)
+    names = checkpoint_names(model)
     assert set(names.values()) == saved
     assert set(names) <= set(model.state_dict())
     if arch == "gptneox" and not tied:
         assert names["lm_head.weight"] == "embed_out.weight"
 
 
-def test_snapshot_is_a_copy_in_the_engine_dtype_under_checkpoint_names(algo, tokenizer):
+def test_snapshot_is_a_copy_in_the_engine_dtype_under_checkpoint_names(tokenizer):
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_config(small_config(tokenizer, "gptneox"))
     state = model.state_dict()
-    names = algo.checkpoint_names(model)
+    names = checkpoint_names(model)
     for dtype in (torch.float32, torch.bfloat16):
-        flat, layout = algo.snapshot_weights(state, names, dtype, CPU_PLACE)
+        flat, layout = snapshot_weights(state, names, dtype, CPU_PLACE)
         assert flat.dtype == dtype and flat.numel() == sum(state[k].numel() for k in names)
-        pushed = dict(algo.views(flat, layout))
+        pushed = dict(views(flat, layout))
         assert set(pushed) == set(names.values())
         for key, name in names.items():
             assert torch.equal(pushed[name], state[key].to(dtype)), name
@@ -272,18 +281,18 @@ def test_response_only_logits_give_the_logprobs_of_all_logits(algo, tokenizer, a
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(small_config(tokenizer, arch)).eval()
     q_ids, q_mask = algo.left_pad([[1, 5, 6, 7, 8], [1, 9], [1, 4, 4, 4, 4, 4, 4]], 9, tokenizer.pad_token_id)
-    r_ids, r_mask, _ = algo.truncate_responses(
+    r_ids, r_mask, eos = algo.truncate_responses(
         [[5, 6, tokenizer.eos_token_id], [7] * 6, [8, 9]], 6, tokenizer.eos_token_id, tokenizer.pad_token_id
     )
+    batch = algo.Batch(q_ids, q_mask, r_ids, r_mask, eos)
     with torch.no_grad():
-        fast = algo.response_logprobs(model, q_ids, q_mask, r_ids, r_mask, 0.7)
+        fast = algo.response_logprobs(model, batch, 0.7)
         slow = slow_response_logprobs(model, q_ids, q_mask, r_ids, r_mask, 0.7)
     assert fast.shape == slow.shape == (3, 6)
     torch.testing.assert_close(fast, slow, rtol=0, atol=1e-5)
-    if hasattr(algo, "response_logprobs_and_entropy"):  # PPO's: the same logprobs, from the same logits
-        with torch.no_grad():
-            ppo_logprobs, _ = algo.response_logprobs_and_entropy(model, q_ids, q_mask, r_ids, r_mask, 0.7)
-        assert torch.equal(ppo_logprobs, fast)
+    with torch.no_grad():  # with the entropy (PPO's): the same logprobs, from the same logits
+        with_entropy, _ = algo.response_logprobs(model, batch, 0.7, entropy=True)
+    assert torch.equal(with_entropy, fast)
 
 
 def test_gradient_checkpointing_gives_the_same_gradients(algo, tokenizer):
@@ -295,11 +304,12 @@ def test_gradient_checkpointing_gives_the_same_gradients(algo, tokenizer):
     checkpointed.load_state_dict(plain.state_dict())
     checkpointed.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     q_ids, q_mask = algo.left_pad([[1, 5, 6], [1, 9, 9, 9]], 5, tokenizer.pad_token_id)
-    r_ids, r_mask, _ = algo.truncate_responses([[5, 6], [7, 7, 7]], 4, tokenizer.eos_token_id, tokenizer.pad_token_id)
+    r_ids, r_mask, eos = algo.truncate_responses([[5, 6], [7, 7, 7]], 4, tokenizer.eos_token_id, tokenizer.pad_token_id)
+    batch = algo.Batch(q_ids, q_mask, r_ids, r_mask, eos)
     grads = []
     for model in (plain, checkpointed):
         model.train()
-        algo.response_logprobs(model, q_ids, q_mask, r_ids, r_mask, 1.0).sum().backward()
+        algo.response_logprobs(model, batch, 1.0).sum().backward()
         grads.append({k: p.grad for k, p in model.named_parameters()})
     assert checkpointed.is_gradient_checkpointing and not plain.is_gradient_checkpointing
     for key in grads[0]:
@@ -326,47 +336,46 @@ def test_forward_flops_by_hand(tokenizer, arch, tied):
     )
 
 
-def test_a_snapshot_missing_a_tensor_of_the_policy_is_refused(algo, tokenizer):
+def test_a_snapshot_missing_a_tensor_of_the_policy_is_refused(tokenizer):
     """A partial push would leave the engine generating with stale tensors: refuse it."""
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_config(small_config(tokenizer, "llama"))
     state = model.state_dict()
-    names = algo.checkpoint_names(model)
+    names = checkpoint_names(model)
     shapes = {name: tensor.shape for name, tensor in state.items()}
     del state["model.norm.weight"]
     with pytest.raises(RuntimeError, match="lack 1 tensor.*model.norm.weight"):
-        algo.snapshot_weights(state, names, torch.float32, CPU_PLACE)
+        snapshot_weights(state, names, torch.float32, CPU_PLACE)
     # (name, tensor) pairs, as ZeRO-3 gathers them, that never reach a tensor the shapes list
     with pytest.raises(RuntimeError, match="lack 1 tensor.*model.norm.weight"):
-        algo.snapshot_weights(iter(state.items()), names, torch.float32, CPU_PLACE, shapes)
+        snapshot_weights(iter(state.items()), names, torch.float32, CPU_PLACE, shapes)
 
 
 ZERO3_PROBE = """import sys, tempfile, torch
 sys.path.insert(0, {root!r})
-from accelerate import Accelerator
 from transformers import AutoModelForCausalLM
 from safetensors.torch import save_file
 import plumbing
+from plumbing.weights import SnapshotPlace, checkpoint_names, snapshot_weights, views
 import {module} as algo
 
-accelerator = Accelerator()
-assert plumbing.zero_stage(accelerator) == 3
-accelerator.state.deepspeed_plugin.deepspeed_config["train_micro_batch_size_per_gpu"] = 1
-with plumbing.whole_models(accelerator):
+processes = plumbing.Processes(algo.Args(dtype="float32", local_micro_batch_size=1))
+accelerator = processes.accelerator
+assert processes.zero_stage == 3
+with processes.whole_models():
     whole = AutoModelForCausalLM.from_pretrained({policy!r})
 model = AutoModelForCausalLM.from_pretrained({policy!r})  # sharded as it loads
-names = algo.checkpoint_names(model)
+snapshots = plumbing.PolicySnapshots(processes, model)  # as the script's main() makes them
 optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
 model, optimizer = accelerator.prepare(model, optimizer)
 module = accelerator.unwrap_model(model)
-place = plumbing.SnapshotPlace(pinned=False, folder=tempfile.gettempdir())
+place = snapshots.place = SnapshotPlace(pinned=False, folder=tempfile.gettempdir())
 assert all(p.numel() == 0 for p in module.parameters()), "not sharded"
-tensors = plumbing.gathered_tensors(accelerator, module, names)
-sharded = algo.snapshot_weights(tensors, names, torch.float32, place, plumbing.full_shapes(module))
-plain = algo.snapshot_weights(whole.state_dict(), algo.checkpoint_names(whole), torch.float32, place)
-save_file(dict(algo.views(*sharded)), {out!r} + "/zero3.safetensors")
-save_file(dict(algo.views(*plain)), {out!r} + "/plain.safetensors")
+sharded = snapshots.take(model, 1)
+plain = snapshot_weights(whole.state_dict(), checkpoint_names(whole), torch.float32, place)
+save_file(dict(views(sharded.flat, sharded.layout)), {out!r} + "/zero3.safetensors")
+save_file(dict(views(*plain)), {out!r} + "/plain.safetensors")
 """
 
 # PPO's push under ZeRO-3: the policy and the value model are one prepared module; the push gathers the policy's
@@ -374,9 +383,9 @@ save_file(dict(algo.views(*plain)), {out!r} + "/plain.safetensors")
 # gathers themselves are DeepSpeed's).
 ZERO3_PPO_PROBE = """import json, sys, tempfile, torch, deepspeed
 sys.path.insert(0, {root!r})
-from accelerate import Accelerator
 from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 import plumbing
+from plumbing.weights import SnapshotPlace, checkpoint_names, snapshot_weights, views
 import ppo_async as algo
 
 gathered, Gather = [], deepspeed.zero.GatheredParameters
@@ -384,34 +393,34 @@ def spy(params, *args, **kwargs):
     gathered.extend(id(p) for p in params)
     return Gather(params, *args, **kwargs)
 deepspeed.zero.GatheredParameters = spy
-accelerator = Accelerator()
-accelerator.state.deepspeed_plugin.deepspeed_config["train_micro_batch_size_per_gpu"] = 1
-with plumbing.whole_models(accelerator):
+processes = plumbing.Processes(algo.Args(dtype="float32", local_micro_batch_size=1))
+accelerator = processes.accelerator
+with processes.whole_models():
     whole = AutoModelForCausalLM.from_pretrained({policy!r})
 policy = AutoModelForCausalLM.from_pretrained({policy!r})
 value = AutoModelForSequenceClassification.from_pretrained({policy!r}, num_labels=1)
-names = {{f"policy.{{k}}": v for k, v in algo.checkpoint_names(policy).items()}}
+snapshots = plumbing.PolicySnapshots(processes, policy, prefix="policy.")  # as ppo_async.py's main() makes them
 model = algo.PolicyAndValue(policy, value)
 optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
 model, optimizer = accelerator.prepare(model, optimizer)
 module = accelerator.unwrap_model(model)
-place = plumbing.SnapshotPlace(pinned=False, folder=tempfile.gettempdir())
+place = snapshots.place = SnapshotPlace(pinned=False, folder=tempfile.gettempdir())
 gathered.clear()  # loading sharded models gathers too: only the push's gathers count
-tensors = plumbing.gathered_tensors(accelerator, module, names)
-sharded = algo.snapshot_weights(tensors, names, torch.float32, place, plumbing.full_shapes(module))
-plain = algo.snapshot_weights(whole.state_dict(), algo.checkpoint_names(whole), torch.float32, place)
+sharded = snapshots.take(model, 1)
+plain = snapshot_weights(whole.state_dict(), checkpoint_names(whole), torch.float32, place)
 ids = {{id(p): name for name, p in module.named_parameters()}}
+pairs = zip(views(sharded.flat, sharded.layout), views(*plain))
 print(json.dumps({{"gathered": sorted(ids[i] for i in set(gathered)), "parameters": sorted(ids.values()),
-    "equal": all(torch.equal(a, b) for (_, a), (_, b) in zip(algo.views(*sharded), algo.views(*plain)))}}))
+    "equal": all(torch.equal(a, b) for (_, a), (_, b) in pairs)}}))
 """
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("arch, tied", [("gptneox", False), ("llama", True)])
 def test_the_snapshot_pushed_under_zero3_is_the_unsharded_one(tokenizer, tmp_path, arch, tied):
-    """Under DeepSpeed ZeRO-3 (one CPU process, fp32) the policy is sharded from the moment it loads; the push gathers
-    it a layer at a time (plumbing.gathered_tensors) into the snapshot, which equals, name for name and bit for bit,
-    the snapshot of the same weights never sharded. (snapshot_weights is the same text in the three files.)"""
+    """Under DeepSpeed ZeRO-3 (one CPU process, fp32) the policy is sharded from the moment it loads; the push
+    (plumbing.PolicySnapshots.take) gathers it a layer at a time (plumbing.distributed.gathered_tensors) into the
+    snapshot, which equals, name for name and bit for bit, the snapshot of the same weights never sharded."""
     from safetensors.torch import load_file
 
     policy = tmp_path / "policy"
@@ -445,9 +454,9 @@ def test_ppo_s_push_under_zero3_gathers_the_policy_and_never_the_value_model(tok
 
 
 def test_the_push_bucket_takes_whole_layers_and_a_tensor_larger_than_its_least():
-    """plumbing.bucket_bytes: BUCKET_BYTES (1 GiB), or the snapshot if smaller, or the largest layer if larger: here a
-    single tensor, an embedding of 768 Mi elements, 1.5 GiB in bf16. bucket_chunks cuts the snapshot into runs of
-    whole layers (plumbing.load_unit: q/k/v and gate/up, which vLLM fuses, always in one load) that fill the bucket in
+    """plumbing.weights.bucket_bytes: BUCKET_BYTES (1 GiB), or the snapshot if smaller, or the largest layer if larger:
+    here a single tensor, an embedding of 768 Mi elements, 1.5 GiB in bf16. bucket_chunks cuts the snapshot into runs
+    of whole layers (load_unit: q/k/v and gate/up, which vLLM fuses, always in one load) that fill the bucket in
     order, each layout's offsets counted from the bucket's start: the embedding; layers 0 to 2 (3 x 192 Mi) and the
     norm; the head. A layer split in the snapshot, or larger than the bucket, is refused."""
     mi = 2**20
@@ -455,16 +464,16 @@ def test_the_push_bucket_takes_whole_layers_and_a_tensor_larger_than_its_least()
         f"model.layers.{i}.{part}.weight": n for i in range(3) for part, n in [("q_proj", 64 * mi), ("up", 128 * mi)]
     }
     sizes = {"model.embed_tokens.weight": 768 * mi, **layers, "model.norm.weight": 4096, "lm_head.weight": 768 * mi}
-    assert plumbing.bucket_bytes(sizes, element_size=2) == 768 * mi * 2  # 1.5 GiB
-    assert plumbing.bucket_bytes(sizes, element_size=2) > plumbing.BUCKET_BYTES
+    assert bucket_bytes(sizes, element_size=2) == 768 * mi * 2  # 1.5 GiB
+    assert bucket_bytes(sizes, element_size=2) > BUCKET_BYTES
     small = {"model.layers.0.q_proj.weight": mi, "model.norm.weight": 4096}
-    assert plumbing.bucket_bytes(small, element_size=2) == 2 * (mi + 4096)  # the whole snapshot
-    assert plumbing.bucket_bytes(small, element_size=2, least=1) == 2 * mi  # its largest layer
+    assert bucket_bytes(small, element_size=2) == 2 * (mi + 4096)  # the whole snapshot
+    assert bucket_bytes(small, element_size=2, least=1) == 2 * mi  # its largest layer
     layout, offset = [], 0
     for name, numel in sizes.items():
         layout.append((name, [numel], offset))
         offset += numel
-    chunks = plumbing.bucket_chunks(layout, capacity=768 * mi)
+    chunks = bucket_chunks(layout, capacity=768 * mi)
     assert [(chunk.start, chunk.end) for chunk in chunks] == [
         (0, 768 * mi),
         (768 * mi, 768 * mi + 576 * mi + 4096),
@@ -477,7 +486,7 @@ def test_the_push_bucket_takes_whole_layers_and_a_tensor_larger_than_its_least()
     ]
     assert all(chunk.end - chunk.start <= 768 * mi for chunk in chunks)
     with pytest.raises(RuntimeError, match="model.embed_tokens: 805306368 elements, a bucket of 536870912"):
-        plumbing.bucket_chunks(layout, capacity=512 * mi)
+        bucket_chunks(layout, capacity=512 * mi)
     split = [layout[1], layout[3], layout[2]]  # layer 0's up after layer 1's q_proj
     with pytest.raises(RuntimeError, match="the tensors of model.layers.0 are not together"):
-        plumbing.bucket_chunks(split, capacity=768 * mi)
+        bucket_chunks(split, capacity=768 * mi)

@@ -11,6 +11,7 @@ import torch
 from conftest import TINY, small_config
 
 import online_dpo_async as dpo
+import plumbing
 
 
 # ------------------------------------------------------------------------------ loss and pairs
@@ -204,9 +205,7 @@ def test_dpo_update_is_sgd_on_the_pairs_losses_by_hand(
 
     accelerator = Accelerator(cpu=True, gradient_accumulation_steps=accumulation)
     model, optimizer = accelerator.prepare(policy, torch.optim.SGD(policy.parameters(), lr=lr))
-    stats = dpo.dpo_update(
-        model, optimizer, accelerator, pairs, ref_logps, tied, args, sizes, np.random.default_rng(5), step=0
-    )
+    stats = dpo.dpo_update(model, optimizer, accelerator, pairs, ref_logps, tied, args, sizes, np.random.default_rng(5))
     expected = slow_dpo_update(by_hand, pairs, ref_logps, tied, args, np.random.default_rng(5), lr)
     clipped = expected.pop("clipped")  # the share of the updates whose gradient was clipped
     assert clipped == 0 if max_grad_norm is None else clipped > 0
@@ -272,11 +271,11 @@ def test_logprobs_divide_by_temperature_and_ignore_padding(policy, tokenizer):
     assert expected != pytest.approx(slow_logprobs(policy, query, response, temperature=1.0), abs=1e-3)
     for prompt_length, response_length in [(4, 3), (9, 6), (16, 12)]:
         q_ids, q_mask = dpo.left_pad([query], prompt_length, tokenizer.pad_token_id)
-        r_ids, r_mask, _ = dpo.truncate_responses(
+        r_ids, r_mask, eos = dpo.truncate_responses(
             [response], response_length, tokenizer.eos_token_id, tokenizer.pad_token_id
         )
         with torch.no_grad():
-            got = dpo.response_logprobs(policy, q_ids, q_mask, r_ids, r_mask, temperature=0.7)[0]
+            got = dpo.response_logprobs(policy, dpo.Batch(q_ids, q_mask, r_ids, r_mask, eos), temperature=0.7)[0]
         assert got[:3].tolist() == pytest.approx(expected, abs=1e-5)
         assert got[3:].abs().sum() == 0
 
@@ -375,7 +374,7 @@ def test_reward_model_with_another_tokenizer_goes_through_text(reward_model, tok
     responses = [[body[1], body[0], tokenizer.eos_token_id], [body[2], body[3]]]  # the second has no EOS
     q_ids, q_mask = dpo.left_pad(queries, 12, tokenizer.pad_token_id)
     r_ids, r_mask, eos = dpo.truncate_responses(responses, 5, tokenizer.eos_token_id, tokenizer.pad_token_id)
-    assert not dpo.same_tokenizer(other_tokenizer, tokenizer)
+    assert not plumbing.same_tokenizer(other_tokenizer, tokenizer)
     direct = dpo.score_completions(reward_model, tokenizer, tokenizer, dpo.Batch(q_ids, q_mask, r_ids, r_mask, eos), 8)
     through_text = dpo.score_completions(
         other_model, other_tokenizer, tokenizer, dpo.Batch(q_ids, q_mask, r_ids, r_mask, eos), 8
@@ -650,7 +649,7 @@ def test_prompts_load_from_a_folder_a_file_or_parquet_and_long_ones_are_dropped(
     write_rows(tmp_path / "single.jsonl", rows)
     datasets.Dataset.from_list(rows).to_parquet(str(tmp_path / "rows.parquet"))
     for name in (tmp_path / "folder", tmp_path / "single.jsonl", tmp_path / "rows.parquet"):
-        prompts = dpo.load_prompts(str(name), "train", tokenizer, max_prompt_length=12)
+        prompts = dpo.load_prompts(dpo.Args(dataset_name=str(name), max_prompt_length=12), "train", tokenizer)
         assert prompts.queries == [rows[0]["query"], rows[2]["query"]]
         assert prompts.references == [rows[0]["reference_response"], rows[2]["reference_response"]]
         assert prompts.token_ids[0] == tokenizer(rows[0]["query"]).input_ids
@@ -662,4 +661,4 @@ def test_a_dataset_without_the_needed_columns_is_a_clear_error(tokenizer, tmp_pa
     with pytest.raises(
         ValueError, match=r"--dataset_name .*bad.jsonl .* lacks column\(s\) \['query', 'reference_response'\]"
     ):
-        dpo.load_prompts(str(tmp_path / "bad.jsonl"), "train", tokenizer, max_prompt_length=12)
+        dpo.load_prompts(dpo.Args(dataset_name=str(tmp_path / "bad.jsonl"), max_prompt_length=12), "train", tokenizer)

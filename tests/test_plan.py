@@ -80,13 +80,13 @@ def test_no_robots_8b_at_a_share_of_0_8_holds_the_batch_only_with_a_smaller_rese
 
 @pytest.mark.parametrize("async_level", [0, 1, 3])
 def test_left_out_the_share_is_what_the_run_would_give_the_engine(async_level):
-    """plumbing.engine_share on an empty engine's GPU of 79 GiB: the push's bucket of 1 GiB (plumbing.BUCKET_BYTES:
-    the 8B's largest layer, its embedding of 128256 x 4096 x 2 bytes, is 0.98 GiB) whatever the async level, the CUDA
-    contexts of rank 0 and the engine and 5 % of the GPU leave (79 GiB - 1 - 2 - 3.95) / 79 GiB = 0.912, 0.91, of
-    which it takes vLLM's default 0.9 (rank 0's GPU, with 7.2 GiB of models loaded and 14.9 GiB of gradients and
-    optimizer state to come, fits): KV for 288 sequences, the step's 252 at once. Beside a whole bf16 snapshot (15
-    GiB) it got 0.73, 217 sequences. The snapshots, async level + 2 of them, are in rank 0's pinned host memory, 16
-    GiB each (torch's pinned blocks are powers of 2)."""
+    """plumbing.engine.engine_share on an empty engine's GPU of 79 GiB: the push's bucket of 1 GiB
+    (plumbing.weights.BUCKET_BYTES: the 8B's largest layer, its embedding of 128256 x 4096 x 2 bytes, is 0.98 GiB)
+    whatever the async level, the CUDA contexts of rank 0 and the engine and 5 % of the GPU leave (79 GiB - 1 - 2 -
+    3.95) / 79 GiB = 0.912, 0.91, of which it takes vLLM's default 0.9 (rank 0's GPU, with 7.2 GiB of models loaded
+    and 14.9 GiB of gradients and optimizer state to come, fits): KV for 288 sequences, the step's 252 at once. Beside
+    a whole bf16 snapshot (15 GiB) it got 0.73, 217 sequences. The snapshots, async level + 2 of them, are in rank 0's
+    pinned host memory, 16 GiB each (torch's pinned blocks are powers of 2)."""
     p = plan.make_plan(NO_ROBOTS.split() + ["--async_level", str(async_level)], H100, None)
     total = 79 * GIB
     assert int(100 * (total - GIB - 2 * GIB - 0.05 * total) / total) / 100 == 0.91
@@ -143,7 +143,7 @@ def test_pythia_1b_tldr_step_by_hand():
     assert p.decode == pytest.approx(53 * read / 3.35e12) == pytest.approx(0.6038, abs=1e-4)
     assert p.full_step.compute == pytest.approx(2 * 512 * (body + embedding) / rate)
     assert p.prefill == pytest.approx(2 * 512 * (body * 512 + embedding) / rate) == pytest.approx(1.0681, abs=1e-4)
-    reference = 2 * 128 * (body * 565 + embedding * 54)
+    reference = 2 * 128 * (body * 565 + embedding * 54)  # online_dpo_async.step_flops' phases, on the meta models
     assert p.phase_flops == {"scoring": 2 * 128 * reward_body * 565, "reference": reference, "update": 3 * reference}
     assert p.training == pytest.approx((2 * 128 * reward_body * 565 + 4 * reference) / rate)
     assert (p.generation, p.training) == (pytest.approx(1.672, abs=1e-3), pytest.approx(1.487, abs=1e-3))

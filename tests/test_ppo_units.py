@@ -189,6 +189,19 @@ def test_adaptive_kl_controller_on_hand_computed_numbers():
     assert ppo.adaptive_kl_coef(0.1, 6.0, 6.0, 10000, 10000) == pytest.approx(0.1)
 
 
+def test_the_kl_coefficient_logs_the_step_s_value_and_moves_the_next_one():
+    """KLCoefficient.step: the coefficient the step used, returned for its metrics; with --adaptive_kl the next
+    step's is the controller's (adaptive_kl_coef), without it the same; a checkpoint keeps the next one."""
+    adaptive = ppo.Args(adaptive_kl=True, kl_target=6.0, kl_horizon=10000)
+    kl_coef = ppo.KLCoefficient(0.05)
+    assert kl_coef.step(9.0, adaptive, 512) == 0.05  # this step's
+    assert kl_coef.value == pytest.approx(0.05 * 1.01024)  # the next one's, by hand as above
+    assert kl_coef.step(5.4, adaptive, 64) == pytest.approx(0.05 * 1.01024)
+    assert kl_coef.state_dict() == {"kl_coef": kl_coef.value}
+    fixed = ppo.KLCoefficient(0.05)
+    assert fixed.step(9.0, ppo.Args(adaptive_kl=False), 512) == 0.05 and fixed.value == 0.05
+
+
 def test_explained_variance():
     returns = torch.tensor([[1.0, 2.0, 3.0, 100.0]])
     mask = torch.tensor([[1.0, 1.0, 1.0, 0.0]])
@@ -205,12 +218,12 @@ def test_values_are_read_before_each_response_token_and_padding_does_not_change_
     eos = tokenizer.eos_token_id
     prompt, response = [tokenizer.bos_token_id, 5, 6, 7], [8, 9, eos]
     q_ids, q_mask = ppo.left_pad([prompt], 4, tokenizer.pad_token_id)
-    r_ids, r_mask, _ = ppo.truncate_responses([response], 3, eos, tokenizer.pad_token_id)
+    r_ids, r_mask, r_eos = ppo.truncate_responses([response], 3, eos, tokenizer.pad_token_id)
     q2, q2_mask = ppo.left_pad([prompt], 9, tokenizer.pad_token_id)
-    r2, r2_mask, _ = ppo.truncate_responses([response + [11, 12]], 6, eos, tokenizer.pad_token_id)
+    r2, r2_mask, r2_eos = ppo.truncate_responses([response + [11, 12]], 6, eos, tokenizer.pad_token_id)
     with torch.no_grad():
-        values = ppo.response_values(value_model, q_ids, q_mask, r_ids, r_mask)
-        padded = ppo.response_values(value_model, q2, q2_mask, r2, r2_mask)
+        values = ppo.response_values(value_model, ppo.Batch(q_ids, q_mask, r_ids, r_mask, r_eos))
+        padded = ppo.response_values(value_model, ppo.Batch(q2, q2_mask, r2, r2_mask, r2_eos))
         # V(s_t) is the reward-model reading of query + y_<t
         expected = [
             ppo.get_reward(
@@ -221,6 +234,28 @@ def test_values_are_read_before_each_response_token_and_padding_does_not_change_
     assert values[0].tolist() == pytest.approx(expected, abs=1e-5)
     torch.testing.assert_close(padded[:, :3], values, atol=1e-5, rtol=0)
     assert padded[0, 3:].tolist() == [0.0, 0.0, 0.0]
+
+
+def test_policy_and_value_gives_the_policy_s_tempered_logprobs_its_entropies_and_the_values(tokenizer):
+    """PolicyAndValue's forward: the policy's per-token logprobs and entropies at the sampling temperature (not
+    at 1), from the same pass, and the value model's values, each zero after EOS."""
+    from transformers import LlamaForCausalLM, LlamaForSequenceClassification
+
+    torch.manual_seed(0)
+    policy = LlamaForCausalLM(small_config(tokenizer)).eval()
+    value_model = LlamaForSequenceClassification(small_config(tokenizer, num_labels=1)).eval()
+    model = ppo.PolicyAndValue(policy, value_model)
+    eos, pad = tokenizer.eos_token_id, tokenizer.pad_token_id
+    q_ids, q_mask = ppo.left_pad([[tokenizer.bos_token_id, 5, 6], [tokenizer.bos_token_id, 7]], 4, pad)
+    batch = ppo.Batch(q_ids, q_mask, *ppo.truncate_responses([[8, 9, eos], [10, 11, 12, 13]], 4, eos, pad))
+    with torch.no_grad():
+        logprobs, entropy, values = model(batch, 0.7)
+        expected, expected_entropy = ppo.response_logprobs(policy, batch, 0.7, entropy=True)
+        at_one = ppo.response_logprobs(policy, batch, 1.0)
+    assert torch.equal(logprobs, expected) and torch.equal(entropy, expected_entropy)
+    assert torch.equal(values, ppo.response_values(value_model, batch))
+    assert (logprobs - at_one).abs().max() > 0.05  # the temperature matters here
+    assert logprobs[0, 3] == 0 and entropy[0, 3] == 0 and values[0, 3] == 0  # after the first row's EOS
 
 
 def test_first_on_policy_minibatch_ratio_is_exactly_one(tokenizer):
@@ -242,11 +277,13 @@ def test_first_on_policy_minibatch_ratio_is_exactly_one(tokenizer):
     ]
     responses = [torch.randint(4, len(tokenizer), (n,), generator=g).tolist() + [eos, 7] for n in (1, 4, 2, 6, 3, 9)]
     q_ids, q_mask = ppo.left_pad(prompts, 12, tokenizer.pad_token_id)
-    r_ids, r_mask, _ = ppo.truncate_responses(responses, 8, eos, tokenizer.pad_token_id)
+    r_ids, r_mask, contain_eos = ppo.truncate_responses(responses, 8, eos, tokenizer.pad_token_id)
+
+    def rows(index) -> ppo.Batch:
+        return ppo.Batch(q_ids[index], q_mask[index], r_ids[index], r_mask[index], contain_eos[index])
+
     with torch.no_grad():
-        old = [
-            model(q_ids[i : i + 4], q_mask[i : i + 4], r_ids[i : i + 4], r_mask[i : i + 4], 0.7) for i in range(0, 6, 4)
-        ]
+        old = [model(rows(slice(i, i + 4)), 0.7) for i in range(0, 6, 4)]
     old_logprobs, old_values = torch.cat([o[0] for o in old]), torch.cat([o[2] for o in old])
     scores = torch.tensor([1.0, -2.0, 0.5, 3.0, -1.0, 0.0])
     rewards, _ = ppo.per_token_rewards(scores, old_logprobs, old_logprobs - 0.1, r_mask, 0.05)
@@ -254,7 +291,7 @@ def test_first_on_policy_minibatch_ratio_is_exactly_one(tokenizer):
     advantages = ppo.masked_whiten(advantages, r_mask)
     idx = torch.tensor([4, 1, 5, 0, 3])
     mask = r_mask[idx]
-    logprobs, entropy, values = model(q_ids[idx], q_mask[idx], r_ids[idx], mask, 0.7)
+    logprobs, entropy, values = model(rows(idx), 0.7)
     pg_loss, ratio, clipped = ppo.ppo_policy_loss(logprobs, old_logprobs[idx], advantages[idx], mask, cliprange=0.2)
     _, vf_clipped = ppo.ppo_value_loss(values, old_values[idx], returns[idx], mask, 0.2)
     assert torch.equal(ratio, torch.ones_like(ratio))
@@ -265,7 +302,7 @@ def test_first_on_policy_minibatch_ratio_is_exactly_one(tokenizer):
     policy = list(model.policy.parameters())
     grads = [p.grad.clone() for p in policy]
     model.zero_grad()
-    logprobs, _, _ = model(q_ids[idx], q_mask[idx], r_ids[idx], mask, 0.7)
+    logprobs, _, _ = model(rows(idx), 0.7)
     (-ppo.masked_mean(advantages[idx] * logprobs, mask)).backward()
     for got, expected in zip(grads, (p.grad for p in policy)):
         torch.testing.assert_close(got, expected)
@@ -281,7 +318,7 @@ def test_the_saved_policy_has_the_plain_causal_lm_names(tokenizer, tmp_path):
 
     policy = LlamaForCausalLM(small_config(tokenizer))
     model = ppo.PolicyAndValue(policy, LlamaForSequenceClassification(small_config(tokenizer, num_labels=1)))
-    plumbing.save_policy(Accelerator(cpu=True), model, tokenizer, str(tmp_path / "policy"), prefix="policy.")
+    plumbing.run_folder.save_policy(Accelerator(cpu=True), model, tokenizer, str(tmp_path / "policy"), prefix="policy.")
     saved = load_file(tmp_path / "policy" / "model.safetensors")
     expected = {
         k: v for k, v in policy.state_dict().items() if k != "lm_head.weight" or not policy.config.tie_word_embeddings
@@ -299,9 +336,9 @@ def test_the_value_model_needs_the_policy_s_tokenizer(tokenizer):
     other.add_tokens(["<another>"])
     args, same = ppo.Args(), AutoTokenizer.from_pretrained(tokenizer.name_or_path)
     for reward_tokenizer in (same, None):  # None: gsm8k, no reward model
-        ppo.check_value_model(ppo.Inputs(None, None, None, tokenizer, reward_tokenizer, None, None), args)
+        ppo.check_value_model(ppo.Inputs(tokenizer, reward_tokenizer, None, None), args)
     with pytest.raises(ppo.UsageError, match="its tokenizer must be the policy's"):
-        ppo.check_value_model(ppo.Inputs(None, None, None, tokenizer, other, None, None), args)
+        ppo.check_value_model(ppo.Inputs(tokenizer, other, None, None), args)
 
 
 # ------------------------------------------------------------------------------ sizes
@@ -349,7 +386,7 @@ def test_only_the_later_mini_batches_of_a_step_meet_a_moved_policy(tokenizer, nu
     scores = torch.tensor([1.0, -1.0, 0.5, 2.0])
     targets = ppo.ppo_targets(scores, batch, old, values, old, old, 0.05, args)
     stats, (ratio_max, ratio_min) = ppo.ppo_update(
-        model, optimizer, accelerator, batch, targets, args, sizes, np.random.default_rng(0), step=0
+        model, optimizer, accelerator, batch, targets, args, sizes, np.random.default_rng(0)
     )
     if num_mini_batches == 1:
         assert ratio_max == ratio_min == 1.0
@@ -446,7 +483,7 @@ def test_ppo_targets_match_a_slow_loop_over_every_field(tokenizer, whiten_reward
 
 # ------------------------------------------------------------------------------ ppo_update: loss, epochs, mini-batches
 class UpdateCall(NamedTuple):
-    """ppo_update's arguments but the numpy generator and the step, and an untouched copy of the model."""
+    """ppo_update's arguments but the numpy generator, and an untouched copy of the model."""
 
     model: ppo.PolicyAndValue
     by_hand: ppo.PolicyAndValue
@@ -504,13 +541,14 @@ def slow_ppo_update(model, batch, targets, args, sizes, seed: int, lr: float) ->
             step = [torch.zeros_like(p) for p in params]
             for micro_start in range(mini_start, mini_start + mini, micro):
                 idx = order[micro_start : micro_start + micro]
-                logprobs, entropy, values = model(
+                rows = ppo.Batch(
                     batch.query_ids[idx],
                     batch.query_mask[idx],
                     batch.response_ids[idx],
                     batch.response_mask[idx],
-                    args.temperature,
+                    batch.contain_eos[idx],
                 )
+                logprobs, entropy, values = model(rows, args.temperature)
                 tokens = {key: [] for key in ("pg", "vf", "approxkl", "clipped", "vf_clipped", "error", "entropy")}
                 for row, i in enumerate(idx):
                     for t in range(int(batch.response_mask[i].sum())):
@@ -585,7 +623,6 @@ def test_two_epochs_of_two_mini_batches_match_plain_sgd_by_hand(tokenizer, old_l
         args,
         sizes,
         np.random.default_rng(0),
-        step=0,
     )
     seen = slow_ppo_update(call.by_hand, batch, targets, args, sizes, 0, LEARNING_RATE)
     assert seen["clipped"] == [max_grad_norm is not None] * 4  # the gradient's norm: 0.1 .. 1 (measured)
@@ -648,13 +685,10 @@ def test_vf_coef_scales_the_value_model_s_gradient_and_nothing_else(tokenizer):
             args,
             call.sizes,
             np.random.default_rng(0),
-            step=0,
         )
         moves[vf_coef] = {name: p - q for (name, p), q in zip(call.model.named_parameters(), by_hand.parameters())}
     # the update's only forward: all 4 completions
-    logprobs, _, values = by_hand(
-        batch.query_ids, batch.query_mask, batch.response_ids, batch.response_mask, args.temperature
-    )
+    logprobs, _, values = by_hand(batch, args.temperature)
     mask = batch.response_mask
     pg_loss = -ppo.masked_mean(targets.advantages * torch.exp(logprobs - targets.old_logprobs), mask)
     vf_loss = 0.5 * ppo.masked_mean((values - targets.returns) ** 2, mask)

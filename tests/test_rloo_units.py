@@ -99,8 +99,9 @@ def test_engine_logprobs_are_truncated_and_padded_like_the_responses(tokenizer):
     eos = tokenizer.eos_token_id
     responses = [[5, 6, eos, 7], [5, 6, 7], [5, 6, 7, 8, 9, 10]]
     logprobs = [[-0.1, -0.2, -0.3, -0.4], [-0.5, -0.6, -0.7], [-1.0, -1.0, -1.0, -1.0, -1.0, -1.0]]
-    _, mask, _ = rloo.truncate_responses(responses, 5, eos_token_id=eos, pad_token_id=0)
-    got = rloo.pad_logprobs(logprobs, 5, mask)
+    ids, mask, contain_eos = rloo.truncate_responses(responses, 5, eos_token_id=eos, pad_token_id=0)
+    batch = rloo.Batch(query_ids=None, query_mask=None, response_ids=ids, response_mask=mask, contain_eos=contain_eos)
+    got = rloo.pad_logprobs(logprobs, batch)  # laid out as the batch's responses, 5 wide
     torch.testing.assert_close(got, torch.tensor([[-0.1, -0.2, -0.3, 0, 0], [-0.5, -0.6, -0.7, 0, 0], [-1.0] * 5]))
 
 
@@ -127,14 +128,15 @@ def test_first_on_policy_minibatch_ratio_is_exactly_one(tokenizer):
     old_logps = rloo.batch_logprobs(model, rloo.Batch(q_ids, q_mask, r_ids, r_mask, contain_eos), 0.7, 4).sum(1)
     advantages = rloo.rloo_advantages(torch.tensor([[1.0, -2.0], [0.5, 3.0], [-1.0, 0.0]])).flatten()
     idx = torch.tensor([4, 1, 5, 0, 3])
-    logps = rloo.response_logprobs(model, q_ids[idx], q_mask[idx], r_ids[idx], r_mask[idx], 0.7).sum(1)
+    micro_batch = rloo.Batch(q_ids[idx], q_mask[idx], r_ids[idx], r_mask[idx], contain_eos[idx])
+    logps = rloo.response_logprobs(model, micro_batch, 0.7).sum(1)
     loss, ratio, clipped = rloo.proximal_rloo_loss(logps, old_logps[idx], advantages[idx], cliprange=0.2)
     assert torch.equal(ratio, torch.ones_like(ratio))
     assert clipped.float().mean().item() == 0.0
     loss.backward()
     grads = [p.grad.clone() for p in model.parameters()]
     model.zero_grad()
-    logps = rloo.response_logprobs(model, q_ids[idx], q_mask[idx], r_ids[idx], r_mask[idx], 0.7).sum(1)
+    logps = rloo.response_logprobs(model, micro_batch, 0.7).sum(1)
     (-(advantages[idx] * logps).mean()).backward()
     for got, expected in zip(grads, (p.grad for p in model.parameters())):
         torch.testing.assert_close(got, expected)
@@ -187,7 +189,7 @@ def test_only_the_later_mini_batches_of_a_step_meet_a_moved_policy(tokenizer, nu
     scores = torch.tensor([1.0, -1.0, 0.5, 2.0, -0.5, 0.0, 1.5, -2.0])
     targets, _ = rloo.rloo_targets(scores, batch, old, old, old, args)
     stats, (ratio_max, ratio_min) = rloo.rloo_update(
-        model, optimizer, accelerator, batch, targets, args, sizes, np.random.default_rng(0), step=0
+        model, optimizer, accelerator, batch, targets, args, sizes, np.random.default_rng(0)
     )
     if num_mini_batches == 1:
         assert ratio_max == ratio_min == 1.0
@@ -287,14 +289,14 @@ def slow_rloo_update(model, batch, targets, args, sizes, seed: int, lr: float) -
             step = [torch.zeros_like(p) for p in params]
             for micro_start in range(mini_start, mini_start + mini, micro):
                 idx = order[micro_start : micro_start + micro]
-                logps = rloo.response_logprobs(
-                    model,
+                rows = rloo.Batch(
                     batch.query_ids[idx],
                     batch.query_mask[idx],
                     batch.response_ids[idx],
                     batch.response_mask[idx],
-                    args.temperature,
-                ).sum(1)
+                    batch.contain_eos[idx],
+                )
+                logps = rloo.response_logprobs(model, rows, args.temperature).sum(1)
                 objective, clipped, ratios = 0.0, [], []
                 for logp, i in zip(logps, idx):
                     ratio = torch.exp(logp - targets.old_logps[i])
@@ -360,7 +362,7 @@ def test_two_epochs_of_two_mini_batches_match_plain_sgd_by_hand(tokenizer, old_l
     scores = torch.tensor([1.0, -1.0, 0.5, 2.0, -0.5, 0.0, 1.5, -2.0])
     targets, _ = rloo.rloo_targets(scores, batch, old, old, engine, args)
     stats, (ratio_max, ratio_min) = rloo.rloo_update(
-        model, optimizer, accelerator, batch, targets, args, sizes, np.random.default_rng(0), step=0
+        model, optimizer, accelerator, batch, targets, args, sizes, np.random.default_rng(0)
     )
     seen = slow_rloo_update(by_hand, batch, targets, args, sizes, 0, LEARNING_RATE)
     assert seen["clipped"] == [max_grad_norm is not None] * 4  # the gradient's norm: 0.1 .. 1 (measured)

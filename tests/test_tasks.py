@@ -10,6 +10,8 @@ import sys
 import pytest
 from conftest import ROOT, TINY, run_script, save_random_policy
 
+import plumbing
+
 SCRIPTS = ["online_dpo_async.py", "rloo_async.py", "ppo_async.py"]
 FIXTURES = ROOT / "tests" / "fixtures"
 # A chat template for the tiny word-level tokenizer; like Llama 3.1's, it writes the BOS token itself.
@@ -42,11 +44,17 @@ def word_ids(tokenizer, text: str) -> list[int]:
     return [tokenizer.convert_tokens_to_ids(word) for word in text.split()]
 
 
+def load_prompts(script, name: str, split: str, tokenizer, max_prompt_length: int, task="tiny", config=None):
+    """The script's load_prompts on a split of --dataset_name `name` in the format of --task `task`."""
+    flags = dict(dataset_name=name, task=task, dataset_config=config, max_prompt_length=max_prompt_length)
+    return script.load_prompts(script.Args(**flags), split, tokenizer)
+
+
 # ------------------------------------------------------------------------------------------ loaders
 def test_tldr_prompts_are_the_query_column_as_it_is(script, tokenizer):
     for split in ("train", "validation", "test"):
         rows = rows_of(FIXTURES / "tldr" / "data" / f"{split}.jsonl")
-        prompts = script.load_prompts(str(FIXTURES / "tldr" / "data"), split, tokenizer, 512, task="tldr")
+        prompts = load_prompts(script, str(FIXTURES / "tldr" / "data"), split, tokenizer, 512, task="tldr")
         assert prompts.queries == [r["query"] for r in rows] and prompts.references == [
             r["reference_response"] for r in rows
         ]
@@ -62,7 +70,7 @@ def test_tldr_prompts_are_the_query_column_as_it_is(script, tokenizer):
 
 
 def test_no_robots_prompts_are_the_chat_template_before_the_last_answer_with_one_bos(script, chat_tokenizer):
-    prompts = script.load_prompts(str(FIXTURES / "no_robots" / "data"), "train", chat_tokenizer, 512, task="no_robots")
+    prompts = load_prompts(script, str(FIXTURES / "no_robots" / "data"), "train", chat_tokenizer, 512, task="no_robots")
     assert prompts.queries[0] == "<s>user: Write a haiku about the first frost on a vegetable garden.\nassistant:"
     assert (
         prompts.queries[1]
@@ -82,7 +90,7 @@ def test_no_robots_prompts_are_the_chat_template_before_the_last_answer_with_one
 
 
 def test_gsm8k_prompts_answers_and_configs(script, tokenizer):
-    prompts = script.load_prompts(str(FIXTURES / "gsm8k"), "test", tokenizer, 512, task="gsm8k", config="main")
+    prompts = load_prompts(script, str(FIXTURES / "gsm8k"), "test", tokenizer, 512, task="gsm8k", config="main")
     assert (
         prompts.queries[0]
         == "[MATH_TASK] Problem:\nA train travels 60 miles in 1.5 hours. What is its average speed in miles per hour?\n\nSolution:"
@@ -90,24 +98,24 @@ def test_gsm8k_prompts_answers_and_configs(script, tokenizer):
     assert prompts.references[0] == "Its speed is 60 / 1.5 = <<60/1.5=40>>40 miles per hour.\n#### 40"
     assert prompts.token_ids[0] == [tokenizer.bos_token_id, *word_ids(tokenizer, prompts.queries[0])]
     assert len(prompts.queries) == 3
-    socratic = script.load_prompts(str(FIXTURES / "gsm8k"), "train", tokenizer, 512, task="gsm8k", config="socratic")
+    socratic = load_prompts(script, str(FIXTURES / "gsm8k"), "train", tokenizer, 512, task="gsm8k", config="socratic")
     assert len(socratic.references) == 1 and socratic.references[0].startswith("How many boxes does she fill? **")
     # --dataset_config works on a local folder as on the hub: the folder's README declares its configs
     with pytest.raises(
         script.UsageError,
         match=r"^--dataset_name \S+gsm8k split train: Config name is missing\. Please pick one among the available configs: \['main', 'socratic'\]$",
     ):
-        script.load_prompts(str(FIXTURES / "gsm8k"), "train", tokenizer, 512, task="gsm8k")
+        load_prompts(script, str(FIXTURES / "gsm8k"), "train", tokenizer, 512, task="gsm8k")
     with pytest.raises(
         script.UsageError,
         match=r"^--dataset_name \S+tldr/data --dataset_config main split train: BuilderConfig 'main' not found",
     ):
-        script.load_prompts(str(FIXTURES / "tldr" / "data"), "train", tokenizer, 512, task="tldr", config="main")
+        load_prompts(script, str(FIXTURES / "tldr" / "data"), "train", tokenizer, 512, task="tldr", config="main")
     with pytest.raises(
         script.UsageError,
         match=r"^--dataset_config main: the single file --dataset_name \S+train.jsonl has no configs$",
     ):
-        script.load_split(str(FIXTURES / "gsm8k" / "main" / "train.jsonl"), "train", "main")
+        plumbing.load_split(str(FIXTURES / "gsm8k" / "main" / "train.jsonl"), "train", "main")
 
 
 def test_missing_columns_and_chat_templates_and_bad_rows_are_one_line_usage_errors(
@@ -115,21 +123,23 @@ def test_missing_columns_and_chat_templates_and_bad_rows_are_one_line_usage_erro
 ):
     cases = [
         (
-            lambda: script.load_prompts(
-                str(FIXTURES / "tldr" / "data"), "validation", chat_tokenizer, 512, task="no_robots"
+            lambda: load_prompts(
+                script, str(FIXTURES / "tldr" / "data"), "validation", chat_tokenizer, 512, task="no_robots"
             ),
             r"--dataset_name \S+tldr/data split validation lacks column\(s\) \['messages'\] of --task no_robots; it has \['id', 'subreddit', ",
         ),
         (
-            lambda: script.load_prompts(str(FIXTURES / "no_robots" / "data"), "test", tokenizer, 512, task="gsm8k"),
+            lambda: load_prompts(script, str(FIXTURES / "no_robots" / "data"), "test", tokenizer, 512, task="gsm8k"),
             r"--dataset_name \S+no_robots/data split test lacks column\(s\) \['question', 'answer'\] of --task gsm8k; it has \['prompt', 'prompt_id', 'messages', 'category'\]",
         ),
         (
-            lambda: script.load_prompts(str(FIXTURES / "gsm8k"), "test", tokenizer, 512, task="tldr", config="main"),
+            lambda: load_prompts(script, str(FIXTURES / "gsm8k"), "test", tokenizer, 512, task="tldr", config="main"),
             r"lacks column\(s\) \['query', 'reference_response'\] of --task tldr; it has \['question', 'answer'\]",
         ),
         (
-            lambda: script.load_prompts(str(FIXTURES / "no_robots" / "data"), "test", tokenizer, 512, task="no_robots"),
+            lambda: load_prompts(
+                script, str(FIXTURES / "no_robots" / "data"), "test", tokenizer, 512, task="no_robots"
+            ),
             rf"--task no_robots writes prompts with the policy's chat template, and the tokenizer of --sft_model_path {TINY / 'sft'} has none",
         ),
     ]
@@ -141,15 +151,15 @@ def test_missing_columns_and_chat_templates_and_bad_rows_are_one_line_usage_erro
     (tmp_path / "unlabelled.jsonl").write_text("".join(json.dumps(row) + "\n" for row in unlabelled))
     cases.append(
         (
-            lambda: script.load_prompts(str(tmp_path / "unlabelled.jsonl"), "train", tokenizer, 512, task="gsm8k"),
+            lambda: load_prompts(script, str(tmp_path / "unlabelled.jsonl"), "train", tokenizer, 512, task="gsm8k"),
             r"unlabelled.jsonl split train: 2 `answer`\(s\) without a '#### <number>' final answer \(row 1\): not GSM8k's format$",
         )
     )
     (tmp_path / "no_answer.jsonl").write_text(json.dumps({"messages": [{"role": "user", "content": "Hi"}]}) + "\n")
     cases.append(
         (
-            lambda: script.load_prompts(
-                str(tmp_path / "no_answer.jsonl"), "train", chat_tokenizer, 512, task="no_robots"
+            lambda: load_prompts(
+                script, str(tmp_path / "no_answer.jsonl"), "train", chat_tokenizer, 512, task="no_robots"
             ),
             r"no_answer.jsonl split train: row 0's `messages` do not end with an assistant turn",
         )
@@ -229,7 +239,7 @@ def test_gsm8k_verifier_by_hand(completion, answer, reward):
 def test_gsm8k_answers_of_the_fixture_labels_and_completions_against_them(script, tokenizer):
     """The labels of the fixture's main/train split as the verifier reads them (a comma, a unit after the number,
     a negative), and completions against them, all written by hand."""
-    prompts = script.load_prompts(str(FIXTURES / "gsm8k"), "train", tokenizer, 512, task="gsm8k", config="main")
+    prompts = load_prompts(script, str(FIXTURES / "gsm8k"), "train", tokenizer, 512, task="gsm8k", config="main")
     assert [script.gsm8k_answer(answer) for answer in prompts.references] == ["40", "36", "1020", "9", "18", "-7"]
     label = dict(zip(["muffins", "pages", "chickens", "apples", "pens", "temperature"], prompts.references))
     assert (
@@ -281,8 +291,9 @@ def test_verified_completions_and_pass_at_1_by_hand(script):
     responses = [[7, 4, 5, 2, 0, 5], [4, 6, 2, 0, 0, 0], [4, 5, 0, 0, 0, 0], [4, 5, 2, 7, 7, 7]]  # EOS = 2, pad = 0
     ids, mask, contain_eos = script.truncate_responses([r[: r.index(0)] if 0 in r else r for r in responses], 6, 2, 0)
     assert contain_eos.tolist() == [True, True, False, True]
+    batch = script.Batch(query_ids=None, query_mask=None, response_ids=ids, response_mask=mask, contain_eos=contain_eos)
     answers = ["#### 40", "#### 40", "A.\n#### 40", "#### 12"]
-    rewards = script.verify_completions(tokenizer, ids, mask, answers)
+    rewards = script.verify_completions(tokenizer, batch, answers)
     assert rewards.tolist() == [
         1.0,
         0.0,
@@ -290,7 +301,7 @@ def test_verified_completions_and_pass_at_1_by_hand(script):
         0.0,
     ]  # a completion cut without EOS is still verified (table 10: no penalty)
     assert rewards.mean().item() == pytest.approx(2 / 4)
-    assert script.verify_completions(tokenizer, ids, mask, answers[::-1]).tolist() == [
+    assert script.verify_completions(tokenizer, batch, answers[::-1]).tolist() == [
         0.0,
         0.0,
         1.0,
@@ -313,17 +324,28 @@ def slow_perplexity(model, prompt: list[int], response: list[int], eos_token_id:
 
 
 def test_reference_perplexity_against_a_slow_loop(script, tokenizer, tmp_path):
+    """evaluate's eval/ref_perplexity (the paper's KL proxy): the reference policy's perplexity of each completion over
+    its tokens up to and including the first EOS, the prompt's excluded, averaged over the completions. Each completion
+    evaluated alone gives its own perplexity; the three together (in forward passes of 2) the mean of theirs."""
+    import torch
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(save_random_policy(tokenizer, tmp_path / "ref", seed=3)).eval()
-    eos, pad = tokenizer.eos_token_id, tokenizer.pad_token_id
+    eos = tokenizer.eos_token_id
     prompts = [[1, 4, 12, 6, 5], [1, 4, 9, 14, 13, 20, 5], [1, 4, 5]]
     responses = [[12, 6, eos, 9, 9], [13, 14, 20, 9, 10, 11], [eos]]  # garbage after EOS; cut without EOS; EOS only
-    q_ids, q_mask = script.left_pad(prompts, 8, pad)
-    r_ids, r_mask, _ = script.truncate_responses(responses, 6, eos, pad)
-    batched = script.reference_perplexities(model, q_ids, q_mask, r_ids, r_mask)
+    # --task tldr without a reward model or a gold judge: of the model-based metrics, evaluate computes only this one
+    args = script.Args(task="tldr", max_prompt_length=8, response_length=6, local_rollout_forward_batch_size=2)
+    models = script.Models(tokenizer, model, None, None, None, None)
+
+    def ref_perplexity(rows: list[int]) -> float:
+        evaluation = script.Prompts([prompts[i] for i in rows], [f"q{i}" for i in rows], [f"r{i}" for i in rows])
+        metrics, _, _ = script.evaluate([responses[i] for i in rows], evaluation, models, args, torch.device("cpu"))
+        return metrics["eval/ref_perplexity"]
+
     slow = [slow_perplexity(model, p, r, eos) for p, r in zip(prompts, responses)]
-    assert batched.tolist() == pytest.approx(slow, rel=1e-5)
+    assert [ref_perplexity([i]) for i in range(3)] == pytest.approx(slow, rel=1e-5)
+    assert ref_perplexity([0, 1, 2]) == pytest.approx(sum(slow) / 3, rel=1e-5)
     # a version that also counted the prompt's tokens would give another number
     with_prompt_tokens = slow_perplexity(model, prompts[0][:1], prompts[0][1:] + responses[0], eos)
     assert abs(with_prompt_tokens - slow[0]) > 1e-3
@@ -370,7 +392,7 @@ def test_the_optimizer_is_the_paper_codes(script):
 
 
 def test_eval_completions_are_written_atomically_one_file_per_step(tmp_path):
-    write_eval_completions = importlib.import_module("plumbing").write_eval_completions
+    write_eval_completions = plumbing.run_folder.write_eval_completions
     first = write_eval_completions(str(tmp_path), 3, 96, ["p1", "p2"], ["c1", "c2"], ["r1", "r2"])
     assert first == str(tmp_path / "eval_completions" / "step_000003.jsonl")
     assert rows_of(tmp_path / "eval_completions" / "step_000003.jsonl") == [
@@ -382,8 +404,9 @@ def test_eval_completions_are_written_atomically_one_file_per_step(tmp_path):
     assert [r["completion"] for r in rows_of(tmp_path / "eval_completions" / "step_000003.jsonl")] == ["again"]
 
 
-def test_a_chat_templated_text_gets_one_bos_from_a_judges_tokenizer(script, chat_tokenizer):
-    assert script.encode_text(chat_tokenizer, "<s>user: sort: cat ->\nassistant: cat </s>") == [
+def test_a_chat_templated_text_gets_one_bos_from_a_judges_tokenizer(chat_tokenizer):
+    """plumbing.encode_text, which every script's score_texts encodes a judge's texts with."""
+    assert plumbing.encode_text(chat_tokenizer, "<s>user: sort: cat ->\nassistant: cat </s>") == [
         1,
         3,
         4,
@@ -393,7 +416,7 @@ def test_a_chat_templated_text_gets_one_bos_from_a_judges_tokenizer(script, chat
         12,
         2,
     ]
-    assert script.encode_text(chat_tokenizer, "sort: cat -> cat </s>") == [
+    assert plumbing.encode_text(chat_tokenizer, "sort: cat -> cat </s>") == [
         1,
         4,
         12,
@@ -467,7 +490,7 @@ def test_gsm8k_run_verifier_rewards_greedy_pass_at_1_and_reference_perplexity(to
         )
     # step 0: the policy is still the SFT (= reference) model; its greedy completions and their perplexity by hand
     model = AutoModelForCausalLM.from_pretrained(policy).eval()
-    prompts = ppo.load_prompts(str(FIXTURES / "gsm8k"), "test", tokenizer, 40, task="gsm8k", config="main")
+    prompts = load_prompts(ppo, str(FIXTURES / "gsm8k"), "test", tokenizer, 40, task="gsm8k", config="main")
     greedy, perplexities = [], []
     for prompt in prompts.token_ids:
         with torch.no_grad():

@@ -21,7 +21,7 @@ def test_committed_artifacts_are_small_and_in_the_expected_shape(tokenizer):
     assert reward["architectures"] == ["LlamaForSequenceClassification"] and len(reward["id2label"]) == 1
     assert tokenizer.pad_token_id != tokenizer.eos_token_id
     for split in ("train", "test"):
-        prompts = dpo.load_prompts(str(TINY / "data"), split, tokenizer, dpo.Args.max_prompt_length)
+        prompts = dpo.load_prompts(dpo.Args(dataset_name=str(TINY / "data")), split, tokenizer)
         assert len(prompts.queries) >= 512  # none dropped for length: every query fits the default
         assert all(
             r.endswith(" </s>") or len(tokenizer(r, add_special_tokens=False).input_ids) == dpo.Args.response_length
@@ -86,5 +86,5 @@ def test_builder_runs_end_to_end_in_quick_mode(tmp_path):
     AutoModelForCausalLM.from_pretrained(tmp_path / "sft")
     AutoModelForSequenceClassification.from_pretrained(tmp_path / "reward")
     tokenizer = AutoTokenizer.from_pretrained(tmp_path / "sft")
-    prompts = dpo.load_prompts(str(tmp_path / "data"), "test", tokenizer, dpo.Args.max_prompt_length)
+    prompts = dpo.load_prompts(dpo.Args(dataset_name=str(tmp_path / "data")), "test", tokenizer)
     assert prompts.queries and all(q.startswith("sort: ") for q in prompts.queries)

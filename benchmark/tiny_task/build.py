@@ -45,9 +45,10 @@ RM_PAIR_NOISE = {"first_letter": 0.5, "slip": 0.5, "loop": 0.25}  # broad covera
 
 
 def tiny_gold_score(query: str, response: str) -> float:
-    """Gold judge of the tiny task: 1.0 iff `response` is the query's words sorted, then "</s>". Quality q in [0, 1]
-    = mean of: right word in the right place, F1 of the word multisets, fraction of adjacent output words in order.
-    Score 2q - 1 if the response stopped with "</s>", else q - 1: a stopped answer more than half right wins."""
+    """Gold judge of the tiny task: 1.0 iff `response` is the query's words sorted, then "</s>". Quality q in
+    [0, 1] = mean of: right word in the right place, F1 of the word multisets, fraction of adjacent output
+    words in order. Score 2q - 1 if the response stopped with "</s>", else q - 1: a stopped answer more than
+    half right wins."""
     target = sorted(query.split()[1:-1])  # "sort: w1 ... wL ->"
     out = response.split()
     stopped = len(out) > 0 and out[-1] == "</s>"

@@ -1,0 +1,369 @@
+"""1. The command line and the checks of every flag and input file, before any model loads.
+
+`run` is an algorithm file's entry point: it parses the flags (`parse_args`: tyro, --help in the sections of
+the file's Args), quiets the third-party messages known to be harmless, and reports a bad input (`UsageError`)
+in one line, a failure after its traceback in one last line."""
+
+import ast
+import dataclasses
+import gc
+import inspect
+import io
+import logging
+import os
+import sys
+import tokenize
+import traceback
+import warnings
+from pathlib import Path
+from dataclasses import dataclass
+from typing import Annotated, Literal
+
+import numpy as np
+import torch
+import tyro
+from datasets import load_dataset
+from transformers import AutoConfig, AutoModelForSequenceClassification, AutoTokenizer
+
+
+class UsageError(ValueError):
+    """Bad flags or input files: reported in one line, before any model loads."""
+
+
+def run(main, args_class: type, doc: str) -> None:
+    """main(args) with the flags of `args_class` (parse_args; --exp_name left out: main's file's name). A
+    bad input (UsageError) ends the process with one line, `error: ...`, exit status 1; a failure during the
+    run (a NaN score, a dead engine, any exception) with its traceback, which helps, and then one line saying
+    what failed, last."""
+    try:
+        args = parse_args(args_class, doc)
+        args.exp_name = args.exp_name or Path(inspect.getfile(main)).stem
+        quiet_known_noise()
+        main(args)
+    except UsageError as exc:
+        raise SystemExit(f"error: {exc}")
+    except Exception as exc:
+        traceback.print_exc()
+        sys.stderr.write(f"error: {exc}\n")
+        raise SystemExit(1)
+    finally:
+        gc.freeze()  # the exit would garbage-collect the whole heap (seconds); the OS frees it anyway
+    leave_process_group()
+
+
+def leave_process_group() -> None:
+    """Every process leaves the process group at the end of a run: torch's gloo threads, left running into the
+    interpreter's exit after a collective, abort it ("terminate called without an active exception", status
+    -6). Only at a clean end: after a failure another process may still wait in a collective."""
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
+
+
+def quiet_known_noise() -> None:
+    """Silence, where they are raised, the third-party messages every run printed that are known to be
+    harmless, so that stderr shows what matters; ASYNC_RLHF_VERBOSE=1 shows them all. The engine's processes
+    get the same filters from their environment (plumbing.engine.make_engine)."""
+    if os.environ.get("ASYNC_RLHF_VERBOSE"):
+        return
+    import datasets
+    import transformers
+
+    # vLLM's Triton dispatcher reads `torch.distributed.reduce_op` when it loads, which torch deprecates:
+    # vLLM's code, on its import; nothing of ours uses it
+    warnings.filterwarnings("ignore", message=REDUCE_OP_WARNING, category=FutureWarning)
+    # torch looks for Triton kernels when vLLM loads; the CPU build has no Triton, and vLLM's CPU backend
+    # needs none
+    logging.getLogger("torch._library.triton").setLevel(logging.ERROR)
+    # DeepSpeed says it found no GPU and uses its CPU accelerator, on every CPU run that imports it (a filter:
+    # DeepSpeed sets its logger's level when it loads, after us)
+    logging.getLogger("DeepSpeed").addFilter(
+        lambda record: not record.getMessage().startswith("Setting accelerator")
+    )
+    # progress bars of every model loaded or saved and of the datasets' caches: seconds each, in every run
+    transformers.utils.logging.disable_progress_bar()
+    datasets.disable_progress_bars()
+
+
+REDUCE_OP_WARNING = "`torch.distributed.reduce_op` is deprecated"
+
+
+# == The flags and their --help ==============================================================================
+def flag_sections(cls: type) -> list[tuple[str, list[tuple[str, str]]]]:
+    """The sections of the dataclass `cls`'s body, and of its dataclass bases' before them, as [(title,
+    [(field, help)])]: a section starts at the first field or after a blank line, with a comment line naming
+    it; a field's help is its trailing comment, or the comment lines right above it."""
+    import textwrap
+
+    sections = []
+    for klass in [
+        k for k in reversed(cls.__mro__) if dataclasses.is_dataclass(k) and "__annotations__" in vars(k)
+    ]:
+        source = textwrap.dedent(inspect.getsource(klass))
+        lines = source.splitlines()
+        comments = {
+            token.start[0]: token.string.lstrip("#").strip()
+            for token in tokenize.generate_tokens(io.StringIO(source).readline)
+            if token.type == tokenize.COMMENT
+        }
+        first = len(sections)
+        for node in ast.parse(source).body[0].body:
+            if isinstance(node, ast.AnnAssign):
+                trailing = [comments[n] for n in range(node.lineno, node.end_lineno + 1) if n in comments]
+                above, line = [], node.lineno - 1
+                while line in comments and lines[line - 1].lstrip().startswith("#"):
+                    above, line = [comments[line], *above], line - 1
+                if len(sections) == first or not lines[line - 1].strip():
+                    sections.append((above.pop(0), []))
+                sections[-1][1].append((node.target.id, " ".join(above + trailing)))
+    return sections
+
+
+def parse_args(cls: type, doc: str, args: list[str] | None = None):
+    """tyro's command line of the dataclass `cls`, its --help in the class's sections (flag_sections) and
+    headed by the first paragraph of `doc`. Returns a `cls`."""
+    fields = {field.name: field for field in dataclasses.fields(cls)}
+    groups = []
+    for title, flags in flag_sections(cls):
+        members = [
+            (
+                name,
+                Annotated[fields[name].type, tyro.conf.arg(help=text)],
+                dataclasses.field(default=fields[name].default),
+            )
+            for name, text in flags
+        ]
+        groups.append(dataclasses.make_dataclass(title, members))
+    sections = [
+        (
+            f"group{i}",
+            Annotated[group, tyro.conf.OmitArgPrefixes, tyro.conf.arg(name=group.__name__)],
+            dataclasses.field(default_factory=group),
+        )
+        for i, group in enumerate(groups)
+    ]
+    description = doc.strip().split("\n\n")[0] + "\n\n" + NONE_FLAGS
+    parsed = tyro.cli(
+        dataclasses.make_dataclass(cls.__name__, sections),
+        args=args,
+        description=description,
+        use_underscores=True,
+    )
+    return cls(
+        **{
+            name: value
+            for i in range(len(groups))
+            for name, value in vars(getattr(parsed, f"group{i}")).items()
+        }
+    )
+
+
+NONE_FLAGS = "A flag shown {None}|INT (STR, FLOAT) is optional: left out, it is None, as its text explains."
+
+
+@dataclass
+class RunArgs:
+    """The plumbing's flags, which each algorithm file's Args extends with the method's: the run, the engine,
+    the checkpoints (docs/flags.md)."""
+
+    # run
+    # runs are named <exp_name>__<seed>__<unix time> (None: the algorithm file's name)
+    exp_name: str | None = None
+    seed: int = 1  # seed of the prompt order, the sampling, the initialisation: same seed and flags, same run
+    # the run's folder: metrics, TensorBoard logs, checkpoints, final policy (None: runs/<run name>)
+    output_dir: str | None = None
+    track: bool = False  # also log to Weights & Biases (WANDB_MODE=offline on machines without network)
+    wandb_project: str = "async-rlhf"  # Weights & Biases project, with --track
+    wandb_entity: str | None = None  # Weights & Biases team or user, with --track (None: wandb's default)
+    # in minutes: how long a training process waits for the others in a collective before failing (ranks 1..N
+    # wait while rank 0 starts the engine, which compiles on a GPU, and generates the first batch)
+    collective_timeout_minutes: float = 60.0
+    trust_remote_code: bool = False  # allow model repositories to run their own code
+
+    # the engine
+    vllm_dtype: Literal["auto", "float32", "bfloat16"] = "auto"  # the engine's weights (auto: --dtype's)
+    # GPU of the engine: separate = the one after the N training GPUs (the paper's split), shared = rank 0's,
+    # within --vllm_gpu_memory_utilization; auto = separate when N + 1 GPUs are visible (docs/gpus.md)
+    vllm_placement: Literal["auto", "separate", "shared"] = "auto"
+    # the engine's share of its GPU's memory (None: the largest the run leaves, at most 0.9 of a GPU of its
+    # own and 0.3 of a shared one; printed at start)
+    vllm_gpu_memory_utilization: float | None = None
+    vllm_enforce_eager: bool = False  # run the engine without CUDA graphs (always so on CPUs)
+
+    # trainer numerics and memory
+    # dtype of the trainer's models (auto: bfloat16 on GPUs): bf16 autocast over fp32 weights for the trained
+    # models and the reference policy, bf16 weights for the reward and gold models
+    dtype: Literal["auto", "float32", "bfloat16"] = "auto"
+    # recompute activations in the backward pass: less memory, ~1/3 more compute
+    gradient_checkpointing: bool = False
+
+    # checkpoints
+    # checkpoint every this many steps (0: none on a schedule; one is also written on SIGTERM / Ctrl-C)
+    save_freq: int = 0
+    # the checkpoints kept, the newest; older ones are deleted (never the newest, which --resume reads)
+    keep_checkpoints: int = 3
+    resume: bool = False  # continue the run in --output_dir from its newest checkpoint (none: start over)
+
+
+# == The domain of each numeric flag =========================================================================
+# The flags every algorithm file has: flag -> (domain, why). Each file adds its own (ALGORITHM_DOMAINS).
+COMMON_DOMAINS = {
+    "seed": (">= 0", "numpy's generators take no negative seed"),
+    "collective_timeout_minutes": ("> 0", "a time to wait"),
+    "num_eval_prompts": (">= 1", "a count of prompts (left out: all of the split)"),
+    "max_prompt_length": (">= 1", "a count of tokens"),
+    "response_length": (">= 1", "a count of tokens"),
+    "total_episodes": (">= 1", "a count of completions"),
+    "local_micro_batch_size": (">= 1", "a count of prompts"),
+    "gradient_accumulation_steps": (">= 1", "a count of micro-batches"),
+    "num_mini_batches": (">= 1", "a count of mini-batches"),
+    "num_ppo_epochs": (">= 1", "a count of passes"),
+    "local_rollout_forward_batch_size": (">= 1", "a count of sequences"),
+    "learning_rate": ("> 0", "0 would not train, < 0 would climb the loss"),
+    "adam_epsilon": ("> 0", "AdamW divides by the root of the second moment plus it"),
+    "weight_decay": (">= 0", "< 0 would push the weights away from 0"),
+    "max_grad_norm": ("> 0", "the norm the gradients are clipped to (left out: no clipping)"),
+    "async_level": (">= 0", "a count of policy versions"),
+    "temperature": ("> 0", "logprobs divide logits by it"),
+    "vllm_gpu_memory_utilization": ("in (0, 1]", "a share of the GPU"),
+    "missing_eos_penalty": ("finite", "a score"),
+    "eval_freq": (">= 0", "0 evaluates at step 0 and at the end only"),
+    "save_freq": (">= 0", "0 writes no periodic checkpoint"),
+    "keep_checkpoints": (">= 1", "the latest checkpoint is the one a resume needs"),
+    "num_sample_completions": (">= 0", "a count of completions"),
+}
+
+
+def check_domains(flags: dict, domains: dict[str, tuple[str, str]]) -> None:
+    """Each flag's value in its domain (`domains`: flag -> (domain, why); with COMMON_DOMAINS), as the maths
+    of the flag reads it: "> 0", ">= 1", "in [0, 1]", "in (0, 1]" or "finite" (every bound finite too); None
+    (an optional flag left out) is not checked. A value outside is a UsageError naming the flag, its domain
+    and why."""
+    for flag, (domain, why) in (COMMON_DOMAINS | domains).items():
+        value = flags[flag]
+        if value is None:
+            continue
+        if domain == "finite":
+            inside = True
+        elif domain.startswith("in "):
+            low, high = (float(x) for x in domain[4:-1].split(", "))
+            inside = (low <= value if domain[3] == "[" else low < value) and value <= high
+        else:
+            op, bound = domain.split()
+            inside = value > float(bound) if op == ">" else value >= float(bound)
+        if not (inside and np.isfinite(value)):
+            shown = domain if domain != "finite" else "a finite number"
+            raise UsageError(f"--{flag} must be {shown} ({why}), got {value}")
+
+
+# == The data, the model files and their tokenizers ==========================================================
+def check_local(path: str, flag: str) -> None:
+    """A path that cannot be a hub id (org/name) must exist: "/nowhere" or "models/x/y" is a missing folder,
+    and saying so beats the hub client's complaint about repository names."""
+    if path.startswith(("/", ".", "~")) or path.count("/") > 1:
+        if not os.path.exists(os.path.expanduser(path)):
+            raise UsageError(f"{flag} {path}: no such file or folder")
+
+
+def load_split(name: str, split: str, config: str | None = None):
+    """A split of --dataset_name: a hub id, a local dataset folder (its README declares its configs, as on the
+    hub) or one file."""
+    check_local(name, "--dataset_name")
+    if os.path.isfile(name):
+        builders = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".csv": "csv"}
+        if Path(name).suffix not in builders:
+            raise UsageError(f"--dataset_name {name}: a single file must be one of {', '.join(builders)}")
+        if config is not None:
+            raise UsageError(
+                f"--dataset_config {config}: the single file --dataset_name {name} has no configs"
+            )
+        return load_dataset(builders[Path(name).suffix], data_files={split: name}, split=split)
+    try:
+        return load_dataset(name, config, split=split)
+    except (FileNotFoundError, ValueError) as exc:  # no such dataset / config / split: say which flag
+        lines = str(exc).strip().splitlines()
+        # a missing config: the second line lists the configs
+        detail = " ".join(lines[:2]) if lines[0].startswith("Config name is missing") else lines[0]
+        where = f"--dataset_name {name}" + (f" --dataset_config {config}" if config else "")
+        raise UsageError(f"{where} split {split}: {detail}") from exc
+
+
+def check_model(
+    path: str, flag: str, lengths: tuple[int, int], trust_remote_code: bool, reward: bool = False
+):
+    """The model exists, has safetensors weights (pickled ones are never loaded), prompt + response
+    (`lengths`) fit its positions, and a reward model is a sequence classifier (its config says so; a causal
+    LM is not)."""
+    check_local(path, flag)
+    if os.path.isdir(path) and not list(Path(path).glob("*.safetensors")):
+        raise UsageError(f"{flag} {path} has no .safetensors weights (pickled .bin weights are not loaded)")
+    try:
+        config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
+    except (OSError, ValueError) as exc:
+        raise UsageError(f"{flag} {path}: {str(exc).strip().splitlines()[0]}") from exc
+    context = getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None)
+    if context and sum(lengths) > context:
+        raise UsageError(
+            f"--max_prompt_length {lengths[0]} + --response_length {lengths[1]} exceed the {context}-token "
+            f"context of {flag} {path}"
+        )
+    if (
+        reward
+        and config.architectures
+        and not any("ForSequenceClassification" in a for a in config.architectures)
+    ):
+        raise UsageError(not_a_reward_model(path, flag))
+
+
+def not_a_reward_model(path: str, flag: str) -> str:
+    return (
+        f"{flag} {path} is not a reward model: it has no score head, which loading would initialise at random"
+    )
+
+
+def load_tokenizer(path: str, flag: str, trust_remote_code: bool):
+    tokenizer = AutoTokenizer.from_pretrained(path, padding_side="left", trust_remote_code=trust_remote_code)
+    if tokenizer.eos_token_id is None:
+        raise UsageError(f"the tokenizer of {flag} {path} has no EOS token: completions could never end")
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token  # safe: masks come from lengths, not from pad ids
+    return tokenizer
+
+
+def load_tokenizers(args, reward_model: bool) -> tuple:
+    """The policy's tokenizer and the reward model's (None without one: `reward_model`), once every model of
+    the run (--sft_model_path, --reward_model_path, --gold_judge unless `tiny`) is checked (check_model)."""
+    lengths, remote = (args.max_prompt_length, args.response_length), args.trust_remote_code
+    check_model(args.sft_model_path, "--sft_model_path", lengths, remote)
+    if reward_model:
+        check_model(args.reward_model_path, "--reward_model_path", lengths, remote, reward=True)
+    if args.gold_judge != "tiny":
+        check_model(args.gold_judge, "--gold_judge", lengths, remote, reward=True)
+    tokenizer = load_tokenizer(args.sft_model_path, "--sft_model_path", remote)
+    if not reward_model:
+        return tokenizer, None
+    return tokenizer, load_tokenizer(args.reward_model_path, "--reward_model_path", remote)
+
+
+def same_tokenizer(a, b) -> bool:
+    """Whether two tokenizers give the same ids to the same text (a reward model may read the policy's)."""
+    return (
+        a.get_vocab() == b.get_vocab()
+        and a.bos_token_id == b.bos_token_id
+        and a.eos_token_id == b.eos_token_id
+    )
+
+
+def encode_text(tokenizer, text: str) -> list[int]:
+    """Token ids of a text; one that starts with the BOS token (a chat-templated prompt) gets no second."""
+    has_bos = tokenizer.bos_token is not None and text.startswith(tokenizer.bos_token)
+    return tokenizer(text, add_special_tokens=not has_bos).input_ids
+
+
+def load_reward_model(path: str, flag: str, **kwargs):
+    """A one-label AutoModelForSequenceClassification, refused if its score head was not among the weights."""
+    model, info = AutoModelForSequenceClassification.from_pretrained(
+        path, num_labels=1, output_loading_info=True, **kwargs
+    )
+    if any(key == "score.weight" or key.startswith("classifier.") for key in info["missing_keys"]):
+        raise UsageError(not_a_reward_model(path, flag))
+    return model

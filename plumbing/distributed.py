@@ -1,0 +1,190 @@
+"""3. The training processes: accelerate's process group and Accelerator, DeepSpeed's ZeRO stages, and the
+helpers every process calls together (collectives): the frozen models' preparation, the gathers of the
+weights, the statistics averaged over the processes and the checks of what each process computed."""
+
+import datetime
+import os
+import re
+from contextlib import contextmanager
+
+import numpy as np
+import torch
+from accelerate import Accelerator, PartialState
+from accelerate.utils import broadcast_object_list, parse_flag_from_env
+
+
+class Processes:
+    """The training processes of a run, made first: accelerate's process group (see process_state) and its
+    Accelerator; the dtype of the trainer's models (--dtype auto: bfloat16 on GPUs, as autocast over fp32
+    weights for the policy and the reference, and bf16 weights for the reward and gold models) and of the
+    engine's."""
+
+    def __init__(self, args):
+        state = process_state(args.collective_timeout_minutes)
+        self.on_gpu = state.device.type == "cuda"
+        bf16 = args.dtype == "bfloat16" or (args.dtype == "auto" and self.on_gpu)
+        self.dtype = torch.bfloat16 if bf16 else torch.float32
+        self.engine_dtype = {"auto": self.dtype, "float32": torch.float32, "bfloat16": torch.bfloat16}[
+            args.vllm_dtype
+        ]
+        self.accelerator = Accelerator(
+            gradient_accumulation_steps=args.gradient_accumulation_steps,
+            mixed_precision="bf16" if bf16 else "no",
+        )
+        # fp32 matmuls on tensor cores
+        torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
+        # DeepSpeed wants these in its own config
+        if (deepspeed := self.accelerator.state.deepspeed_plugin) is not None:
+            deepspeed.deepspeed_config["train_micro_batch_size_per_gpu"] = args.local_micro_batch_size
+            deepspeed.deepspeed_config["gradient_accumulation_steps"] = args.gradient_accumulation_steps
+            deepspeed.deepspeed_config["gradient_clipping"] = args.max_grad_norm or 0.0  # 0: no clipping
+        self.is_main = self.accelerator.is_main_process
+        self.zero_stage = zero_stage(self.accelerator)
+
+    @property
+    def evaluates(self) -> bool:
+        """Whether this process evaluates: rank 0, and under ZeRO-3 every process, as all take part in the
+        sharded frozen models' forward passes."""
+        return self.is_main or self.zero_stage == 3
+
+    def broadcast(self, value):
+        """Rank 0's `value`, on every process."""
+        return broadcast_object_list([value])[0]
+
+    def prepare_frozen(self, model):
+        return prepare_frozen(model, self.accelerator)
+
+    def whole_models(self):
+        return whole_models(self.accelerator)
+
+    def check_scores(self, scores: torch.Tensor, source: str, step: int) -> None:
+        """Stop on a NaN or infinite reward before it is paired or turned into advantages, naming the step and
+        the `source`: every process sees every score, so all of them stop."""
+        check_scores(self.accelerator.gather(scores), source, step)
+
+    def mean(self, stats: dict, step: int, last_checkpoint: str | None) -> dict:
+        """A step's statistics (tensors) averaged over the processes. A non-finite loss stops the run before
+        any checkpoint has it."""
+        reduced = dict(
+            zip(stats, self.accelerator.reduce(torch.stack(list(stats.values())), "mean").tolist())
+        )
+        if not np.isfinite(reduced["loss"]):
+            last = f"; the last good one is {last_checkpoint} (--resume)" if last_checkpoint else ""
+            raise RuntimeError(
+                f"loss is {reduced['loss']} at step {step}: stopping before it reaches a checkpoint{last}"
+            )
+        return reduced
+
+
+def check_scores(scores: torch.Tensor, source: str, step: int) -> None:
+    """A RuntimeError naming the step, the source and the first bad values when a score is NaN or infinite."""
+    if bad := (~torch.isfinite(scores)).nonzero().flatten().tolist():
+        values = ", ".join(str(scores[i].item()) for i in bad[:4]) + (", ..." if len(bad) > 4 else "")
+        raise RuntimeError(
+            f"{source} gave nan/inf scores at step {step} ({len(bad)} of {len(scores)} completions: {values})"
+        )
+
+
+def process_state(timeout_minutes: float) -> PartialState:
+    """accelerate's process group and device (made before the Accelerator, which needs the dtype, which needs
+    the device), with DeepSpeed's processes counted on CPUs too: accelerate 1.15 picks no backend for them
+    there (it picks gloo only under ACCELERATE_USE_CPU, which turns DeepSpeed off), so each would take itself
+    for the only process of a group DeepSpeed has already set up. A collective waits `timeout_minutes` for the
+    other processes before it fails: ranks 1..N wait in one while rank 0 starts the engine and generates the
+    first batch (NCCL's and DeepSpeed's default, 10 minutes, is shorter than an 8B engine's first start with
+    its compilation)."""
+    timeout = datetime.timedelta(minutes=timeout_minutes)
+    state = PartialState(cpu=parse_flag_from_env("ACCELERATE_USE_CPU"), timeout=timeout)
+    if state.distributed_type == "DEEPSPEED" and state.backend is None and torch.distributed.is_initialized():
+        state.backend = torch.distributed.get_backend()
+        state.num_processes = torch.distributed.get_world_size()
+        state.process_index = torch.distributed.get_rank()
+        state.local_process_index = int(os.environ.get("LOCAL_RANK", 0))
+    if state.num_processes > 1 and state.is_main_process:
+        waits = collective_timeout()
+        print(f"{state.num_processes} training processes; a collective waits {waits} for them at most")
+    return state
+
+
+def collective_timeout() -> datetime.timedelta | None:
+    """How long a collective of the default process group waits, as its backend holds it (None: no group)."""
+    if not torch.distributed.is_initialized():
+        return None
+    group = torch.distributed.distributed_c10d._get_default_group()
+    device = torch.device("cuda") if torch.distributed.get_backend() == "nccl" else torch.device("cpu")
+    return group._get_backend(device).options._timeout
+
+
+def zero_stage(accelerator: Accelerator) -> int:
+    plugin = accelerator.state.deepspeed_plugin
+    return 0 if plugin is None else plugin.zero_stage
+
+
+def prepare_frozen(model, accelerator: Accelerator):
+    """A frozen model (reference, reward model) on the training device. Under ZeRO-3 transformers loads every
+    model sharded across the processes: DeepSpeed's engine, without an optimizer, then gathers a layer at a
+    time for its forward passes (as TRL prepares its reference models), in the dtype of the run's mixed
+    precision. All processes must run those forward passes together."""
+    model = model.to(accelerator.device).eval().requires_grad_(False)
+    if zero_stage(accelerator) != 3:
+        # accelerate's autocast does nothing under DeepSpeed (1.15), whose bf16 runs the policy on bf16
+        # parameters (buffers, such as the rotary frequencies, stay fp32): a frozen model runs on the same, or
+        # the reference's logprobs would not be the policy's at step 0
+        if accelerator.state.deepspeed_plugin is not None and accelerator.mixed_precision == "bf16":
+            for parameter in model.parameters():
+                parameter.data = parameter.data.to(torch.bfloat16)
+        return model
+    import deepspeed
+
+    bf16 = accelerator.mixed_precision == "bf16"
+    config = {
+        "train_micro_batch_size_per_gpu": 1,
+        "zero_optimization": {"stage": 3},
+        "bf16": {"enabled": bf16},
+    }
+    engine = deepspeed.initialize(model=model, config=config)[0]
+    model.deepspeed_engine = engine  # its gathering hooks live as long as the model
+    return model
+
+
+@contextmanager
+def whole_models(accelerator: Accelerator):
+    """A context in which models load whole, not sharded by ZeRO-3 (accelerate tells transformers to shard
+    every model it loads): the gold judge, which only rank 0 runs."""
+    if zero_stage(accelerator) != 3:
+        yield
+        return
+    from transformers.integrations import unset_hf_deepspeed_config
+
+    unset_hf_deepspeed_config()
+    try:
+        yield
+    finally:
+        accelerator.state.deepspeed_plugin.set_deepspeed_weakref()
+
+
+def gathered_tensors(accelerator: Accelerator, module, names):
+    """The tensors of a module's state named in `names`, (name, tensor), where they are. Under ZeRO-3 the
+    parameters are gathered a transformer layer at a time, each valid while the iteration is on its layer:
+    never a whole copy of the model, never through the CPU, and never a parameter not asked for (PPO's value
+    model). Every process must go through the whole iteration, as each gather is collective."""
+    if zero_stage(accelerator) != 3:
+        yield from ((name, tensor) for name, tensor in module.state_dict().items() if name in names)
+        return
+    import deepspeed
+
+    layers = {}
+    for name, parameter in module.named_parameters():
+        if name in names:
+            layer = re.match(r"(.*?\.\d+)\.", name)  # model.layers.3. ...: the 4th layer
+            layers.setdefault(layer.group(1) if layer else name, []).append((name, parameter))
+    for group in layers.values():
+        with deepspeed.zero.GatheredParameters([parameter for _, parameter in group]):
+            yield from group
+    yield from ((name, buffer) for name, buffer in module.named_buffers() if name in names)
+
+
+def full_shapes(module) -> dict[str, torch.Size]:
+    """The shape of every tensor of a module's state, whole (ZeRO-3 keeps each parameter's in `ds_shape`)."""
+    shapes = {name: getattr(p, "ds_shape", p.shape) for name, p in module.named_parameters()}
+    return shapes | {name: buffer.shape for name, buffer in module.named_buffers()}

@@ -1,0 +1,505 @@
+"""4a. The engine: its GPU and cores, the memory it may take, its processes and the signals that stop them.
+
+Engine is made before any model loads (the GPU it gets, checked; the cores it runs on; the stop signals) and
+started by rank 0 once the trainer's models are in memory, taking what the run leaves of the GPU
+(engine_share). vLLM runs in processes of its own, watched by a watchdog (plumbing/watchdog.py) that ends them
+if the trainer dies; the generation thread, the algorithm file's, drives it (run_thread), and every rank
+receives what it generates (next_rollout, arrived_evaluations). How the weights reach it:
+plumbing/weights.py."""
+
+import gc
+import json
+import math
+import os
+import queue
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import traceback
+from contextlib import contextmanager
+from pathlib import Path
+from typing import NamedTuple
+
+import psutil
+import torch
+from accelerate.utils import broadcast_object_list
+
+from plumbing.command_line import REDUCE_OP_WARNING, UsageError
+from plumbing.run_folder import numel
+from plumbing.watchdog import (
+    dead_processes,
+    kill_process_trees,
+    release_orphaned_shared_memory,
+    release_shared_memory,
+    remove_stale_weights_folders,
+    shared_memory_files,
+    start_watchdog,
+    started_processes,
+)
+from plumbing.weights import PolicySnapshots, SnapshotPlace, WeightBucket, bucket_bytes, push_weights
+
+
+class Engine:
+    """The vLLM engine that generates the rollouts and the evaluations (module docstring): rank 0 runs it and
+    its generation thread; every rank receives what they generate."""
+
+    def __init__(self, args, processes):
+        """Before any model loads: the engine's GPU (a placement that cannot be is a UsageError), its cores,
+        and the stop signals, which from now on stop the run cleanly."""
+        self.args, self.processes, accelerator = args, processes, processes.accelerator
+        gpus = visible_gpus() if processes.on_gpu else []
+        share = args.vllm_gpu_memory_utilization
+        self.placement = engine_placement(args.vllm_placement, gpus, accelerator.num_processes, share)
+        self.signals = StopSignals()
+        self.cores = split_cores(accelerator.device, accelerator.num_processes)
+        # The generation thread needs the interpreter lock at every decoding step; training hands it over
+        # every switch interval (5 ms by default) while it runs Python. 0.5 ms: pipeline efficiency 92.5% ->
+        # 96.1% (docs/speed.md).
+        sys.setswitchinterval(0.0005)
+        self.llm = self.bucket = self.watchdog = self.weights_dir = self.thread = self.thread_error = None
+        self.engine_processes, self.shared_memory, self.started, self.stop_signal = [], [], 0.0, 0
+        self.stopping = threading.Event()
+
+    @classmethod
+    def around(cls, llm, bucket: WeightBucket) -> "Engine":
+        """An Engine over an LLM already up, in one process with no signals: how the tests and the benchmarks
+        that share one engine drive it with the generation thread (run_thread, get, push)."""
+        engine = cls.__new__(cls)
+        for name in ("args", "processes", "signals", "cores", "thread", "thread_error"):
+            setattr(engine, name, None)
+        engine.llm, engine.bucket, engine.engine_processes = llm, bucket, []
+        engine.stopping = threading.Event()
+        return engine
+
+    @property
+    def is_main(self) -> bool:
+        return self.processes is None or self.processes.is_main
+
+    def start(self, model, snapshots: PolicySnapshots) -> None:
+        """Rank 0 starts vLLM on its cores, after a watchdog that ends its processes if the trainer dies, once
+        the trainer's `model` is in memory: on GPUs the engine leaves room for what training allocates later
+        there and for the push's bucket (engine_share), and says what it got. The snapshots go to host memory
+        beside it."""
+        if not self.processes.is_main:
+            return
+        args, accelerator, dtype = self.args, self.processes.accelerator, self.processes.engine_dtype
+        trained = sum(numel(p) for p in model.parameters())
+        bf16 = accelerator.mixed_precision == "bf16"
+        trained = trained_memory(trained, self.processes.zero_stage, accelerator.num_processes, bf16)
+        to_come = {part: trained[part] for part in ("gradients", "optimizer state")}  # the weights are loaded
+        sizes = snapshots.sizes(model)
+        snapshot, bucket = sum(sizes.values()) * dtype.itemsize, bucket_bytes(sizes, dtype.itemsize)
+        placement, total = self.placement, 0
+        if placement.devices is not None:
+            gpus = torch.cuda.mem_get_info(0), torch.cuda.mem_get_info(placement.engine_gpu)  # rank 0's, its
+            share = engine_share(placement, *gpus, to_come, bucket=bucket)
+            placement, total = placement._replace(memory_utilization=share), gpus[1][1]
+        host = snapshot_memory(snapshot, args.async_level)
+        given = args.vllm_gpu_memory_utilization is not None
+        print(engine_line(placement, total, snapshot, bucket, host, given, args.vllm_enforce_eager))
+        llm_kwargs = dict(seed=args.seed, dtype=str(dtype).removeprefix("torch."))
+        llm_kwargs |= dict(trust_remote_code=args.trust_remote_code)
+        llm_kwargs["max_model_len"] = args.max_prompt_length + args.response_length
+        # CUDA graphs on GPUs
+        llm_kwargs["enforce_eager"] = placement.devices is None or args.vllm_enforce_eager
+        self.watchdog = self.signals.watchdog = start_watchdog()
+        with on_cores(self.cores):
+            before = {p.pid for p in psutil.Process().children(recursive=True)}
+            if placement.devices is not None:  # the push's CUDA IPC handle is pickled, between our processes
+                os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
+            self.llm = make_engine(args.sft_model_path, placement, **llm_kwargs)
+            self.engine_processes = started_processes(before)
+            ram = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
+            remove_stale_weights_folders(ram)
+            release_orphaned_shared_memory()  # what runs killed with their watchdog left
+            self.weights_dir = tempfile.mkdtemp(prefix=f"policy-weights-{os.getpid()}-", dir=ram)
+            self.signals.weights_dir = self.weights_dir
+            self.watchdog.stdin.write(json.dumps({"folder": self.weights_dir}) + "\n")
+            self.watchdog.stdin.flush()
+        self.shared_memory = shared_memory_files(self.engine_processes)
+        device = torch.device("cuda", placement.engine_gpu) if placement.devices else None
+        self.bucket = WeightBucket(device, self.weights_dir)
+        snapshots.place = SnapshotPlace(pinned=self.processes.on_gpu, folder=self.weights_dir)
+        self.started = time.perf_counter()  # the timeline's origin
+
+    def run_thread(self, target, *args) -> None:
+        """Rank 0 runs the generation thread, `target(*args)`, on the engine's cores (it takes turns with
+        the engine's processes); an exception in it is printed with its traceback and stops the trainer at its
+        next get. The start is over: from here a signal lets the step finish and writes a checkpoint."""
+        if self.is_main:
+
+            def guarded() -> None:
+                try:
+                    target(*args)
+                except SystemExit:  # the trainer stopped it (get)
+                    pass
+                except BaseException as exc:
+                    traceback.print_exc()
+                    self.thread_error = exc
+
+            self.thread = threading.Thread(target=guarded, daemon=True)
+            with on_cores(self.cores):
+                self.thread.start()
+        if self.signals is not None:
+            self.signals.starting = False
+
+    def get(self, q: queue.Queue, until_signal: bool = False):
+        """A blocking get from a queue between the generation thread and the trainer that wakes up to notice
+        the other side failing or stopping, and the engine's processes dying (vLLM's client can then wait
+        forever). `until_signal`: None once a SIGTERM or Ctrl-C came."""
+        while not (until_signal and self.signals.received):
+            if (error := self.thread_error) is not None:
+                raise RuntimeError(
+                    f"the generation thread failed: {type(error).__name__}: {error}"
+                ) from error
+            if self.stopping.is_set():
+                raise SystemExit("stopped")
+            if dead := dead_processes(self.engine_processes):
+                why = "a crash prints its traceback above; none: killed from outside, e.g. by the OOM killer"
+                raise RuntimeError(f"the generation engine's process(es) {dead} died ({why})")
+            try:
+                return q.get(timeout=0.5)
+            except queue.Empty:
+                continue
+        return None
+
+    def push(self, weights) -> None:
+        """Loads a policy version into the running engine, in place (push_weights)."""
+        push_weights(self.llm, self.bucket, weights)
+
+    def next_rollout(self, rollouts: queue.Queue):
+        """The step's rollout, which rank 0 takes from the generation thread, on every rank; None once a stop
+        signal came first (its number: stop_signal)."""
+        rollout = received = None
+        if self.processes.is_main:
+            rollout = self.get(rollouts, until_signal=True)
+            received = self.signals.received[0] if rollout is None else 0
+        rollout, self.stop_signal = broadcast_object_list([rollout, received])
+        return rollout
+
+    def arrived_evaluations(self, evals: queue.Queue, wait: bool = False) -> list:
+        """The evaluations the generation thread has finished (`wait`: at least one, waited for), on the
+        processes that evaluate (Processes.evaluates)."""
+        arrived = []
+        if self.processes.is_main:
+            if wait:
+                arrived.append(self.get(evals))
+            while not evals.empty():
+                arrived.append(evals.get())
+        return self.processes.broadcast(arrived) if self.processes.zero_stage == 3 else arrived
+
+    def __enter__(self) -> "Engine":
+        return self
+
+    def __exit__(self, kind, error, trace) -> None:
+        """The engine stops however the training loop ended: a second Ctrl-C (KeyboardInterrupt) ends the run
+        with status 130, a stop signal that ended the loop with 128 + its number."""
+        self.stop()
+        if kind is KeyboardInterrupt:
+            print("interrupted: stopped the generation thread and the engine")
+            raise SystemExit(130)
+        if kind is None and self.stop_signal:
+            raise SystemExit(128 + self.stop_signal)
+
+    def stop(self) -> None:
+        """Stops the generation thread and the engine; the engine holds nothing to save, so nothing waits on
+        its exit."""
+        self.stopping.set()
+        if self.llm is None:
+            return
+        # the thread finishes the batch it is generating, or the engine's shutdown ends it; a daemon, one
+        # stuck on a dead engine does not keep the process alive
+        if self.thread is not None:
+            self.thread.join(timeout=1)
+        self.llm.llm_engine.engine_core.shutdown(timeout=1)
+        if self.thread is not None:
+            self.thread.join(timeout=5)
+        # The engine's worker outlives its scheduler process, killed after 1 s, by seconds (a garbage
+        # collection), and their message queues stay in shared memory: end both.
+        kill_process_trees(self.engine_processes)
+        release_shared_memory(self.shared_memory)
+        shutil.rmtree(self.weights_dir, ignore_errors=True)
+        self.watchdog.stdin.write("done\n")  # nothing is left for it to clean up: it exits
+        self.watchdog.stdin.close()
+        try:
+            self.watchdog.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            pass
+
+
+# == The engine's GPU, its memory, its cores =================================================================
+class Placement(NamedTuple):
+    devices: str | None  # CUDA_VISIBLE_DEVICES of the engine's processes: its GPU alone; None: CPU
+    shared: bool  # the engine shares training rank 0's GPU
+    engine_gpu: int  # the engine's GPU, as rank 0 numbers its GPUs: the weight push's bucket lives there
+    # None on a GPU: the largest share the run leaves (engine_share), at its start
+    memory_utilization: float | None
+
+
+def visible_gpus() -> list[str]:
+    if not torch.cuda.is_available():
+        return []
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    return visible.split(",") if visible else [str(i) for i in range(torch.cuda.device_count())]
+
+
+def engine_placement(
+    mode: str, visible: list[str], num_processes: int, memory_utilization: float | None
+) -> Placement:
+    """Training process i of a node uses its visible GPU i; the engine runs on rank 0's node. With an (N+1)-th
+    GPU there, for the N training processes of the node (LOCAL_WORLD_SIZE under a launcher; `num_processes` on
+    one node), the engine takes it (the paper's split); with fewer, it shares rank 0's within its memory
+    budget. Rank 0 keeps the weight snapshots in its host memory and copies each pushed one through a bucket
+    on the engine's GPU, which the engine reads by CUDA IPC (docs/gpus.md)."""
+    if not visible:  # vLLM's CPU backend sizes its KV cache by VLLM_CPU_KVCACHE_SPACE instead
+        return Placement(None, False, 0, memory_utilization or DEFAULT_SHARE["separate"])
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", num_processes))  # the processes on rank 0's node
+    separate = len(visible) > local if mode == "auto" else mode == "separate"
+    if separate and len(visible) <= local:
+        nodes = f" on rank 0's node, of {num_processes} in all," if local != num_processes else ""
+        raise UsageError(
+            f"--vllm_placement separate: {local} training process(es){nodes} and the engine need "
+            f"{local + 1} GPUs there, {len(visible)} are visible; use --vllm_placement shared or one "
+            "training process fewer on that node"
+        )
+    if separate:
+        return Placement(visible[local], False, local, memory_utilization)
+    return Placement(visible[0], True, 0, memory_utilization)
+
+
+CUDA_CONTEXT = 2**30  # what a process's CUDA context takes on a GPU, about 1 GiB (with the kernels it loads)
+
+
+def trained_memory(params: int, zero_stage: int, processes: int, bf16: bool) -> dict[str, int]:
+    """Bytes per process of the trained models' weights, gradients and AdamW state. Without DeepSpeed: fp32
+    weights and gradients (bf16 is autocast), two fp32 moments, 4 + 4 + 8 bytes a parameter. DeepSpeed's bf16
+    keeps bf16 weights and gradients and fp32 master weights beside the moments, 2 + 2 + 12 bytes; ZeRO stage
+    1 shards the 12 (or 8) among the processes, stage 2 the gradients too, stage 3 the weights too
+    (Rajbhandari et al. 2020, section 5)."""
+    weights, gradients, state = (2, 2, 12) if zero_stage and bf16 else (4, 4, 8)
+    shard = lambda n, stage: params * n // (processes if zero_stage >= stage else 1)  # noqa: E731
+    return {
+        "weights": shard(weights, 3),
+        "gradients": shard(gradients, 2),
+        "optimizer state": shard(state, 1),
+    }
+
+
+def snapshot_memory(snapshot: int, async_level: int) -> int:
+    """Rank 0's host memory for the weight snapshots of `snapshot` bytes that can be alive at once:
+    async_level + 2 (the versions still owed batches, the one just published, one an evaluation may still
+    hold), each in a pinned block, which torch's pinned allocator rounds up to a power of two (16 GiB for an
+    8B policy's 15 in bf16)."""
+    return (async_level + 2) * 2 ** math.ceil(math.log2(snapshot)) if snapshot else 0
+
+
+# The engine's share of its GPU when --vllm_gpu_memory_utilization is left out: the largest that fits, up to
+# vLLM's default on a GPU of its own, and up to 0.3 of one it shares, whose rest training's activations need
+# (not counted).
+DEFAULT_SHARE = {"separate": 0.9, "shared": 0.3}
+MIN_SHARE = 0.05  # less holds the weights of no model worth generating with, and no KV cache
+
+
+def engine_share(
+    placement: Placement, rank0: tuple, engine: tuple, to_come: dict[str, int], bucket: int
+) -> float:
+    """The engine's share of its GPU: --vllm_gpu_memory_utilization if it fits, or (left out) the largest that
+    fits up to DEFAULT_SHARE. The GPUs once the trainer's models are loaded ((free, total) bytes of rank 0's
+    and of the engine's, the same on a shared GPU) must hold what training allocates later there (`to_come`:
+    name -> bytes), the weight push's bucket (`bucket`: bucket_bytes; the snapshots are in host memory) and
+    the engine: vLLM takes its share of its whole GPU, and refuses to start when less is free; each process
+    opens a CUDA context on each GPU it uses (the engine's own, rank 0's where it writes the bucket). 5 % of
+    each GPU is kept for activations and allocator slack. A GPU that cannot: one line naming what to lower."""
+    gib = lambda n: f"{n / 2**30:.1f} GiB"  # noqa: E731
+    asked = placement.memory_utilization
+    free, total = rank0
+    needed = sum(to_come.values()) + (bucket + 2 * CUDA_CONTEXT if placement.shared else 0)
+    parts = ", ".join(f"{name} {gib(n)}" for name, n in to_come.items())
+    training = f"training will add {gib(needed)} there ({parts}"
+    training += (
+        f", the weight push's bucket {gib(bucket)}, CUDA contexts {gib(2 * CUDA_CONTEXT)})"
+        if placement.shared
+        else ")"
+    )
+    what = f"rank 0's GPU has {gib(free)} free once the models are loaded, and {training}"
+    smaller = "lower the model size, give the engine a GPU of its own, or shard the models (DeepSpeed ZeRO-3)"
+    if placement.shared:
+        largest = int(100 * (free - needed - 0.05 * total) / total) / 100
+    else:
+        if needed + 0.05 * total > free:
+            raise UsageError(f"{what}: {smaller}")
+        free, total = engine
+        # vLLM wants its share free once its own CUDA context is open, beside rank 0's there
+        largest = int(100 * (free - bucket - 2 * CUDA_CONTEXT - 0.05 * total) / total) / 100
+    if asked is None:
+        if largest < MIN_SHARE:
+            beside = f"beside the weight push's bucket of {gib(bucket)}, " if not placement.shared else ""
+            raise UsageError(
+                f"the engine would get {max(largest, 0)} of its GPU, {beside}less than {MIN_SHARE}: {smaller}"
+            )
+        return min(largest, DEFAULT_SHARE["shared" if placement.shared else "separate"])
+    if asked <= largest:
+        return asked
+    if placement.shared:
+        if largest >= MIN_SHARE:
+            raise UsageError(
+                f"--vllm_gpu_memory_utilization {asked}: the engine would take {gib(asked * total)} of the "
+                f"GPU it shares with training; {what}: lower it to at most {largest}, or give the engine a "
+                "GPU of its own"
+            )
+        raise UsageError(f"{what}, beside the engine {gib(asked * total)}: {smaller}")
+    raise UsageError(
+        f"--vllm_gpu_memory_utilization {asked}: the engine's GPU has {gib(free)} free and the engine would "
+        f"take {gib(asked * total)}, beside the weight push's bucket of {gib(bucket)} and the CUDA contexts "
+        f"of rank 0 and the engine {gib(2 * CUDA_CONTEXT)}: lower it to at most {largest} (less KV cache)"
+    )
+
+
+def engine_line(
+    placement: Placement,
+    total: int,
+    snapshot: int,
+    bucket: int,
+    snapshots: int,
+    flag_given: bool,
+    eager: bool,
+) -> str:
+    """What the engine gets, printed as it starts: its device, its share of its GPU and why, the weight push's
+    bucket and the snapshots (`snapshot` bytes each, `snapshots` at most) in host memory, and (on a GPU with
+    CUDA graphs) that its first start compiles, which takes minutes."""
+    gib = lambda n: f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.2f} MiB"  # noqa: E731
+    if placement.devices is None:
+        return f"engine: on the CPU; weight snapshots of {gib(snapshot)} each"
+    where = (
+        f"GPU {placement.engine_gpu}, shared with training rank 0"
+        if placement.shared
+        else f"GPU {placement.engine_gpu} of its own"
+    )
+    why = (
+        "--vllm_gpu_memory_utilization"
+        if flag_given
+        else "the largest share the run leaves (--vllm_gpu_memory_utilization)"
+    )
+    beside = f"beside the weight push's bucket of {gib(bucket)} (the snapshots of {gib(snapshot)}: "
+    beside += f"{gib(snapshots)} at most, in pinned host memory)"
+    line = f"engine: {where}, {placement.memory_utilization} of its {gib(total)} ({why}), {beside}"
+    if not eager:  # vLLM compiles (torch.compile) and captures CUDA graphs at its first start on a GPU
+        line += "; its first start compiles the model and captures CUDA graphs: minutes "
+        line += "(--vllm_enforce_eager skips both, for slower generation)"
+    return line
+
+
+class EngineRoom(NamedTuple):
+    """What the engine must leave room for on the GPUs (engine_share), and the weight push's bytes it
+    prints."""
+
+    to_come: dict[str, int]  # what training allocates on rank 0's GPU once the engine is up: name -> bytes
+    snapshot: int  # one weight snapshot's bytes, in host memory
+    bucket: int  # the push's bucket on the engine's GPU (bucket_bytes)
+
+
+@contextmanager
+def on_cores(cores: list[int] | None):
+    """Run the block on these cores (None: where it runs now). On Linux affinity belongs to a thread and is
+    inherited by the threads and processes it starts; the calling thread gets its own back after."""
+    before = os.sched_getaffinity(0)
+    if cores is not None:
+        os.sched_setaffinity(0, cores)
+    try:
+        yield
+    finally:
+        os.sched_setaffinity(0, before)
+
+
+def split_cores(device: torch.device, num_processes: int) -> list[int] | None:
+    """On a CPU with a core to spare, split the cores as the paper splits GPUs: the first is the engine's (its
+    worker, its scheduler and the generation thread, which take turns), the others train, and so do the
+    threads started later. Returns the engine's cores (None: no split)."""
+    cores = sorted(os.sched_getaffinity(0))
+    if device.type == "cpu" and len(cores) > num_processes:
+        os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", str(cores[0]))
+        os.sched_setaffinity(0, cores[1:])
+        torch.set_num_threads(len(cores) - 1)
+        return cores[:1]
+    return None
+
+
+# == The engine's processes and the signals that stop them ===================================================
+def make_engine(model: str, placement: Placement, **llm_kwargs):
+    """The engine runs in its own processes (vLLM's default): generation does not share the trainer's
+    interpreter lock, and models vLLM serves through its Transformers backend (GPTNeoX on CPUs) do not patch
+    the trainer's classes. The children inherit the environment set here."""
+    from vllm import LLM
+
+    env = dict(os.environ)
+    # an `accelerate launch`'s torch.distributed variables: the engine would join our group
+    for key in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        os.environ.pop(key, None)
+    # Spawned, never forked: a fork of a process that has touched CUDA (even torch.cuda.is_available() without
+    # NVML) dies with "CUDA error: initialization error". vLLM forks unless it sees CUDA initialised; on CPUs
+    # it spawns.
+    os.environ["VLLM_WORKER_MULTIPROC_METHOD"] = "spawn"
+    # the worker imports WeightReceiver from plumbing.weights
+    os.environ["PYTHONPATH"] = os.pathsep.join(
+        [str(Path(__file__).resolve().parents[1]), *filter(None, [env.get("PYTHONPATH")])]
+    )
+    if placement.devices is not None:
+        os.environ["CUDA_VISIBLE_DEVICES"] = placement.devices
+    else:
+        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB; vLLM's default reserves far more
+        if not os.environ.get("ASYNC_RLHF_VERBOSE"):
+            # vLLM's CPU worker binds its memory to its core's NUMA node, as the core split asks, and says so
+            # in a C++ warning, which no Python filter reaches: the engine's processes log C++ errors only
+            os.environ["TORCH_CPP_LOG_LEVEL"] = "ERROR"
+    # vLLM warns at every push that rotary caches are not pushed
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
+    if not os.environ.get("ASYNC_RLHF_VERBOSE"):  # quiet_known_noise's filters: its processes never run it
+        ours = dict(
+            PYTHONWARNINGS=f"ignore:{REDUCE_OP_WARNING}:FutureWarning", TORCH_LOGS="-torch._library.triton"
+        )
+        for name, value in ours.items():
+            os.environ[name] = ",".join(filter(None, [env.get(name), value]))
+    try:
+        return LLM(
+            model=model,
+            gpu_memory_utilization=placement.memory_utilization,
+            use_tqdm_on_load=False,
+            logprobs_mode="processed_logprobs",  # logprobs after temperature, like the trainer's
+            load_format="safetensors",
+            worker_extension_cls="plumbing.weights.WeightReceiver",
+            **llm_kwargs,
+        )
+    finally:
+        os.environ.clear()
+        os.environ.update(env)
+
+
+class StopSignals:
+    """SIGTERM (pre-emption) or Ctrl-C. Once the engine runs: finish the step, write a checkpoint, exit; a
+    second signal exits at once. While starting: kill the processes started so far and exit at once, as vLLM
+    cannot be left to stop: its start-up handshake swallows KeyboardInterrupt, and its wait for the engine's
+    ready message does not notice the engine dying (as a Ctrl-C to the process group makes it), so it waits
+    out a 10-minute timeout."""
+
+    def __init__(self):
+        self.received, self.starting, self.weights_dir, self.watchdog = [], True, None, None
+        for signum in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(signum, self.handle)
+
+    def handle(self, signum, frame):
+        name = signal.Signals(signum).name
+        if self.starting:
+            os.write(2, f"\n{name} while starting: stopping the engine and exiting\n".encode())
+            watchdog = self.watchdog.pid if self.watchdog else None  # it goes on to clean up after the exit
+            kill_process_trees([process for process in started_processes(set()) if process.pid != watchdog])
+            if self.weights_dir is not None:
+                shutil.rmtree(self.weights_dir, ignore_errors=True)
+            gc.freeze()  # the interpreter's exit would garbage-collect the whole heap (seconds)
+            raise SystemExit(128 + signum)
+        os.write(2, f"\n{name}: writing a checkpoint at the end of this step, then exiting\n".encode())
+        self.received.append(signum)
+        signal.signal(signum, signal.default_int_handler if signum == signal.SIGINT else signal.SIG_DFL)
