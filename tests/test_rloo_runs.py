@@ -61,7 +61,7 @@ def test_default_run_learns(tmp_path):
 @pytest.mark.slow
 @pytest.mark.xdist_group("rloo_small")
 def test_a_fork_with_its_own_loss_runs(tmp_path):
-    """What a researcher does: copy rloo_async.py to a new name next to plumbing.py and change its loss (here plain
+    """What a researcher does: copy rloo_async.py to a new name next to plumbing/ and change its loss (here plain
     REINFORCE with the leave-one-out baseline, no ratio clipping). The fork runs to the end, and its loss is its own."""
     import uuid
 
