@@ -393,15 +393,6 @@ def engine_line(
     return line
 
 
-class EngineRoom(NamedTuple):
-    """What the engine must leave room for on the GPUs (engine_share), and the weight push's bytes it
-    prints."""
-
-    to_come: dict[str, int]  # what training allocates on rank 0's GPU once the engine is up: name -> bytes
-    snapshot: int  # one weight snapshot's bytes, in host memory
-    bucket: int  # the push's bucket on the engine's GPU (bucket_bytes)
-
-
 @contextmanager
 def on_cores(cores: list[int] | None):
     """Run the block on these cores (None: where it runs now). On Linux affinity belongs to a thread and is
