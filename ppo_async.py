@@ -40,9 +40,7 @@ GSM8K_ANSWER = re.compile(r"#### (\-?[0-9\.\,]+)")
 
 # == Arguments ===============================================================================================
 @dataclass
-class Args(
-    plumbing.RunArgs
-):  # and the plumbing's flags: the run, the engine, the checkpoints (docs/flags.md)
+class Args(plumbing.RunArgs):  # and the plumbing's flags: run, engine, checkpoints (docs/flags.md)
     # data and models (local folders or files, or hub ids)
     # prompt format, reward and evaluation (docs/tasks.md)
     task: Literal["tiny", "tldr", "no_robots", "gsm8k"] = "tiny"
@@ -733,15 +731,19 @@ def response_values(value_model, batch: Batch) -> torch.Tensor:
 
 class PolicyAndValue(torch.nn.Module):
     """Policy and value model in one module: one prepared model and one optimizer train both (TRL's
-    PolicyAndValueWrapper). A forward returns per-token logprobs, entropies and values."""
+    PolicyAndValueWrapper). A forward returns per-token logprobs, entropies (None if `entropy` is off) and
+    values."""
 
     def __init__(self, policy, value_model):
         super().__init__()
         self.policy, self.value_model = policy, value_model
 
-    def forward(self, batch: Batch, temperature: float):
-        logprobs, entropy = response_logprobs(self.policy, batch, temperature, entropy=True)
-        return logprobs, entropy, response_values(self.value_model, batch)
+    def forward(self, batch: Batch, temperature: float, entropy: bool = True):
+        values = response_values(self.value_model, batch)
+        if not entropy:  # the old logprobs' pass logs none: it spares two logits-sized temporaries
+            return response_logprobs(self.policy, batch, temperature), None, values
+        logprobs, entropies = response_logprobs(self.policy, batch, temperature, entropy=True)
+        return logprobs, entropies, values
 
 
 def per_token_rewards(scores, logprobs, ref_logprobs, response_mask, kl_coef: float):
@@ -850,7 +852,7 @@ class Targets(NamedTuple):
 def old_logprobs_and_values(model, batch: Batch, temperature: float, batch_size: int):
     """theta_step's per-token logprobs and values (PolicyAndValue), in no-grad passes of `batch_size`."""
     parts = [batch.rows(slice(i, i + batch_size)) for i in range(0, len(batch.query_ids), batch_size)]
-    outputs = [model(part, temperature) for part in parts]  # logprobs, entropies, values
+    outputs = [model(part, temperature, entropy=False) for part in parts]  # logprobs, None, values
     logprobs, values = [logprobs for logprobs, _, _ in outputs], [values for _, _, values in outputs]
     return torch.cat(logprobs), torch.cat(values)
 

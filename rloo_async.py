@@ -39,9 +39,7 @@ GSM8K_ANSWER = re.compile(r"#### (\-?[0-9\.\,]+)")
 
 # == Arguments ===============================================================================================
 @dataclass
-class Args(
-    plumbing.RunArgs
-):  # and the plumbing's flags: the run, the engine, the checkpoints (docs/flags.md)
+class Args(plumbing.RunArgs):  # and the plumbing's flags: run, engine, checkpoints (docs/flags.md)
     # data and models (local folders or files, or hub ids)
     # prompt format, reward and evaluation (docs/tasks.md)
     task: Literal["tiny", "tldr", "no_robots", "gsm8k"] = "tiny"

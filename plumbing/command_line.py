@@ -12,11 +12,11 @@ import io
 import logging
 import os
 import sys
+import textwrap
 import tokenize
 import traceback
 import warnings
 from pathlib import Path
-from dataclasses import dataclass
 from typing import Annotated, Literal
 
 import numpy as np
@@ -92,8 +92,6 @@ def flag_sections(cls: type) -> list[tuple[str, list[tuple[str, str]]]]:
     """The sections of the dataclass `cls`'s body, and of its dataclass bases' before them, as [(title,
     [(field, help)])]: a section starts at the first field or after a blank line, with a comment line naming
     it; a field's help is its trailing comment, or the comment lines right above it."""
-    import textwrap
-
     sections = []
     for klass in [
         k for k in reversed(cls.__mro__) if dataclasses.is_dataclass(k) and "__annotations__" in vars(k)
@@ -160,7 +158,7 @@ def parse_args(cls: type, doc: str, args: list[str] | None = None):
 NONE_FLAGS = "A flag shown {None}|INT (STR, FLOAT) is optional: left out, it is None, as its text explains."
 
 
-@dataclass
+@dataclasses.dataclass
 class RunArgs:
     """The plumbing's flags, which each algorithm file's Args extends with the method's: the run, the engine,
     the checkpoints (docs/flags.md)."""

@@ -252,7 +252,10 @@ def test_policy_and_value_gives_the_policy_s_tempered_logprobs_its_entropies_and
         logprobs, entropy, values = model(batch, 0.7)
         expected, expected_entropy = ppo.response_logprobs(policy, batch, 0.7, entropy=True)
         at_one = ppo.response_logprobs(policy, batch, 1.0)
+        without_entropy = model(batch, 0.7, entropy=False)  # the old logprobs' pass
     assert torch.equal(logprobs, expected) and torch.equal(entropy, expected_entropy)
+    assert torch.equal(without_entropy[0], expected) and without_entropy[1] is None
+    assert torch.equal(without_entropy[2], values)
     assert torch.equal(values, ppo.response_values(value_model, batch))
     assert (logprobs - at_one).abs().max() > 0.05  # the temperature matters here
     assert logprobs[0, 3] == 0 and entropy[0, 3] == 0 and values[0, 3] == 0  # after the first row's EOS
