@@ -24,7 +24,7 @@ blocks among the K samples of one prompt. Sequences in flight = min(KV cache // 
 the step's completions); waves = ceil(completions / in flight), each wave's sequences starting and ending together.
 
 Generation G = prefill + decode. Prefill: each completion's prompt (conservative where the prefix cache shares it
-among a prompt's K samples) through the policy, forward FLOPs (plumbing.run_folder.forward_flops: 2 per parameter and
+among a prompt's K samples) through the policy, forward FLOPs (plumbing.forward_flops: 2 per parameter and
 token, no attention term) at the peak x MFU. Decode: each wave takes response_length steps; a step reads the weights
 once and each in-flight sequence's KV so far, whose mean over the wave is max_prompt_length + response_length / 2
 tokens, at the memory bandwidth, or computes the wave's tokens' forward FLOPs at the peak x MFU, whichever takes longer
@@ -153,7 +153,7 @@ def engine_share(run: memory.Run, plan: dict, gpu_bytes: int) -> tuple[float, st
     bucket = plumbing.weights.bucket_bytes(run.policy.sizes, run.engine_bytes)
     try:
         share = plumbing.engine.engine_share(placement, rank0_gpu, engine_gpu, to_come, bucket=bucket)
-    except plumbing.command_line.UsageError as error:
+    except plumbing.UsageError as error:
         raise SystemExit(f"{run.script}: the run would not start: {error}") from None
     return share, "left out: the largest the run leaves, plumbing.engine.engine_share"
 
@@ -181,12 +181,12 @@ def predict(run: memory.Run, sizes: NamedTuple, share: float, hardware: Hardware
 
     def decode_step(sequences: int) -> DecodeStep:
         read = weights + int(sequences * kv_token * mean_context)
-        compute = plumbing.run_folder.forward_flops(policy.module, sequences, 1) / flop_rate
+        compute = plumbing.forward_flops(policy.module, sequences, 1) / flop_rate
         return DecodeStep(read=read, memory=read / hardware.bandwidth, compute=compute)
 
     full, last = decode_step(in_flight), decode_step(completions - (waves - 1) * in_flight)
     decode = R * ((waves - 1) * full.seconds + last.seconds)
-    prefill_flops = plumbing.run_folder.forward_flops(policy.module, completions, P, 1)
+    prefill_flops = plumbing.forward_flops(policy.module, completions, P, 1)
     flops = phase_flops(run, sizes)
     return dict(
         kv_cache=kv_cache,
@@ -210,7 +210,7 @@ def make_plan(command: list[str], hardware: Hardware, gpus: int | None) -> Plan:
     run = memory.read_command(command)
     try:
         sizes = run.module.compute_sizes(run.args, run.processes)
-    except plumbing.command_line.UsageError as error:
+    except plumbing.UsageError as error:
         raise SystemExit(f"{run.script}: {error}") from None
     memory_plan = memory.memory_plan(run, hardware.gpu_bytes, gpus)
     share, source = engine_share(run, memory_plan, hardware.gpu_bytes)

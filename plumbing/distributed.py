@@ -24,9 +24,8 @@ class Processes:
         self.on_gpu = state.device.type == "cuda"
         bf16 = args.dtype == "bfloat16" or (args.dtype == "auto" and self.on_gpu)
         self.dtype = torch.bfloat16 if bf16 else torch.float32
-        self.engine_dtype = {"auto": self.dtype, "float32": torch.float32, "bfloat16": torch.bfloat16}[
-            args.vllm_dtype
-        ]
+        dtypes = {"auto": self.dtype, "float32": torch.float32, "bfloat16": torch.bfloat16}
+        self.engine_dtype = dtypes[args.vllm_dtype]
         self.accelerator = Accelerator(
             gradient_accumulation_steps=args.gradient_accumulation_steps,
             mixed_precision="bf16" if bf16 else "no",
@@ -65,9 +64,8 @@ class Processes:
     def mean(self, stats: dict, step: int, last_checkpoint: str | None) -> dict:
         """A step's statistics (tensors) averaged over the processes. A non-finite loss stops the run before
         any checkpoint has it."""
-        reduced = dict(
-            zip(stats, self.accelerator.reduce(torch.stack(list(stats.values())), "mean").tolist())
-        )
+        means = self.accelerator.reduce(torch.stack(list(stats.values())), "mean").tolist()
+        reduced = dict(zip(stats, means))
         if not np.isfinite(reduced["loss"]):
             last = f"; the last good one is {last_checkpoint} (--resume)" if last_checkpoint else ""
             raise RuntimeError(

@@ -66,8 +66,8 @@ class Engine:
 
     @classmethod
     def around(cls, llm, bucket: WeightBucket) -> "Engine":
-        """An Engine over an LLM already up, in one process with no signals: how the tests and the benchmarks
-        that share one engine drive it with the generation thread (run_thread, get, push)."""
+        """An Engine over an LLM already up, in one process with no signals: how the tests that share one
+        engine drive it with the generation thread (run_thread, get, push)."""
         engine = cls.__new__(cls)
         for name in ("args", "processes", "signals", "cores", "thread", "thread_error"):
             setattr(engine, name, None)
@@ -320,12 +320,9 @@ def engine_share(
     needed = sum(to_come.values()) + (bucket + 2 * CUDA_CONTEXT if placement.shared else 0)
     parts = ", ".join(f"{name} {gib(n)}" for name, n in to_come.items())
     training = f"training will add {gib(needed)} there ({parts}"
-    training += (
-        f", the weight push's bucket {gib(bucket)}, CUDA contexts {gib(2 * CUDA_CONTEXT)})"
-        if placement.shared
-        else ")"
-    )
-    what = f"rank 0's GPU has {gib(free)} free once the models are loaded, and {training}"
+    if placement.shared:
+        training += f", the weight push's bucket {gib(bucket)}, CUDA contexts {gib(2 * CUDA_CONTEXT)}"
+    what = f"rank 0's GPU has {gib(free)} free once the models are loaded, and {training})"
     smaller = "lower the model size, give the engine a GPU of its own, or shard the models (DeepSpeed ZeRO-3)"
     if placement.shared:
         largest = int(100 * (free - needed - 0.05 * total) / total) / 100

@@ -428,8 +428,5 @@ def forward_flops(model, sequences: int, length: int, logit_positions: int | Non
     head_params = 0 if head is None else numel(head.weight)
     tied = head is not None and head.weight is embedding
     body = sum(numel(p) for p in model.parameters()) - numel(embedding) - (0 if tied else head_params)
-    return (
-        2
-        * sequences
-        * (body * length + head_params * (length if logit_positions is None else logit_positions))
-    )
+    head_tokens = length if logit_positions is None else logit_positions
+    return 2 * sequences * (body * length + head_params * head_tokens)

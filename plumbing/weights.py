@@ -107,9 +107,7 @@ def checkpoint_names(model) -> dict[str, str]:
     state = remove_tied_weights_from_state_dict(shadow.state_dict(), shadow)
     for key in model._keys_to_ignore_on_save or []:
         state.pop(key, None)
-    tags = {
-        name: torch.empty(0) for name in state
-    }  # one distinct object per tensor: which one gets which name
+    tags = {name: torch.empty(0) for name in state}  # one distinct object per tensor: which gets which name
     owner = {id(tag): name for name, tag in tags.items()}
     names = {owner.get(id(tag)): saved for saved, tag in revert_weight_conversion(model, dict(tags)).items()}
     if None in names or len(names) != len(tags):
@@ -121,6 +119,7 @@ def checkpoint_names(model) -> dict[str, str]:
 
 
 def views(flat: torch.Tensor, layout: list[tuple[str, list[int], int]]) -> list[tuple[str, torch.Tensor]]:
+    """(name, view into `flat`) of each tensor of `layout`: (name, shape, offset)."""
     return [(name, flat[offset : offset + math.prod(shape)].view(shape)) for name, shape, offset in layout]
 
 
@@ -307,10 +306,6 @@ def shared_handle(flat: torch.Tensor) -> tuple:
     return ("cpu", flat.shared_path, str(flat.dtype).removeprefix("torch."), flat.numel())
 
 
-def shared_views(flat: torch.Tensor, layout: list) -> dict[str, torch.Tensor]:
-    return {name: flat[offset : offset + math.prod(shape)].view(shape) for name, shape, offset in layout}
-
-
 def open_shared(handle: tuple) -> torch.Tensor:
     """The buffer a shared_handle names, in the engine's worker: the same memory, not a copy."""
     if handle[0] == "cuda":
@@ -327,18 +322,14 @@ def check_loaded(version: int, chunks: list[dict], cache_reset: bool | None) -> 
     """Stop the run when the engine does not hold what it was sent (`chunks`: WeightReceiver.holds after each
     load of the push, in order), or kept its prefix cache, KV computed with the old weights: it would go on
     generating with a stale policy, silently."""
-    loaded = {
-        "version": chunks[-1]["version"] if chunks else None,
-        "compared": sum(chunk["compared"] for chunk in chunks),
-        "differ": [name for chunk in chunks for name in chunk["differ"]],
-    }
-    if loaded["differ"]:
-        differ = loaded["differ"]
-        what = f"{len(differ)} of {loaded['compared']} tensors compared differ, e.g. {differ[:2]}"
-    elif not loaded["compared"]:
+    compared = sum(chunk["compared"] for chunk in chunks)
+    differ = [name for chunk in chunks for name in chunk["differ"]]
+    if differ:
+        what = f"{len(differ)} of {compared} tensors compared differ, e.g. {differ[:2]}"
+    elif not compared:
         what = "no tensor could be compared"
-    elif loaded["version"] != version:
-        what = f"it loaded version {loaded['version']}"
+    elif (loaded := chunks[-1]["version"]) != version:
+        what = f"it loaded version {loaded}"
     elif cache_reset is False:
         what = "its prefix cache was not reset"
     else:
@@ -369,7 +360,7 @@ class WeightReceiver:
         try:
             for logger in quiet:
                 logger.setLevel(logging.ERROR)
-            self.reload_weights(weights_iterator=iter(shared_views(flat, layout).items()))
+            self.reload_weights(weights_iterator=iter(views(flat, layout)))
         finally:
             for logger, level in zip(quiet, levels):
                 logger.setLevel(level)
@@ -401,37 +392,28 @@ class WeightReceiver:
         from vllm.model_executor.layers.vocab_parallel_embedding import VocabParallelEmbedding
 
         model, compared, differ = self.model_runner.model, 0, []
-        sent = shared_views(open_shared(handle), layout)
+        sent = dict(views(open_shared(handle), layout))
         # GPT-2's Conv1D weights are sent (in, out) and loaded transposed: a square one (attn.c_proj) would
         # differ. vLLM versions that transpose inside their loader, with no method of their own for it: not
         # compared
         if (transpose := getattr(getattr(model, "transformer", None), "_transpose_conv1d", None)) is not None:
             sent = dict(transpose(sent.items()))
         elif type(model).__name__.startswith("GPT2"):
-            sent = {
-                n: t
-                for n, t in sent.items()
-                if not n.endswith(("c_attn.weight", "c_proj.weight", "c_fc.weight"))
-            }
-        if (
-            mapper := getattr(model, "hf_to_vllm_mapper", None)
-        ) is not None:  # models whose names vLLM changes
+            conv1d = ("c_attn.weight", "c_proj.weight", "c_fc.weight")
+            sent = {name: tensor for name, tensor in sent.items() if not name.endswith(conv1d)}
+        # models whose names vLLM changes: the names several tensors map to (q, k, v) are fused, not compared
+        if (mapper := getattr(model, "hf_to_vllm_mapper", None)) is not None:
             rename = getattr(mapper, "map_name", None) or mapper._map_name
             renamed = [(rename(name), tensor) for name, tensor in sent.items()]
-            fused = {
-                name for name, count in Counter(name for name, _ in renamed).items() if count > 1
-            }  # q, k, v
-            sent = {name: tensor for name, tensor in renamed if name not in fused}
-        padded = {
-            f"{name}.weight" for name, m in model.named_modules() if isinstance(m, VocabParallelEmbedding)
-        }
+            counts = Counter(name for name, _ in renamed)
+            sent = {name: tensor for name, tensor in renamed if counts[name] == 1}
+        embeddings = [name for name, m in model.named_modules() if isinstance(m, VocabParallelEmbedding)]
+        padded = {f"{name}.weight" for name in embeddings}
         for name, parameter in model.named_parameters():
             if (tensor := sent.get(name)) is None:
                 continue
-            rows = (
-                name in padded and parameter.shape[1:] == tensor.shape[1:] and len(parameter) >= len(tensor)
-            )
-            if not (parameter.shape == tensor.shape or rows):
+            same_rows = parameter.shape[1:] == tensor.shape[1:] and len(parameter) >= len(tensor)
+            if not (parameter.shape == tensor.shape or (name in padded and same_rows)):
                 continue
             compared += 1
             if not torch.equal(parameter.data[: len(tensor)], tensor):
@@ -444,9 +426,8 @@ class WeightReceiver:
         tensors into lists)."""
         from safetensors.torch import save
 
-        return save(
-            {name: p.detach().cpu().contiguous() for name, p in self.model_runner.model.named_parameters()}
-        )
+        parameters = self.model_runner.model.named_parameters()
+        return save({name: p.detach().cpu().contiguous() for name, p in parameters})
 
     def cuda_memory_allocated(self) -> int:
         return torch.cuda.memory_allocated()

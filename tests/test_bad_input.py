@@ -11,6 +11,15 @@ import pytest
 from conftest import ROOT, TINY, save_random_policy, small_config
 
 import plumbing
+from plumbing.command_line import (
+    COMMON_DOMAINS,
+    UsageError,
+    check_domains,
+    check_model,
+    load_reward_model,
+    load_split,
+    load_tokenizer,
+)
 
 SCRIPTS = ["online_dpo_async.py", "rloo_async.py", "ppo_async.py"]
 
@@ -81,10 +90,9 @@ def test_every_numeric_flag_has_a_domain_and_both_sides_of_each_bound_are_checke
     """A flag added without a domain fails here; every domain is exercised just inside and just outside its bounds.
     check_domains gets the file's own domains, as the file passes them, and adds COMMON_DOMAINS itself."""
     own = script.ALGORITHM_DOMAINS
-    domains = plumbing.command_line.COMMON_DOMAINS | own
+    domains = COMMON_DOMAINS | own
     numbers = numeric_flags(script)
     assert sorted(numbers) == sorted(domains), "give each numeric flag a domain in COMMON_DOMAINS or ALGORITHM_DOMAINS"
-    check_domains, usage_error = plumbing.command_line.check_domains, plumbing.command_line.UsageError
     defaults = vars(script.Args())
     check_domains(defaults, own)  # the defaults are in their domains
     for flag, (domain, why) in domains.items():
@@ -92,7 +100,7 @@ def test_every_numeric_flag_has_a_domain_and_both_sides_of_each_bound_are_checke
         for value in inside:
             check_domains({**defaults, flag: value}, own)
         for value in outside:
-            with pytest.raises(usage_error, match=rf"^--{flag} must be .* \({re.escape(why)}\), got "):
+            with pytest.raises(UsageError, match=rf"^--{flag} must be .* \({re.escape(why)}\), got "):
                 check_domains({**defaults, flag: value}, own)
     check_domains({**defaults, "num_eval_prompts": None}, own)  # an optional flag left out
 
@@ -111,27 +119,25 @@ def test_an_unknown_choice_is_refused_by_the_parser(script, flag, capsys):
 
 def test_a_response_beyond_the_models_context_is_refused(tokenizer, tmp_path):
     policy = save_random_policy(tokenizer, tmp_path / "policy")  # 128 positions
-    plumbing.command_line.check_model(str(policy), "--sft_model_path", (12, 116), False)
+    check_model(str(policy), "--sft_model_path", (12, 116), False)
     with pytest.raises(
-        plumbing.command_line.UsageError,
+        UsageError,
         match=r"--max_prompt_length 12 \+ --response_length 117 exceed the 128-token context of --sft_model_path",
     ):
-        plumbing.command_line.check_model(str(policy), "--sft_model_path", (12, 117), False)
+        check_model(str(policy), "--sft_model_path", (12, 117), False)
 
 
 def test_missing_models_and_pickled_weights_are_refused(script, tokenizer, tmp_path):
     import torch
     from transformers import AutoModelForCausalLM
 
-    with pytest.raises(
-        plumbing.command_line.UsageError, match=f"^--reward_model_path {tmp_path}/nowhere: no such file or folder$"
-    ):
-        plumbing.command_line.check_model(str(tmp_path / "nowhere"), "--reward_model_path", (12, 12), False)
+    with pytest.raises(UsageError, match=f"^--reward_model_path {tmp_path}/nowhere: no such file or folder$"):
+        check_model(str(tmp_path / "nowhere"), "--reward_model_path", (12, 12), False)
     model = AutoModelForCausalLM.from_config(small_config(tokenizer))
     model.config.save_pretrained(tmp_path / "bin")
     torch.save(model.state_dict(), tmp_path / "bin" / "pytorch_model.bin")  # the pickled format
-    with pytest.raises(plumbing.command_line.UsageError, match="--sft_model_path .*bin has no .safetensors weights"):
-        plumbing.command_line.check_model(str(tmp_path / "bin"), "--sft_model_path", (12, 12), False)
+    with pytest.raises(UsageError, match="--sft_model_path .*bin has no .safetensors weights"):
+        check_model(str(tmp_path / "bin"), "--sft_model_path", (12, 12), False)
     assert script.Args().trust_remote_code is False
 
 
@@ -139,24 +145,21 @@ def test_a_tokenizer_without_eos_is_refused_and_one_without_pad_pads_with_eos(to
     tokenizer.save_pretrained(tmp_path / "tok")
     config = json.loads((tmp_path / "tok" / "tokenizer_config.json").read_text())
     json.dump({**config, "pad_token": None}, open(tmp_path / "tok" / "tokenizer_config.json", "w"))
-    no_pad = plumbing.command_line.load_tokenizer(str(tmp_path / "tok"), "--sft_model_path", False)
+    no_pad = load_tokenizer(str(tmp_path / "tok"), "--sft_model_path", False)
     assert no_pad.pad_token_id == no_pad.eos_token_id == tokenizer.eos_token_id
     json.dump({**config, "pad_token": None, "eos_token": None}, open(tmp_path / "tok" / "tokenizer_config.json", "w"))
-    with pytest.raises(
-        plumbing.command_line.UsageError, match="the tokenizer of --sft_model_path .*tok has no EOS token"
-    ):
-        plumbing.command_line.load_tokenizer(str(tmp_path / "tok"), "--sft_model_path", False)
+    with pytest.raises(UsageError, match="the tokenizer of --sft_model_path .*tok has no EOS token"):
+        load_tokenizer(str(tmp_path / "tok"), "--sft_model_path", False)
 
 
 def test_datasets_of_an_unknown_kind_or_split_name_the_flag(tmp_path):
     """plumbing's load_split, which the three files call."""
-    load_split, usage_error = plumbing.command_line.load_split, plumbing.command_line.UsageError
     (tmp_path / "prompts.txt").write_text("sort: a ->\n")
-    with pytest.raises(usage_error, match="--dataset_name .*prompts.txt: a single file must be one of"):
+    with pytest.raises(UsageError, match="--dataset_name .*prompts.txt: a single file must be one of"):
         load_split(str(tmp_path / "prompts.txt"), "train")
-    with pytest.raises(usage_error, match="--dataset_name .* split validation"):
+    with pytest.raises(UsageError, match="--dataset_name .* split validation"):
         load_split(str(TINY / "data"), "validation")
-    with pytest.raises(usage_error, match=f"^--dataset_name {tmp_path}/nowhere: no such file or folder$"):
+    with pytest.raises(UsageError, match=f"^--dataset_name {tmp_path}/nowhere: no such file or folder$"):
         load_split(str(tmp_path / "nowhere"), "train")
 
 
@@ -168,26 +171,22 @@ def test_an_output_dir_holding_a_run_needs_resume_with_the_same_flags(script, tm
     (tmp_path / "metrics.jsonl").write_text("")
     assert resume(str(tmp_path), flags, False, world_size=1) is None  # a run stopped while starting: not a run
     (tmp_path / "metrics.jsonl").write_text('{"step": 0, "episode": 0, "eval/win_rate": 0.5}\n')
-    with pytest.raises(
-        plumbing.command_line.UsageError, match=f"--output_dir {tmp_path} holds another run: pass --resume"
-    ):
+    with pytest.raises(UsageError, match=f"--output_dir {tmp_path} holds another run: pass --resume"):
         resume(str(tmp_path), flags, False, world_size=1)
     resumed = {**flags, "resume": True}
     assert resume(str(tmp_path), resumed, True, world_size=1) is None  # no checkpoint yet: starts over
     for name in ("step_000004", "step_000012", "step_000008.tmp"):
         (tmp_path / "checkpoints" / name).mkdir(parents=True)
     # a checkpoint of an older version (no format.json, or another format) is refused in one line
-    with pytest.raises(
-        plumbing.command_line.UsageError, match=r"step_000012 is not a checkpoint of this version \(format 3\)"
-    ):
+    with pytest.raises(UsageError, match=r"step_000012 is not a checkpoint of this version \(format 3\)"):
         resume(str(tmp_path), resumed, True, world_size=1)
     (tmp_path / "checkpoints" / "step_000012" / "format.json").write_text('{"format": 2}')
-    with pytest.raises(plumbing.command_line.UsageError, match=r"step_000012 is not a checkpoint of this version"):
+    with pytest.raises(UsageError, match=r"step_000012 is not a checkpoint of this version"):
         resume(str(tmp_path), resumed, True, world_size=1)
     (tmp_path / "checkpoints" / "step_000012" / "format.json").write_text('{"format": 3}')
     assert resume(str(tmp_path), resumed, True, world_size=1) == str(tmp_path / "checkpoints" / "step_000012")
     with pytest.raises(
-        plumbing.command_line.UsageError,
+        UsageError,
         match=r"--resume: --learning_rate .* -> 0\.5, training processes 1 -> 2 differ",
     ):
         resume(str(tmp_path), {**resumed, "learning_rate": 0.5}, True, world_size=2)
@@ -284,28 +283,24 @@ def test_a_causal_lm_is_not_a_reward_model_and_the_tiny_reward_model_is(tmp_path
     """From the config, before any weights load: the tiny SFT policy is a causal LM, the tiny reward model a sequence
     classifier; a config that names no architecture cannot be told and is left to the check at load time."""
     lengths = (12, 12)
-    plumbing.command_line.check_model(str(TINY / "reward"), "--reward_model_path", lengths, False, reward=True)
-    plumbing.command_line.check_model(
-        str(TINY / "sft"), "--sft_model_path", lengths, False
-    )  # a policy need not be a classifier
+    check_model(str(TINY / "reward"), "--reward_model_path", lengths, False, reward=True)
+    check_model(str(TINY / "sft"), "--sft_model_path", lengths, False)  # a policy need not be a classifier
     for flag in ("--reward_model_path", "--gold_judge"):
-        with pytest.raises(
-            plumbing.command_line.UsageError, match=f"^{re.escape(not_a_reward_model(flag, TINY / 'sft'))}$"
-        ):
-            plumbing.command_line.check_model(str(TINY / "sft"), flag, lengths, False, reward=True)
+        with pytest.raises(UsageError, match=f"^{re.escape(not_a_reward_model(flag, TINY / 'sft'))}$"):
+            check_model(str(TINY / "sft"), flag, lengths, False, reward=True)
     unnamed = tmp_path / "unnamed"
     shutil.copytree(TINY / "sft", unnamed)
     config = json.loads((unnamed / "config.json").read_text())
     (unnamed / "config.json").write_text(json.dumps({k: v for k, v in config.items() if k != "architectures"}))
-    plumbing.command_line.check_model(str(unnamed), "--reward_model_path", lengths, False, reward=True)
+    check_model(str(unnamed), "--reward_model_path", lengths, False, reward=True)
 
 
 def test_at_load_time_a_score_head_initialised_at_random_is_refused():
     """The check of a hub id that was not in the cache before it loaded: the head among the missing weights."""
-    reward_model = plumbing.command_line.load_reward_model(str(TINY / "reward"), "--gold_judge", use_safetensors=True)
+    reward_model = load_reward_model(str(TINY / "reward"), "--gold_judge", use_safetensors=True)
     assert reward_model.score.weight.shape == (1, 128)
-    with pytest.raises(plumbing.command_line.UsageError, match=f"^--gold_judge {TINY / 'sft'} is not a reward model"):
-        plumbing.command_line.load_reward_model(str(TINY / "sft"), "--gold_judge", use_safetensors=True)
+    with pytest.raises(UsageError, match=f"^--gold_judge {TINY / 'sft'} is not a reward model"):
+        load_reward_model(str(TINY / "sft"), "--gold_judge", use_safetensors=True)
 
 
 @pytest.mark.parametrize(

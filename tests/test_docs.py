@@ -17,6 +17,7 @@ from conftest import ROOT, SMALL_RUN, check_run, run_script, shared_run, shared_
 
 import online_dpo_async as dpo
 import plumbing
+from plumbing.command_line import COMMON_DOMAINS, RunArgs, flag_sections, parse_args
 
 README = (ROOT / "README.md").read_text()
 DOC_FILES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
@@ -322,13 +323,13 @@ def test_docs_commands_run_dry_or_name_flags_their_script_has(command, tmp_path)
 
 
 def domain_table() -> str:
-    """docs/flags.md's table of the flags' domains, from plumbing.command_line.COMMON_DOMAINS and each file's
+    """docs/flags.md's table of the flags' domains, from COMMON_DOMAINS and each file's
     ALGORITHM_DOMAINS."""
     scripts = ["online_dpo_async.py", "rloo_async.py", "ppo_async.py"]
     modules = {name: importlib.import_module(name.removesuffix(".py")) for name in scripts}
     rows = {}
     for name, module in modules.items():
-        for flag, (domain, why) in (plumbing.command_line.COMMON_DOMAINS | module.ALGORITHM_DOMAINS).items():
+        for flag, (domain, why) in (COMMON_DOMAINS | module.ALGORITHM_DOMAINS).items():
             rows.setdefault((flag, domain, why), []).append(name)
     lines = ["| flag | must be | why | files |", "|---|---|---|---|"]
     for (flag, domain, why), names in rows.items():
@@ -364,11 +365,11 @@ class Example:
 
 
 def test_flag_sections_read_the_titles_and_helps_of_the_class_body():
-    assert plumbing.command_line.flag_sections(Example) == [
+    assert flag_sections(Example) == [
         ("first", [("a", "a's help")]),
         ("second (with a note)", [("b", "b's help, on two lines"), ("c", "c's")]),
     ]
-    assert plumbing.command_line.parse_args(Example, "Doc.\n\nMore.", ["--b", "x", "--c"]) == Example(1, "x", True)
+    assert parse_args(Example, "Doc.\n\nMore.", ["--b", "x", "--c"]) == Example(1, "x", True)
 
 
 @dataclasses.dataclass
@@ -379,12 +380,12 @@ class Extended(Example):
 
 def test_flag_sections_put_the_base_classes_sections_first():
     """As RunArgs' sections come before each file's Args' own."""
-    assert [title for title, _ in plumbing.command_line.flag_sections(Extended)] == [
+    assert [title for title, _ in flag_sections(Extended)] == [
         "first",
         "second (with a note)",
         "third",
     ]
-    assert plumbing.command_line.parse_args(Extended, "Doc.", ["--d", "2", "--a", "3"]) == Extended(a=3, d=2.0)
+    assert parse_args(Extended, "Doc.", ["--d", "2", "--a", "3"]) == Extended(a=3, d=2.0)
 
 
 @pytest.mark.parametrize("name", SCRIPTS)
@@ -394,7 +395,7 @@ def test_the_grouped_command_line_reads_flags_as_tyro_reads_the_flat_args(name):
     module = SCRIPTS[name]
     for flags in [[], ["--seed", "3", "--track", "--output_dir", "x", "--num_eval_prompts", "8"], ["--resume"]]:
         expected = tyro.cli(module.Args, args=flags, use_underscores=True)
-        assert plumbing.command_line.parse_args(module.Args, module.__doc__, flags) == expected
+        assert parse_args(module.Args, module.__doc__, flags) == expected
 
 
 def test_help_is_grouped_the_same_way_in_the_three_files_and_says_what_every_flag_means():
@@ -402,9 +403,9 @@ def test_help_is_grouped_the_same_way_in_the_three_files_and_says_what_every_fla
     own section is named after it); a flag the files share has the same section and text (except SAID_PER_FILE);
     every flag has a text, an optional one says what None means, and one whose domain starts at 0 says what 0
     means."""
-    run_sections = [title for title, _ in plumbing.command_line.flag_sections(plumbing.command_line.RunArgs)]
+    run_sections = [title for title, _ in flag_sections(RunArgs)]
     assert run_sections == RUN_SECTIONS
-    sections = {name: plumbing.command_line.flag_sections(module.Args) for name, module in SCRIPTS.items()}
+    sections = {name: flag_sections(module.Args) for name, module in SCRIPTS.items()}
     titles = {name: [title for title, _ in s] for name, s in sections.items()}
     for name, names in titles.items():
         assert names[:5] + names[6:] == RUN_SECTIONS + [
@@ -417,7 +418,7 @@ def test_help_is_grouped_the_same_way_in_the_three_files_and_says_what_every_fla
         assert names[5].startswith("batch sizes (in prompts; each gets "), names[5]
     where = {}  # flag -> {(section index, help)}
     for name, module in SCRIPTS.items():
-        domains = plumbing.command_line.COMMON_DOMAINS | module.ALGORITHM_DOMAINS
+        domains = COMMON_DOMAINS | module.ALGORITHM_DOMAINS
         for index, (title, flags) in enumerate(sections[name]):
             for flag, text in flags:
                 assert text, f"{name} --{flag} has no help"
@@ -439,7 +440,7 @@ def test_help_shows_each_section_as_a_box_of_its_flags(script):
     boxes = re.findall(r"╭─ ([^\n]+?) options ─+╮\n(.*?)╰", help_text(script), re.S)
     shown = [(title, re.findall(r"^│ --(\w+)", body, re.M)) for title, body in boxes if title != "options"]
     module = SCRIPTS[script.removesuffix(".py")]
-    sections = plumbing.command_line.flag_sections(module.Args)
+    sections = flag_sections(module.Args)
     assert shown == [(title, [flag for flag, _ in flags]) for title, flags in sections]
     assert "{None}|INT (STR, FLOAT) is optional" in help_text(script)
 
@@ -453,7 +454,7 @@ def test_the_docs_list_the_flags_by_the_help_groups():
     documented = [(title, sorted(set(re.findall(r"`--(\w+)`", body)))) for title, body in bullets]
     expected = {}
     for module in SCRIPTS.values():
-        for title, flags in plumbing.command_line.flag_sections(module.Args):
+        for title, flags in flag_sections(module.Args):
             title = title.split(" (")[0]
             expected[title] = sorted(set(expected.get(title, [])) | {flag for flag, _ in flags})
     assert len(documented) == len(dict(documented)) and dict(documented) == expected
