@@ -202,6 +202,7 @@ def test_the_engine_on_a_gpu_of_its_own_runs_there_and_the_run_learns(tmp_path):
 
     run = tmp_path / "run"
     argv = [sys.executable, "online_dpo_async.py", "--vllm_placement", "separate", "--total_episodes", "3200"]
+    argv += ["--vllm_enforce_eager"]
     added = run_watching_gpu_memory([*argv, "--output_dir", str(run)], tmp_path / "run.log", timeout=1200)
     totals = [torch.cuda.mem_get_info(gpu)[1] for gpu in range(2)]
     print("GPU memory the run added at its peak (GiB):", [round(bytes_ / 2**30, 2) for bytes_ in added])
