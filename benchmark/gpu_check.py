@@ -123,6 +123,7 @@ SPEED_ESTIMATE = (
     "first time (50-90 s), then 8 steps of 1.9 s (plan.py) to 12.8 s (2026-11-23, before the CUDA IPC push) and two "
     "evaluations of 64 prompts; the async run the same with the compile cached (engine 20-35 s), steps of 1.5-10.5 s"
 )
+PLAN_ESTIMATE = "5-15 s: plan.py loads no model; importing torch and transformers is most of it"
 MODELS_ESTIMATE = "20-50 s: two random Pythia-1b models (1.0 B parameters each, fp32, 8 GB) built and saved; no GPU"
 
 
@@ -130,10 +131,10 @@ def probe(c: Context) -> list[Stage]:
     """What every part starts with: the GPUs and the installed packages' versions."""
     gpus = ["nvidia-smi", "--query-gpu=index,name,memory.total,driver_version", "--format=csv,noheader"]
     return [
-        Stage("gpus", 15, "1-2 s: nvidia-smi", gpus, "gpus"),
+        Stage("gpus", 10, "1-2 s: nvidia-smi", gpus, "gpus"),
         Stage(
             "packages",
-            15,
+            10,
             "1-3 s: the installed distributions",
             [c.python, "benchmark/gpu_check.py", "--versions"],
             "packages",
@@ -239,7 +240,7 @@ def part_1(c: Context) -> list[list[Stage]]:
         [
             Stage(
                 "speed_dpo",
-                260,
+                250,
                 f"180-300 s: {SPEED_ESTIMATE}",
                 speed(
                     c, "speed_dpo", "online_dpo_async.py", "--gradient_accumulation_steps", "4", "--num_samples", "2"
@@ -248,7 +249,7 @@ def part_1(c: Context) -> list[list[Stage]]:
                 models=True,
             )
         ],
-        [Stage("plan_dpo", 15, "4-6 s: plan.py loads no model", plan(c, "speed_dpo"), "plan")],
+        [Stage("plan_dpo", 30, PLAN_ESTIMATE, plan(c, "speed_dpo"), "plan")],
     ]
 
 
@@ -295,7 +296,7 @@ def part_2(c: Context) -> list[list[Stage]]:
                 after="default_ppo",
             ),
         ],
-        [Stage("resume", 195, resume, pytest(c, RESUME), "pytest")],
+        [Stage("resume", 200, resume, pytest(c, RESUME), "pytest")],
     ]
 
 
@@ -311,19 +312,19 @@ def part_3(c: Context) -> list[list[Stage]]:
         [
             Stage(
                 "speed_rloo",
-                250,
+                240,
                 f"180-300 s: {SPEED_ESTIMATE}",
                 speed(c, "speed_rloo", "rloo_async.py", "--gradient_accumulation_steps", "4", "--rloo_k", "2"),
                 "speed",
                 models=True,
             )
         ],
-        [Stage("plan_rloo", 15, "4-6 s: plan.py loads no model", plan(c, "speed_rloo"), "plan")],
+        [Stage("plan_rloo", 30, PLAN_ESTIMATE, plan(c, "speed_rloo"), "plan")],
     ]
 
 
 def part_4(c: Context) -> list[list[Stage]]:
-    """Leaves 135 s for a stage to come (two engines sharing one GPU)."""
+    """Leaves 120 s for a stage to come (two engines sharing one GPU)."""
     return [
         [*probe(c), models(c)],
         [
@@ -336,7 +337,7 @@ def part_4(c: Context) -> list[list[Stage]]:
                 models=True,
             )
         ],
-        [Stage("plan_ppo", 15, "4-6 s: plan.py loads no model", plan(c, "speed_ppo"), "plan")],
+        [Stage("plan_ppo", 30, PLAN_ESTIMATE, plan(c, "speed_ppo"), "plan")],
     ]
 
 
@@ -359,7 +360,7 @@ def part_7(c: Context) -> list[list[Stage]]:
         "250-450 s: the tiny task, 3200 episodes (50 steps) a run: TRL's online DPO and RLOO trainers and ours at "
         "async levels 0 and 1, each run starting its engine (20-40 s) and evaluating the gold win rate"
     )
-    return [probe(c), [Stage("vs_trl_tiny", 495, estimate, vs_trl(c, "vs_trl_tiny", "tiny", 3200, None), "vs_trl")]]
+    return [probe(c), [Stage("vs_trl_tiny", 500, estimate, vs_trl(c, "vs_trl_tiny", "tiny", 3200, None), "vs_trl")]]
 
 
 def part_8(c: Context) -> list[list[Stage]]:
@@ -940,8 +941,10 @@ def summary_text(info: dict, results: list[Result], packing: str) -> str:
         lines.append(
             f"| {r.name} | {r.result} | {code} | {r.seconds:.0f} | {r.limit} | {r.numbers.replace('|', '/')} |"
         )
-    record = {**info, "stages": [r._asdict() for r in results]}
-    lines += ["", packing, "", f"<!-- gpu_check {json.dumps(record)} -->", ""]
+    # what --record reads, in a comment that no "--" may end early (JSON has "--" only inside strings: escaped there)
+    record = json.dumps({**info, "stages": [r._asdict() for r in results]}).replace("--", "-\\u002d")
+    recording = "To add it to the ledger: `bash benchmark/gpu_check.sh --record OUT_DIR --device_minutes M`."
+    lines += ["", packing, "", recording, "", f"<!-- gpu_check {record} -->", ""]
     return "\n".join(lines)
 
 

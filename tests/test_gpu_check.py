@@ -362,7 +362,7 @@ def test_part_1_with_a_stand_in_leaves_two_files_its_results_packed_without_weig
     assert summary.strip() in proc.stdout
     rows = summary_rows(summary)
     assert list(rows) == ["gpus", "packages", "default_dpo", "push", "models", "speed_dpo", "plan_dpo"]
-    assert {name: result for name, (result, _, _) in rows.items() if result != "passed"} == {"push": "failed"}
+    assert {name: result for name, (result, _, _) in rows.items() if result != "passed"} == {"push": "failed"}, summary
     assert "| device | H100: NVIDIA H100 80GB HBM3, 81559 MiB |" in summary and "| result | failed: push |" in summary
     assert rows["packages"][2].startswith(f"torch {importlib.metadata.version('torch')}; vllm ")  # this interpreter's
     mean = sum(0.1 * (s + 1) for s in range(2, 8)) / 6
