@@ -999,11 +999,14 @@ def run_part(number: int, part: Part, out: Path, seconds: int, setup: Settings, 
     runner = Runner(c, start + seconds - pack_seconds, setup.min_stage)
     print(f"# part {number}: {part.title}\n# at most {seconds} s; the stages write in {work}", flush=True)
     code = code_hash(number, part, tree_files(ROOT, part.depends))
+    steps = part.steps(c)
     try:
-        runner.run(part.steps(c))
+        runner.run(steps)
     finally:
         runner.kill_all()
         shutil.rmtree(work / "models", ignore_errors=True)
+        order = [stage.name for step in steps for stage in step]
+        runner.results.sort(key=lambda r: order.index(r.name))  # as the part lists them, not as they ended
         failed = [r.name for r in runner.results if r.result != "passed"]
         if runner.signal:
             result = f"stopped by {runner.signal}"

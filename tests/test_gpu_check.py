@@ -460,6 +460,7 @@ def test_a_deadline_cuts_stages_and_the_part_still_ends_with_its_summary_and_arc
     assert proc.returncode == 1 and time.monotonic() - start < 4 + 3, proc.stdout + proc.stderr
     assert sorted(p.name for p in out.iterdir()) == ["results.tgz", "summary.md"]
     rows = summary_rows((out / "summary.md").read_text())
+    assert list(rows) == ["stubborn", "quick", "silent", "long", "too_late"]  # as the part lists them
     assert rows["stubborn"][:2] == ("cut", "-9") and rows["stubborn"][2].startswith("cut by its limit after 1 s")
     assert rows["quick"][:2] == ("passed", "0")
     assert rows["silent"][:2] == ("failed", "0") and rows["silent"][2].startswith("its key numbers could not be read")
