@@ -850,7 +850,9 @@ def speed_numbers(work: Path, stage: Stage) -> tuple[str, str | None]:
         parts.append("MFU (async, of 989 TFLOP/s): " + ", ".join(mfu))
     log = folder / "sync" / "run.log"
     if log.exists() and (starts := vllm_starts(log.read_text())):
-        parts.append("the sync run's engine start (Pythia-1b's first compile): " + ", ".join(starts))
+        parts.append(
+            "the sync run's engine start (on a fresh machine, Pythia-1b's first compile): " + ", ".join(starts)
+        )
     if (folder / "timeline.png").exists():
         parts.append(f"{stage.name}/timeline.png")
     return "; ".join(parts), None

@@ -383,7 +383,7 @@ def test_part_1_with_a_stand_in_leaves_two_files_its_results_packed_without_weig
         f"step {sync['step']:.3f} s sync, {async_['step']:.3f} s async ({figures['measured speed-up']:.2f}x); "
         f"max(G, T) / async step {figures['pipeline efficiency']:.1%}; weight push {figures['push share']:.1%} of the "
         "async step; MFU (async, of 989 TFLOP/s): scoring 20.2%, reference 20.2%, update 50.6%; the sync run's engine "
-        "start (Pythia-1b's first compile): 71.2 s (compilation 40.1 s); speed_dpo/timeline.png"
+        "start (on a fresh machine, Pythia-1b's first compile): 71.2 s (compilation 40.1 s); speed_dpo/timeline.png"
     ), rows["speed_dpo"]
     predicted = re.fullmatch(
         r"predicted: G ([\d.]+) s, T ([\d.]+) s, step ([\d.]+) s sync, ([\d.]+) s async \(\w+-bound\); (.*)",
@@ -419,6 +419,38 @@ def test_part_1_with_a_stand_in_leaves_two_files_its_results_packed_without_weig
     ):
         assert name in members, name
     assert not Path(work).exists()  # the work folder, models and all, is gone
+
+
+def test_key_numbers_of_a_cut_speed_run_of_skipped_tests_and_of_vs_trl(tmp_path):
+    """A speed stage cut before its async run: the sync run's step alone; a pytest stage with a skipped test fails
+    unless its stage allows skips (the two-GPU test on one GPU); vs_trl.py's results: episodes per second, ours
+    against TRL's, and the peak memory."""
+    stage = gpu_check.Stage("speed_x", 10, "1-2 s: x", [], "speed")
+    write_lines(tmp_path / "speed_x" / "sync" / "metrics.jsonl", timed_lines(0, 2.0))
+    write_lines(tmp_path / "speed_x" / "async" / "metrics.jsonl", timed_lines(1, 1.25)[:2])
+    numbers, problem = gpu_check.speed_numbers(tmp_path, stage)
+    assert numbers.startswith("async: ") and "timing needs at least 4" in numbers and problem is None
+    assert numbers.endswith("; sync only: step 2.000 s")
+    (tmp_path / "tests.log").write_text("engine start (llama, eager): 9.5 s\n=== 1 passed, 1 skipped in 12.00s ===\n")
+    tests = gpu_check.Stage("tests", 10, "1-2 s: x", [], "pytest")
+    assert gpu_check.pytest_numbers(tmp_path, tests) == (
+        "1 passed, 1 skipped; engine start (llama, eager): 9.5 s",
+        "a test skipped: a condition the part needs is missing",
+    )
+    assert gpu_check.pytest_numbers(tmp_path, tests._replace(skips=True))[1] is None
+    result = dict(side="ours", method="rloo", gpu_peak_gib=None)
+    results = [
+        dict(name="trl_rloo", side="trl", method="rloo", episodes_per_s=10.0, gpu_peak_gib=30.25),
+        {**result, "name": "ours_rloo_async0", "episodes_per_s": 12.0},
+        {**result, "name": "ours_rloo_async1", "episodes_per_s": 15.0, "gpu_peak_gib": 40.0},
+    ]
+    (tmp_path / "vs").mkdir()
+    (tmp_path / "vs" / "vs_trl.json").write_text(json.dumps({"work": {}, "results": results}))
+    assert gpu_check.vs_trl_numbers(tmp_path, stage._replace(name="vs", kind="vs_trl")) == (
+        "trl_rloo 10.0 episodes/s, GPU peak 30.2 GiB; ours_rloo_async0 12.0 episodes/s (1.20x TRL's); "
+        "ours_rloo_async1 15.0 episodes/s (1.50x TRL's), GPU peak 40.0 GiB; vs/vs_trl.md",
+        None,
+    )
 
 
 def tempfile_prefix(number: int) -> str:
