@@ -14,7 +14,8 @@ before the timed steps. Output: `<out_dir>/sync/`, `<out_dir>/async/` (runs, wit
 sampled (psutil, once a second) to show which cores the engine and the trainer actually use.
 
 `--model_size` other than `tiny` builds, offline, a randomly initialised GPTNeoX policy and reward
-model of that Pythia size and prompts of `--prompt_length` tokens, to time real shapes (on GPUs).
+model of that Pythia size and prompts of `--prompt_length` tokens, to time real shapes (on GPUs);
+`--models_only` builds them in `<out_dir>/models` and stops, and a later call reuses them.
 """
 
 import argparse
@@ -234,6 +235,12 @@ def parse(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
         default=shlex.quote(sys.executable),
         help='command that starts the script, e.g. "accelerate launch --config_file configs/multi_gpu.yaml --num_processes 1"',
     )
+    parser.add_argument(
+        "--models_only",
+        action="store_true",
+        help="build the random models of --model_size in <out_dir>/models and stop (a later call with that out_dir "
+        "reuses them)",
+    )
     parser.add_argument("--steps", default="0:12", help="steps A to B-1 drawn in timeline.png")
     parser.add_argument(
         "--peak_tflops",
@@ -244,8 +251,8 @@ def parse(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     args = parser.parse_args(own)
     if not (ROOT / args.script).is_file():
         parser.error(f"--script {args.script}: no such file (relative to the repository root)")
-    if args.model_size == "tiny" and args.prompt_length is not None:
-        parser.error("--prompt_length needs --model_size other than tiny")
+    if args.model_size == "tiny" and (args.prompt_length is not None or args.models_only):
+        parser.error("--prompt_length and --models_only need --model_size other than tiny")
     if fixed := {"--async_level", "--output_dir"} & {flag.split("=")[0] for flag in extra}:
         parser.error(
             f"{', '.join(sorted(fixed))} after --: the benchmark sets --async_level (0, then 1) and --output_dir (from --out_dir)"
@@ -268,6 +275,9 @@ def main(argv: list[str]) -> None:
         prompt_length = args.prompt_length or TLDR_LENGTHS[0]
         print(f"building random {args.model_size} models, prompts of {prompt_length} tokens ...", flush=True)
         models = build_models(args.model_size, prompt_length, out / "models")
+        if args.models_only:
+            print(f"built {models}")
+            return
         common += [
             "--sft_model_path",
             str(models / "sft"),

@@ -1,11 +1,14 @@
-"""The GPU path on a real GPU: the weight push by CUDA IPC into an engine that shares the trainer's GPU and runs with
-CUDA graphs, checked exactly after each of three pushes for GPTNeoX (Pythia-160m's shape), untied and tied Llama;
-and each file's default run on one GPU. Skipped where there is no CUDA (CI); run on a GPU machine with
-`pytest -q tests/test_gpu.py`. The engine starts as the scripts start it: the trainer's model is on the GPU first."""
+"""The GPU path on a real GPU: the weight push by CUDA IPC into an engine that shares the trainer's GPU, checked exactly
+after each of three pushes for GPTNeoX (Pythia-160m's shape, its engine with CUDA graphs), untied and tied Llama; GPU
+memory flat over six pushes; a run stopped by SIGTERM that resumes; ZeRO-2 and ZeRO-3; the engine on a GPU of its own;
+each file's default run on one GPU. Skipped where there is no CUDA (CI); run on a GPU machine with
+`pytest -q tests/test_gpu.py`, or a part at a time by benchmark/gpu_check.sh (docs/gpus.md). The engine starts as the
+scripts start it: the trainer's model is on the GPU first."""
 
 import os
 import shutil
 import sys
+import time
 
 import pytest
 import torch
@@ -18,6 +21,10 @@ from plumbing.weights import SnapshotPlace, WeightBucket, Weights, checkpoint_na
 pytestmark = pytest.mark.skipif(torch.cuda.device_count() == 0, reason="needs a CUDA GPU")
 
 PROMPT_LENGTH = 45  # prompts longer than one KV-cache block (16 tokens)
+# The tests' engines get a KV cache of this size, not the share vLLM measures free on the GPU as it starts: it reads the
+# whole GPU's free memory, which a run beside the test (benchmark/gpu_check.sh runs some side by side) changes while it
+# measures ("Error in memory profiling" where the neighbour frees memory, a smaller cache where it allocates).
+KV_CACHE_BYTES = 2**30
 
 
 def engine_parameters(llm) -> dict[str, torch.Tensor]:
@@ -39,28 +46,51 @@ def reload_from_file(llm, model, folder) -> None:
     llm.reset_prefix_cache()
 
 
-def engine_sharing_the_trainers_gpu(model, tokenizer, folder):
-    """`model` on the GPU first, then the engine started from it saved, sharing that GPU, as the scripts start it."""
+def engine_sharing_the_trainers_gpu(model, tokenizer, folder, eager: bool = False):
+    """`model` on the GPU first, then the engine started from it saved, sharing that GPU, as the scripts start it (but
+    for its KV cache: KV_CACHE_BYTES). With CUDA graphs unless `eager`; prints how long the start took, which on a
+    machine that never compiled this model is vLLM's first compile and capture."""
     model.save_pretrained(folder)
     tokenizer.save_pretrained(folder)
     trainer = model.cuda()
     placement = engine_placement("shared", visible_gpus(), 1, 0.3)
     os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"  # as the scripts set it: the push's handle is pickled
-    return trainer, make_engine(str(folder), placement, dtype="bfloat16", max_model_len=64, seed=0)
+    start = time.perf_counter()
+    llm = make_engine(
+        str(folder),
+        placement,
+        dtype="bfloat16",
+        max_model_len=64,
+        seed=0,
+        enforce_eager=eager,
+        kv_cache_memory_bytes=KV_CACHE_BYTES,
+    )
+    mode = "eager" if eager else "CUDA graphs"
+    print(f"engine start ({model.config.model_type}, {mode}): {time.perf_counter() - start:.1f} s")
+    return trainer, llm
 
 
-@pytest.mark.parametrize("arch, tied", [("gptneox", False), ("llama", False), ("llama", True)])
-def test_each_ipc_push_loads_exactly_what_a_checkpoint_would(arch, tied, tokenizer, tmp_path):
+# GPTNeoX's engine runs with CUDA graphs, which the push must update in place; the Llamas' engines run eager, which
+# saves a compile each (benchmark/gpu_check.sh times the first compile on GPTNeoX).
+PUSH_CASES = [
+    pytest.param("gptneox", False, False, id="gptneox-cuda_graphs"),
+    pytest.param("llama", False, True, id="llama-eager"),
+    pytest.param("llama", True, True, id="llama_tied-eager"),
+]
+
+
+@pytest.mark.parametrize("arch, tied, eager", PUSH_CASES)
+def test_each_ipc_push_loads_exactly_what_a_checkpoint_would(arch, tied, eager, tokenizer, tmp_path):
     """Three pushes of models whose every tensor differs (norms and biases perturbed too). After each, every engine
     parameter is bit for bit what vLLM's loader makes of the same weights from a safetensors file (q/k/v fusion,
     GPTNeoX's q/k/v reordering, the tied head) and differs from the previous version's; the same long prompt gives the
     new model's tokens and its logprobs at temperature 0.7 (the prefix cache was reset); GPU memory stays flat in
-    both processes. CUDA graphs are captured before the first push."""
+    both processes. With CUDA graphs, they are captured before the first push."""
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
     models = [perturbed_policy(tokenizer, arch, tied, seed, large=arch == "gptneox") for seed in range(4)]
-    trainer, llm = engine_sharing_the_trainers_gpu(models[0], tokenizer, tmp_path / "v0")
+    trainer, llm = engine_sharing_the_trainers_gpu(models[0], tokenizer, tmp_path / "v0", eager)
     try:
         g = torch.Generator().manual_seed(0)
         prompts = [
@@ -131,8 +161,9 @@ def test_default_run_learns_on_one_gpu(script, tmp_path):
 
 
 # ---------------------------------------------------------------------------------------------------------------------
-# What the first GPU hour adds (benchmark/gpu_check.sh runs this file): the engine on a GPU of its own, ZeRO-2 and
-# ZeRO-3 under accelerate launch with the KL at step 0, snapshots freed over six pushes, and a resume.
+# What the later parts of benchmark/gpu_check.sh add: the engine on a GPU of its own, ZeRO-2 and ZeRO-3 under
+# accelerate launch with the KL at step 0, snapshots freed over six pushes, and a resume. The runs' engines run eager:
+# compile time is not what they check.
 def run_watching_gpu_memory(argv: list[str], log, timeout: float) -> list[int]:
     """Run a command to its end (its output in `log`), sampling twice a second how much of each visible GPU is in use
     (the whole GPU, every process: torch.cuda.mem_get_info); returns each GPU's peak over what was in use before the
@@ -171,6 +202,7 @@ def test_the_engine_on_a_gpu_of_its_own_runs_there_and_the_run_learns(tmp_path):
 
     run = tmp_path / "run"
     argv = [sys.executable, "online_dpo_async.py", "--vllm_placement", "separate", "--total_episodes", "3200"]
+    argv += ["--vllm_enforce_eager"]
     added = run_watching_gpu_memory([*argv, "--output_dir", str(run)], tmp_path / "run.log", timeout=1200)
     totals = [torch.cuda.mem_get_info(gpu)[1] for gpu in range(2)]
     print("GPU memory the run added at its peak (GiB):", [round(bytes_ / 2**30, 2) for bytes_ in added])
@@ -198,6 +230,7 @@ def test_zero_runs_under_accelerate_launch_with_the_kl_exactly_0_at_step_0(zero,
     launch = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", f"configs/deepspeed_zero{zero}.yaml"]
     flags = ["--dtype", "bfloat16", "--total_episodes", "640", "--eval_freq", "0", "--num_eval_prompts", "64"]
     flags += ["--local_micro_batch_size", "32", "--local_rollout_forward_batch_size", "64", "--save_freq", "5"]
+    flags += ["--vllm_enforce_eager"]
     launch += ["--num_processes", "1", "online_dpo_async.py", *flags, "--output_dir", str(tmp_path)]
     run_script(launch, timeout=1200)
     args, train, _ = check_run(tmp_path, "online_dpo_async.py")
@@ -287,7 +320,7 @@ def stop_after_steps(argv: list[str], output_dir, steps: int, sig: int, timeout:
 # online DPO (its metrics hold no engine logprobs, whose last bits a new engine may not repeat) at --async_level 2: a
 # checkpoint carries the two older policy versions the generator still owes batches from; 64 steps of 8 prompts x 2
 RESUMABLE_ON_GPU = ["--total_episodes", "1024", "--local_micro_batch_size", "8", "--eval_freq", "8"]
-RESUMABLE_ON_GPU += ["--num_eval_prompts", "32", "--save_freq", "5", "--async_level", "2"]
+RESUMABLE_ON_GPU += ["--num_eval_prompts", "32", "--save_freq", "5", "--async_level", "2", "--vllm_enforce_eager"]
 
 
 def test_a_run_stopped_by_sigterm_resumes_to_the_end_of_the_run_never_stopped(tmp_path):

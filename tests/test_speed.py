@@ -279,3 +279,19 @@ def test_build_models_small_shape(tmp_path, monkeypatch, tokenizer):
         assert all(r["query"].endswith("->") and r["reference_response"] for r in rows)
     with pytest.raises(SystemExit, match="--prompt_length 8 is shorter"):
         speed.write_prompts(tmp_path / "short", 8)
+
+
+def test_models_only_builds_the_models_and_runs_nothing(tmp_path, monkeypatch):
+    """--models_only (benchmark/gpu_check.sh builds the Pythia models while the GPU does other work): the models in
+    <out_dir>/models, no run; a later call with the same out_dir finds them (build_models reuses them); the tiny task
+    has none to build."""
+    monkeypatch.setitem(speed.PYTHIA, "pythia-test", (64, 2, 2, 128))
+    speed.main(["--model_size", "pythia-test", "--prompt_length", "20", "--out_dir", str(tmp_path), "--models_only"])
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["models"]
+    folder = tmp_path / "models" / "pythia-test-prompt20"
+    assert sorted(p.name for p in folder.iterdir()) == ["data", "reward", "sft"]
+    built = (folder / "sft" / "model.safetensors").stat().st_mtime_ns
+    assert speed.build_models("pythia-test", 20, tmp_path / "models") == folder
+    assert (folder / "sft" / "model.safetensors").stat().st_mtime_ns == built
+    with pytest.raises(SystemExit):
+        speed.parse(["--models_only"])
