@@ -183,8 +183,8 @@ class Engine:
             return self.failure
         dead = dead_processes(self.engine_processes)
         if not dead and (error := self.thread_error) is not None:
-            # vLLM's client raises as its engine dies: look for its processes dying before blaming the thread
-            if type(error).__module__.startswith("vllm"):
+            # vLLM's client raises its EngineDeadError as the engine dies: see which of its processes did
+            if "EngineDeadError" in (kind.__name__ for kind in type(error).__mro__):
                 dead = dead_processes(self.engine_processes, wait=ENGINE_EXIT_SECONDS)
             if not dead:
                 raise RuntimeError(
@@ -301,7 +301,7 @@ KINDS = {
     "rollout": "the rollout of step {}",
     "evaluation": "the evaluation of policy version {}",
 }
-ENGINE_EXIT_SECONDS = 3.0  # how long an engine that vLLM's client says is dead may take to be seen so
+ENGINE_EXIT_SECONDS = 3.0  # how long an engine vLLM's client says is dead may take to be seen dead
 
 
 class Call(NamedTuple):
