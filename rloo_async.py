@@ -619,7 +619,8 @@ def generate(llm, prompts, n: int, temperature: float, max_tokens: int, eos: int
 def generation_thread(engine, channels: Channels, schedule: list[Event], inputs: Inputs, args: Args, sizes):
     """Works through the schedule: loads each policy version it needs as soon as the trainer publishes it,
     then generates rollout m (the completions of each prompt of step m's batch) or evaluates version v. Rank 0
-    runs it (Engine.run_thread: an exception here stops the trainer)."""
+    runs it (Engine.run_thread: an exception here stops the trainer); the trainer stops the run if a call to
+    the engine (a push, a generation) passes its deadline (Engine.deadline)."""
     version, eos, train = 0, inputs.tokenizer.eos_token_id, inputs.train.token_ids
     for event in schedule:
         wait_start, sync_time, sync_start = time.perf_counter(), 0.0, None
@@ -637,14 +638,16 @@ def generation_thread(engine, channels: Channels, schedule: list[Event], inputs:
             prompts = inputs.evaluation.token_ids
             seeds = [args.seed + i for i in range(len(prompts))]
             temperature = 0.0 if args.task == "gsm8k" else args.temperature  # GSM8k's pass@1 is greedy (5.2)
-            responses, _ = generate(engine.llm, prompts, 1, temperature, args.response_length, eos, seeds)
+            with engine.deadline("evaluation", version):
+                responses, _ = generate(engine.llm, prompts, 1, temperature, args.response_length, eos, seeds)
             channels.evals.put(EvalRollout(version, responses, time.perf_counter() - gen_start, gen_start))
             continue
         indices = prompt_indices_for_step(event.index, len(train), sizes.batch_size, args.seed)
         seeds = [args.seed * 1_000_003 + event.index * sizes.batch_size + i for i in range(len(indices))]
         prompts, n = [train[i] for i in indices], completions_per_prompt(args)
         sampling = (args.temperature, args.response_length, eos, seeds, ROLLOUT_LOGPROBS)
-        responses, logprobs = generate(engine.llm, prompts, n, *sampling)
+        with engine.deadline("rollout", event.index):
+            responses, logprobs = generate(engine.llm, prompts, n, *sampling)
         timings = {"generation": (gen_start, time.perf_counter() - gen_start)}
         timings |= {"generator_wait": (None, wait_time), "weight_sync": (sync_start or gen_start, sync_time)}
         channels.rollouts.put(Rollout(event.index, version, indices, responses, logprobs, timings))
@@ -812,7 +815,7 @@ def main(args: Args) -> None:
     accelerator, device = processes.accelerator, processes.accelerator.device
     sizes = compute_sizes(args, accelerator.num_processes)
     folder = plumbing.RunFolder(args, accelerator.num_processes)  # and the checkpoint --resume continues from
-    engine = plumbing.Engine(args, processes)  # its GPU and cores, and the stop signals
+    engine = plumbing.Engine(args, processes, folder)  # its GPU and cores, the stop signals, the deadlines
     inputs = load_inputs(args, sizes)
     set_seed(args.seed + accelerator.process_index)
     policy, models = load_models(args, inputs, processes)
@@ -855,9 +858,9 @@ def main(args: Args) -> None:
     with engine, folder:  # then the engine stops and the logs close, however the loop ends
         for step in folder.steps(start_step, sizes.num_steps):  # with a progress bar
             laps = plumbing.Laps()
-            # 1. the rollouts of this step (rank 0 has them; every rank takes its slice), unless a signal came
+            # 1. the rollouts of this step (rank 0 has them; every rank takes its slice), unless the run stops
             rollout = engine.next_rollout(channels.rollouts)
-            if rollout is None:  # SIGTERM or Ctrl-C: a checkpoint, then exit
+            if rollout is None:  # SIGTERM, Ctrl-C or the engine failing: a checkpoint, then exit
                 if step > start_step:
                     save_checkpoint(step)
                 folder.stopped(step)
@@ -914,7 +917,7 @@ def main(args: Args) -> None:
             if args.save_freq and (step + 1) % args.save_freq == 0 and step + 1 < sizes.num_steps:
                 save_checkpoint(step + 1)
 
-        if not engine.stop_signal:
+        if not engine.stopped:
             while processes.evaluates and len(evals_logged) < len(eval_steps):
                 log_evaluations(wait=True)
             folder.save_policy(accelerator, model, inputs.tokenizer)

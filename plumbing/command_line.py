@@ -186,6 +186,11 @@ class RunArgs:
     # own and 0.3 of a shared one; printed at start)
     vllm_gpu_memory_utilization: float | None = None
     vllm_enforce_eager: bool = False  # run the engine without CUDA graphs (always so on CPUs)
+    # in minutes: how long the engine may take to answer a call (a weight push, a rollout, an evaluation)
+    # before it counts as frozen and the run stops with a checkpoint; a call may take 10 times the slowest of
+    # its kind so far if longer, and the first of each kind and the engine's start, which may compile, at
+    # least 10 minutes on a CPU and 30 on a GPU (docs/checkpoints.md#a-frozen-or-dead-engine)
+    engine_timeout_minutes: float = 5.0
 
     # trainer numerics and memory
     # dtype of the trainer's models (auto: bfloat16 on GPUs): bf16 autocast over fp32 weights for the trained
@@ -223,6 +228,7 @@ COMMON_DOMAINS = {
     "async_level": (">= 0", "a count of policy versions"),
     "temperature": ("> 0", "logprobs divide logits by it"),
     "vllm_gpu_memory_utilization": ("in (0, 1]", "a share of the GPU"),
+    "engine_timeout_minutes": ("> 0", "a time to wait"),
     "missing_eos_penalty": ("finite", "a score"),
     "eval_freq": (">= 0", "0 evaluates at step 0 and at the end only"),
     "save_freq": (">= 0", "0 writes no periodic checkpoint"),

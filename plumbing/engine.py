@@ -4,7 +4,8 @@ Engine is made before any model loads (the GPU it gets, checked; the cores it ru
 started by rank 0 once the trainer's models are in memory, taking what the run leaves of the GPU
 (engine_share). vLLM runs in processes of its own, watched by a watchdog (plumbing/watchdog.py) that ends them
 if the trainer dies; the generation thread, the algorithm file's, drives it (run_thread), and every rank
-receives what it generates (next_rollout, arrived_evaluations). How the weights reach it:
+receives what it generates (next_rollout, arrived_evaluations). Every call to it has a deadline (Deadlines):
+an engine that dies or stops answering stops the run with a checkpoint and one line. How the weights reach it:
 plumbing/weights.py."""
 
 import gc
@@ -19,7 +20,6 @@ import sys
 import tempfile
 import threading
 import time
-import traceback
 from contextlib import contextmanager
 from pathlib import Path
 from typing import NamedTuple
@@ -28,7 +28,7 @@ import psutil
 import torch
 from accelerate.utils import broadcast_object_list
 
-from plumbing.command_line import REDUCE_OP_WARNING, UsageError
+from plumbing.command_line import REDUCE_OP_WARNING, RunArgs, UsageError
 from plumbing.run_folder import numel
 from plumbing.watchdog import (
     dead_processes,
@@ -47,21 +47,24 @@ class Engine:
     """The vLLM engine that generates the rollouts and the evaluations (module docstring): rank 0 runs it and
     its generation thread; every rank receives what they generate."""
 
-    def __init__(self, args, processes):
+    def __init__(self, args, processes, folder):
         """Before any model loads: the engine's GPU (a placement that cannot be is a UsageError), its cores,
-        and the stop signals, which from now on stop the run cleanly."""
-        self.args, self.processes, accelerator = args, processes, processes.accelerator
+        the stop signals, which from now on stop the run cleanly, and the deadlines of the calls to it. The
+        run's folder: a failure of the engine names the checkpoint to resume from."""
+        self.args, self.processes, self.folder, accelerator = args, processes, folder, processes.accelerator
         gpus = visible_gpus() if processes.on_gpu else []
         share = args.vllm_gpu_memory_utilization
         self.placement = engine_placement(args.vllm_placement, gpus, accelerator.num_processes, share)
         self.signals = StopSignals()
         self.cores = split_cores(accelerator.device, accelerator.num_processes)
+        self.deadlines = Deadlines(args.engine_timeout_minutes, processes.on_gpu)
         # The generation thread needs the interpreter lock at every decoding step; training hands it over
         # every switch interval (5 ms by default) while it runs Python. 0.5 ms: pipeline efficiency 92.5% ->
         # 96.1% (docs/speed.md).
         sys.setswitchinterval(0.0005)
         self.llm = self.bucket = self.watchdog = self.weights_dir = self.thread = self.thread_error = None
         self.engine_processes, self.shared_memory, self.started, self.stop_signal = [], [], 0.0, 0
+        self.failure, self.names = None, {}  # why the engine failed (died, froze); its processes' names
         self.stopping = threading.Event()
 
     @classmethod
@@ -69,9 +72,10 @@ class Engine:
         """An Engine over an LLM already up, in one process with no signals: how the tests that share one
         engine drive it with the generation thread (run_thread, get, push)."""
         engine = cls.__new__(cls)
-        for name in ("args", "processes", "signals", "cores", "thread", "thread_error"):
+        for name in ("args", "processes", "folder", "signals", "cores", "thread", "thread_error", "failure"):
             setattr(engine, name, None)
-        engine.llm, engine.bucket, engine.engine_processes = llm, bucket, []
+        engine.llm, engine.bucket, engine.engine_processes, engine.names = llm, bucket, [], {}
+        engine.deadlines = Deadlines(RunArgs.engine_timeout_minutes, on_gpu=False)
         engine.stopping = threading.Event()
         return engine
 
@@ -111,8 +115,10 @@ class Engine:
             before = {p.pid for p in psutil.Process().children(recursive=True)}
             if placement.devices is not None:  # the push's CUDA IPC handle is pickled, between our processes
                 os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
-            self.llm = make_engine(args.sft_model_path, placement, **llm_kwargs)
+            with self.signals.start_deadline(self.deadlines.first, self.deadlines.first_why("its start")):
+                self.llm = make_engine(args.sft_model_path, placement, **llm_kwargs)
             self.engine_processes = started_processes(before)
+            self.names = {process.pid: process_name(process) for process in self.engine_processes}
             ram = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
             remove_stale_weights_folders(ram)
             release_orphaned_shared_memory()  # what runs killed with their watchdog left
@@ -128,8 +134,8 @@ class Engine:
 
     def run_thread(self, target, *args) -> None:
         """Rank 0 runs the generation thread, `target(*args)`, on the engine's cores (it takes turns with
-        the engine's processes); an exception in it is printed with its traceback and stops the trainer at its
-        next get. The start is over: from here a signal lets the step finish and writes a checkpoint."""
+        the engine's processes); an exception in it stops the trainer at its next get, which raises it with
+        its traceback. The start is over: from here a signal lets the step finish and writes a checkpoint."""
         if self.is_main:
 
             def guarded() -> None:
@@ -138,7 +144,6 @@ class Engine:
                 except SystemExit:  # the trainer stopped it (get)
                     pass
                 except BaseException as exc:
-                    traceback.print_exc()
                     self.thread_error = exc
 
             self.thread = threading.Thread(target=guarded, daemon=True)
@@ -148,38 +153,87 @@ class Engine:
             self.signals.starting = False
 
     def get(self, q: queue.Queue, until_signal: bool = False):
-        """A blocking get from a queue between the generation thread and the trainer that wakes up to notice
-        the other side failing or stopping, and the engine's processes dying (vLLM's client can then wait
-        forever). `until_signal`: None once a SIGTERM or Ctrl-C came."""
+        """A blocking get from a queue between the generation thread and the trainer that wakes up every half
+        second to notice the other side stopping and, the trainer's, the engine failing (failed): vLLM's
+        client waits forever on an engine that froze, and on some that died. `until_signal`: None once a
+        SIGTERM or Ctrl-C came, or the engine failed (the trainer writes a checkpoint, then stops); without
+        it, a failed engine ends the run here, naming the newest checkpoint."""
+        watching = threading.current_thread() is not self.thread
         while not (until_signal and self.signals.received):
-            if (error := self.thread_error) is not None:
-                raise RuntimeError(
-                    f"the generation thread failed: {type(error).__name__}: {error}"
-                ) from error
-            if self.stopping.is_set():
+            if self.stopping.is_set() and not watching:
                 raise SystemExit("stopped")
-            if dead := dead_processes(self.engine_processes):
-                why = "a crash prints its traceback above; none: killed from outside, e.g. by the OOM killer"
-                raise RuntimeError(f"the generation engine's process(es) {dead} died ({why})")
+            if watching and self.failed() is not None:
+                if until_signal:
+                    return None
+                sys.stdout.flush()  # what the run printed comes before its last line
+                raise SystemExit(self.failure_line())
             try:
                 return q.get(timeout=0.5)
             except queue.Empty:
                 continue
         return None
 
+    def failed(self) -> str | None:
+        """Why the engine failed, as the trainer sees it while it waits: a process of it died, or a call to it
+        is past its deadline (Deadlines: it froze). Its processes are then killed, the generation thread left
+        to the interpreter's exit (a daemon, maybe stuck in vLLM), and the reason kept (self.failure). A
+        failure of the generation thread itself is raised, with its traceback (once: the thread prints
+        none)."""
+        if self.failure is not None:
+            return self.failure
+        dead = dead_processes(self.engine_processes)
+        if not dead and (error := self.thread_error) is not None:
+            # vLLM's client raises its EngineDeadError as the engine dies: see which of its processes did
+            if "EngineDeadError" in (kind.__name__ for kind in type(error).__mro__):
+                dead = dead_processes(self.engine_processes, wait=ENGINE_EXIT_SECONDS)
+            if not dead:
+                raise RuntimeError(
+                    f"the generation thread failed: {type(error).__name__}: {error}"
+                ) from error
+        if dead:
+            names = ", ".join(f"{self.names.get(pid, 'process')} (pid {pid})" for pid in dead)
+            why = "a crash prints its traceback above; none: it was killed, e.g. by the out-of-memory killer"
+            self.failure = f"the engine died: its process {names} ended ({why})"
+        elif (call := self.deadlines.overdue(time.monotonic())) is not None:
+            self.failure = f"the engine froze: {call.describe(time.monotonic())}"
+        if self.failure is not None:
+            self.stopping.set()  # the generation thread stops at its next get; one stuck in vLLM stays so
+            kill_process_trees(self.engine_processes)
+        return self.failure
+
+    def failure_line(self) -> str:
+        """The run's last line once the engine failed: why, and where to resume from."""
+        checkpoint = self.folder.last_checkpoint if self.folder is not None else None
+        resume = f"resume from {checkpoint} with --resume" if checkpoint else "no checkpoint: start it again"
+        return f"error: {self.failure}; {resume}"
+
+    @contextmanager
+    def deadline(self, kind: str, index: int):
+        """A call to the engine (a Deadlines kind: its `index`, the step or the policy version), under its
+        deadline, which the trainer watches while it waits (failed)."""
+        with self.deadlines.call(kind, index):
+            yield
+
     def push(self, weights) -> None:
-        """Loads a policy version into the running engine, in place (push_weights)."""
-        push_weights(self.llm, self.bucket, weights)
+        """Loads a policy version into the running engine, in place (push_weights), under its deadline."""
+        with self.deadline("weight push", weights.version):
+            push_weights(self.llm, self.bucket, weights)
 
     def next_rollout(self, rollouts: queue.Queue):
         """The step's rollout, which rank 0 takes from the generation thread, on every rank; None once a stop
-        signal came first (its number: stop_signal)."""
-        rollout = received = None
+        signal came first (its number: stop_signal) or the engine failed (why: failure)."""
+        rollout = received = failure = None
         if self.processes.is_main:
             rollout = self.get(rollouts, until_signal=True)
-            received = self.signals.received[0] if rollout is None else 0
-        rollout, self.stop_signal = broadcast_object_list([rollout, received])
+            failure = self.failure
+            received = self.signals.received[0] if rollout is None and failure is None else 0
+        rollout, self.stop_signal, self.failure = broadcast_object_list([rollout, received, failure])
         return rollout
+
+    @property
+    def stopped(self) -> bool:
+        """Whether the training loop stopped early: a signal, or the engine failed."""
+        return bool(self.stop_signal or self.failure)
 
     def arrived_evaluations(self, evals: queue.Queue, wait: bool = False) -> list:
         """The evaluations the generation thread has finished (`wait`: at least one, waited for), on the
@@ -197,27 +251,32 @@ class Engine:
 
     def __exit__(self, kind, error, trace) -> None:
         """The engine stops however the training loop ended: a second Ctrl-C (KeyboardInterrupt) ends the run
-        with status 130, a stop signal that ended the loop with 128 + its number."""
+        with status 130, a stop signal that ended the loop with 128 + its number, the engine failing with 1
+        and one last line (failure_line), after the loop's checkpoint."""
         self.stop()
         if kind is KeyboardInterrupt:
             print("interrupted: stopped the generation thread and the engine")
             raise SystemExit(130)
+        if kind is None and self.failure:
+            sys.stdout.flush()  # what the run printed comes before its last line
+            raise SystemExit(self.failure_line() if self.is_main else 1)
         if kind is None and self.stop_signal:
             raise SystemExit(128 + self.stop_signal)
 
     def stop(self) -> None:
-        """Stops the generation thread and the engine; the engine holds nothing to save, so nothing waits on
-        its exit."""
+        """Stops the generation thread and the engine, each wait with a deadline; the engine holds nothing to
+        save, so nothing waits on its exit."""
         self.stopping.set()
         if self.llm is None:
             return
         # the thread finishes the batch it is generating, or the engine's shutdown ends it; a daemon, one
-        # stuck on a dead engine does not keep the process alive
+        # stuck in vLLM (a failed engine's) does not keep the process alive
+        waits = (0, 0) if self.failure else (1, 5)
         if self.thread is not None:
-            self.thread.join(timeout=1)
+            self.thread.join(timeout=waits[0])
         self.llm.llm_engine.engine_core.shutdown(timeout=1)
         if self.thread is not None:
-            self.thread.join(timeout=5)
+            self.thread.join(timeout=waits[1])
         # The engine's worker outlives its scheduler process, killed after 1 s, by seconds (a garbage
         # collection), and their message queues stay in shared memory: end both.
         kill_process_trees(self.engine_processes)
@@ -229,6 +288,85 @@ class Engine:
             self.watchdog.wait(timeout=5)
         except subprocess.TimeoutExpired:
             pass
+
+
+# == The deadlines of the calls to the engine ================================================================
+# The first call of each kind may compile (on a GPU: vLLM's sampler kernels, FlashInfer's JIT) or warm caches,
+# as the engine's start compiles the model and captures CUDA graphs: they get at least this much.
+FIRST_CALL_MINUTES = {"CPU": 10.0, "GPU": 30.0}
+SLOWEST_MULTIPLE = 10  # a later call may take this many times the slowest of its kind so far
+# What each kind of call is, by its index
+KINDS = {
+    "weight push": "the weight push of policy version {}",
+    "rollout": "the rollout of step {}",
+    "evaluation": "the evaluation of policy version {}",
+}
+ENGINE_EXIT_SECONDS = 3.0  # how long an engine vLLM's client says is dead may take to be seen dead
+
+
+class Call(NamedTuple):
+    """A call to the engine in flight, with its deadline (seconds after its start) and why it is that."""
+
+    kind: str
+    index: int
+    start: float  # time.monotonic()
+    deadline: float
+    why: str
+
+    def describe(self, now: float) -> str:
+        what, elapsed = KINDS[self.kind].format(self.index), now - self.start
+        return f"{what} had no answer in {elapsed:.1f} s, its deadline {self.deadline:.1f} s ({self.why})"
+
+
+class Deadlines:
+    """How long each call to the engine (a weight push, a rollout, an evaluation) may take before the engine
+    counts as frozen (a stuck kernel, a deadlocked collective, a stopped process, which vLLM's client waits on
+    forever): a run measures its own pace. The first call of each kind, and the engine's start, may compile:
+    FIRST_CALL_MINUTES on the run's device, or --engine_timeout_minutes if longer; it is not counted as the
+    kind's pace. A later call gets SLOWEST_MULTIPLE times the slowest later one of its kind so far, at least
+    --engine_timeout_minutes. Generous, so that a slow call is not taken for a frozen one, but bounded:
+    peers' runs wait 30 minutes on a stuck weight sync, or forever (AReaL #1439, TRL #6796)."""
+
+    def __init__(self, timeout_minutes: float, on_gpu: bool):
+        self.least, self.device = 60 * timeout_minutes, "GPU" if on_gpu else "CPU"
+        self.first = max(self.least, 60 * FIRST_CALL_MINUTES[self.device])
+        self.done: dict[str, int] = {}  # kind -> calls that answered
+        self.slowest: dict[str, float] = {}  # kind -> seconds, the slowest call after the first
+        self.open: Call | None = None  # the call in flight (the generation thread makes one at a time)
+
+    def first_why(self, what: str) -> str:
+        return f"{what} may compile: {self.first / 60:g} minutes on a {self.device}"
+
+    def deadline(self, kind: str) -> tuple[float, str]:
+        """A new call's deadline, in seconds, and why it is that."""
+        if not self.done.get(kind):
+            return self.first, self.first_why(f"the first {kind}")
+        least = f"--engine_timeout_minutes {self.least / 60:g}"
+        paced = SLOWEST_MULTIPLE * self.slowest.get(kind, 0.0)
+        if paced <= self.least:
+            return self.least, least
+        slowest = f"{SLOWEST_MULTIPLE} x the slowest {kind} so far, {self.slowest[kind]:.2f} s"
+        return paced, f"{slowest}, more than {least}"
+
+    def answered(self, kind: str, seconds: float) -> None:
+        """A call of `kind` answered after `seconds`."""
+        if self.done.get(kind):
+            self.slowest[kind] = max(self.slowest.get(kind, 0.0), seconds)
+        self.done[kind] = self.done.get(kind, 0) + 1
+
+    @contextmanager
+    def call(self, kind: str, index: int):
+        self.open = Call(kind, index, time.monotonic(), *self.deadline(kind))
+        try:
+            yield
+        finally:
+            call, self.open = self.open, None
+        self.answered(kind, time.monotonic() - call.start)
+
+    def overdue(self, now: float) -> Call | None:
+        """The call in flight if it is past its deadline."""
+        call = self.open
+        return call if call is not None and now - call.start > call.deadline else None
 
 
 # == The engine's GPU, its memory, its cores =================================================================
@@ -471,7 +609,7 @@ class StopSignals:
     second signal exits at once. While starting: kill the processes started so far and exit at once, as vLLM
     cannot be left to stop: its start-up handshake swallows KeyboardInterrupt, and its wait for the engine's
     ready message does not notice the engine dying (as a Ctrl-C to the process group makes it), so it waits
-    out a 10-minute timeout."""
+    out a 10-minute timeout. The start has a deadline too (start_deadline), kept the same way."""
 
     def __init__(self):
         self.received, self.starting, self.weights_dir, self.watchdog = [], True, None, None
@@ -481,13 +619,42 @@ class StopSignals:
     def handle(self, signum, frame):
         name = signal.Signals(signum).name
         if self.starting:
-            os.write(2, f"\n{name} while starting: stopping the engine and exiting\n".encode())
-            watchdog = self.watchdog.pid if self.watchdog else None  # it goes on to clean up after the exit
-            kill_process_trees([process for process in started_processes(set()) if process.pid != watchdog])
-            if self.weights_dir is not None:
-                shutil.rmtree(self.weights_dir, ignore_errors=True)
-            gc.freeze()  # the interpreter's exit would garbage-collect the whole heap (seconds)
-            raise SystemExit(128 + signum)
+            self.exit_at_once(f"\n{name} while starting: stopping the engine and exiting\n", 128 + signum)
         os.write(2, f"\n{name}: writing a checkpoint at the end of this step, then exiting\n".encode())
         self.received.append(signum)
         signal.signal(signum, signal.default_int_handler if signum == signal.SIGINT else signal.SIG_DFL)
+
+    def exit_at_once(self, message: str, status: int):
+        """Says `message`, kills the processes started so far (the watchdog aside: it goes on to clean up
+        after the exit) and exits with `status`."""
+        os.write(2, message.encode())
+        watchdog = self.watchdog.pid if self.watchdog else None
+        kill_process_trees([process for process in started_processes(set()) if process.pid != watchdog])
+        if self.weights_dir is not None:
+            shutil.rmtree(self.weights_dir, ignore_errors=True)
+        gc.freeze()  # the interpreter's exit would garbage-collect the whole heap (seconds)
+        raise SystemExit(status)
+
+    @contextmanager
+    def start_deadline(self, seconds: float, why: str):
+        """The engine's start, in the main thread, ends the run at once (exit status 1) if it takes over
+        `seconds`: a timer signal (SIGALRM) interrupts whatever it waits on, as SIGTERM does."""
+
+        def overdue(signum, frame):
+            line = f"error: the engine did not start in {seconds / 60:g} minutes ({why}): stopped it\n"
+            self.exit_at_once(line, 1)
+
+        previous = signal.signal(signal.SIGALRM, overdue)
+        signal.setitimer(signal.ITIMER_REAL, seconds)
+        try:
+            yield
+        finally:
+            signal.setitimer(signal.ITIMER_REAL, 0)
+            signal.signal(signal.SIGALRM, previous)
+
+
+def process_name(process: psutil.Process) -> str:
+    try:
+        return process.name()
+    except psutil.Error:
+        return "process"

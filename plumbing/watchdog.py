@@ -57,15 +57,21 @@ def watch() -> None:
     release_orphaned_shared_memory(sorted(files))
 
 
-def dead_processes(processes: list[psutil.Process]) -> list[int]:
-    dead = []
-    for process in processes:
-        try:
-            if process.status() == psutil.STATUS_ZOMBIE:
+def dead_processes(processes: list[psutil.Process], wait: float = 0) -> list[int]:
+    """The pids of these processes that are dead (a zombie is), looking again for up to `wait` seconds until
+    one is."""
+    deadline = time.monotonic() + wait
+    while True:
+        dead = []
+        for process in processes:
+            try:
+                if process.status() == psutil.STATUS_ZOMBIE:
+                    dead.append(process.pid)
+            except psutil.NoSuchProcess:
                 dead.append(process.pid)
-        except psutil.NoSuchProcess:
-            dead.append(process.pid)
-    return dead
+        if dead or time.monotonic() >= deadline:
+            return dead
+        time.sleep(0.1)
 
 
 def kill_process_trees(processes: list[psutil.Process], timeout: float = 5) -> None:

@@ -4,6 +4,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -389,11 +390,14 @@ def start_and_stop(
         proc.kill()
 
 
-def assert_resumed_run_matches(script: str, flags: list[str], tmp_path: Path, stop_after: int, sig: int):
+def assert_resumed_run_matches(
+    script: str, flags: list[str], tmp_path: Path, stop_after: int, sig: int, then: Callable[[Path], None] | None = None
+):
     """A run stopped by `sig` after `stop_after` steps (SIGKILL: to the trainer and its engine at once) and resumed
     with --resume ends with the same metrics.jsonl (wall-clock figures aside) and the same final policy as an
-    uninterrupted run. Returns the resumed run's folder, the uninterrupted one's, what the stopped run printed and the
-    checkpoints it left."""
+    uninterrupted run. `then(folder)`, if given, runs between the stop and the resume (a resume that stops again).
+    Returns the resumed run's folder, the uninterrupted one's, what the stopped run printed and the checkpoints it
+    left."""
     import signal
 
     import torch
@@ -407,6 +411,8 @@ def assert_resumed_run_matches(script: str, flags: list[str], tmp_path: Path, st
     stopped = sorted(p.name for p in (interrupted / "checkpoints").iterdir())
     print(f"stopped with exit code {code}; checkpoints: {stopped}")
     assert not (interrupted / "policy").exists(), "the run finished before it was stopped: stop it earlier"
+    if then is not None:
+        then(interrupted)
     run_script(argv + ["--resume"])
     assert training_lines_without_timings(interrupted) == training_lines_without_timings(reference)
     final, expected = (load_file(d / "policy" / "model.safetensors") for d in (interrupted, reference))

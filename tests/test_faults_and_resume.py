@@ -4,7 +4,8 @@ main(): each behaviour is run on one file, and each file runs the faults whose w
 resume state). Faults are injected from outside the method's code, by tests/fault_launcher.py.
 A fault injected in generation or in reward scoring, a NaN loss or a NaN score stops the run cleanly; a signal while
 the engine starts stops it at once; the engine dies with a trainer killed by SIGKILL; a run stopped mid-way (SIGKILL
-to the process group, Ctrl-C, SIGTERM) resumes to the same result as one that was not."""
+to the process group, Ctrl-C, SIGTERM), then by its engine freezing or dying, resumes to the same result as one that
+was not; the deadlines of the calls to the engine."""
 
 import ast
 import json
@@ -132,22 +133,70 @@ PPO_RESUMABLE = [*SMALL_RUN, "--save_freq", "5", "--async_level", "2", "--adapti
 PPO_RESUMABLE += ["--old_logprobs", "engine"]
 # Each file stops another way: SIGKILL to the trainer and its engine at once (a machine going away: the run resumes
 # from its last --save_freq checkpoint), Ctrl-C and SIGTERM (pre-emption) to the trainer alone (it finishes the step,
-# writes a checkpoint and exits 128 + the signal).
+# writes a checkpoint and exits 128 + the signal). Then each is resumed once with its engine failing (a fault of
+# tests/fault_launcher.py): online DPO's worker stopped (SIGSTOP) at the weight push of version 14, RLOO's scheduler
+# stopped during rollout 14's generation, PPO's worker killed there. That run stops before the step whose rollout
+# does not come (14 + async_level for a push) with its own checkpoint, which the last resume goes on from.
 STOPS = [
-    ("online_dpo_async.py", RESUMABLE, signal.SIGKILL, 12),
-    ("rloo_async.py", RESUMABLE, signal.SIGINT, 7),
-    ("ppo_async.py", PPO_RESUMABLE, signal.SIGTERM, 7),
+    ("online_dpo_async.py", RESUMABLE, signal.SIGKILL, 12, ("freeze_push:14", 16)),
+    ("rloo_async.py", RESUMABLE, signal.SIGINT, 7, ("freeze_generation:14", 14)),
+    ("ppo_async.py", PPO_RESUMABLE, signal.SIGTERM, 7, ("kill_generation:14", 14)),
 ]
 # a resume test and the tests that read its reference run (the run that was not stopped) share an xdist worker
 STOPS = [pytest.param(*stop, marks=pytest.mark.xdist_group(f"resume_{stop[0]}")) for stop in STOPS]
 
 
+# Calls to the engine take well under a second here: a frozen one's deadline is this flag's.
+FROZEN_ENGINE_MINUTES = 0.2
+
+
+def assert_a_failed_engine_stops_the_run(script: str, flags: list[str], fault: str, stop_step: int, run: Path):
+    """The run in `run` resumed with its engine failing (`fault`): it stops within the deadline of the call that had
+    no answer (a frozen engine) or at once (a dead one), with the checkpoint of the step it waited for and one last
+    line that says what failed and where to resume from; no traceback of its own (an engine that dies of an error
+    prints its own), and no process left behind: the engine's, the watchdog."""
+    timeout = ["--engine_timeout_minutes", str(FROZEN_ENGINE_MINUTES)]
+    code, output, seconds, children = run_with_fault(script, fault, [*flags, *timeout, "--resume"], run)
+    checkpoint = run / "checkpoints" / f"step_{stop_step:06d}"
+    print(f"{script} {fault}: exit {code} {seconds:.1f} s after the fault")
+    last, resume = output.strip().splitlines()[-1], f"; resume from {checkpoint} with --resume"
+    assert code == 1 and last.endswith(resume) and checkpoint.is_dir(), output[-3000:]
+    assert f"stopped before step {stop_step}{resume}" in output
+    index = int(fault.split(":")[1])
+    if fault.startswith("kill"):  # the worker the launcher killed, which the trainer sees die
+        pid = re.search(r"SIGKILL to VLLM::Worker \(pid (\d+)\)", output)[1]
+        assert last.startswith(f"error: the engine died: its process VLLM::Worker (pid {pid})"), last
+        # none of the trainer's tracebacks (vLLM's scheduler prints its own as its worker dies: "cancelled")
+        assert "plumbing/" not in output and "See stack trace (above)" not in output, output[-6000:]
+        assert seconds < PROMPTLY
+    else:
+        what = f"the weight push of policy version {index}" if "push" in fault else f"the rollout of step {index}"
+        frozen = re.fullmatch(
+            rf"error: the engine froze: {what} had no answer in [\d.]+ s, its deadline ([\d.]+) s \((.+)\)",
+            last.removesuffix(resume),
+        )
+        assert frozen, last
+        deadline, why = float(frozen[1]), frozen[2]
+        if why.startswith("--engine_timeout_minutes"):  # the flag's, ...
+            assert deadline == pytest.approx(60 * FROZEN_ENGINE_MINUTES) and why.endswith(f" {FROZEN_ENGINE_MINUTES}")
+        else:  # ... or ten times the slowest call of its kind this run made, if longer
+            slowest = float(re.fullmatch(r"10 x the slowest .+ so far, ([\d.]+) s, more than .*", why)[1])
+            assert deadline == pytest.approx(10 * slowest, abs=0.1) and deadline > 60 * FROZEN_ENGINE_MINUTES
+        assert deadline - 1 < seconds < deadline + PROMPTLY and "Traceback" not in output, output[-3000:]
+    assert not psutil.wait_procs(children, timeout=10)[1], "processes left behind"
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("script, flags, sig, after", STOPS)
-def test_a_run_stopped_mid_way_resumes_exactly(script, flags, sig, after, tmp_path):
-    """A run stopped after `after` steps and resumed with --resume ends with the same metrics.jsonl (wall-clock
+@pytest.mark.parametrize("script, flags, sig, after, failure", STOPS)
+def test_a_run_stopped_mid_way_resumes_exactly(script, flags, sig, after, failure, tmp_path):
+    """A run stopped after `after` steps and resumed with --resume, where its engine fails (`failure`: the fault
+    and the step the run stops before) and which is resumed again, ends with the same metrics.jsonl (wall-clock
     figures aside) and the same final policy as the run that was not stopped."""
-    run, reference, output, stopped = assert_resumed_run_matches(script, flags, tmp_path, stop_after=after, sig=sig)
+
+    def engine_fails(run: Path) -> None:
+        assert_a_failed_engine_stops_the_run(script, flags, *failure, run)
+
+    run, reference, output, stopped = assert_resumed_run_matches(script, flags, tmp_path, after, sig, engine_fails)
     names = [int(name.removeprefix("step_")) for name in stopped]
     if sig == signal.SIGKILL:  # the --save_freq checkpoints before the kill
         assert names == [5, 10], stopped
@@ -392,3 +441,124 @@ def test_orphaned_message_queues_and_semaphores_are_released_and_only_those(tmp_
         assert plumbing.watchdog.release_orphaned_shared_memory(named, folder=str(tmp_path)) == [named[0], named[3]]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["psm_mapped", "sem.mp-mapped"]
     assert plumbing.watchdog.release_orphaned_shared_memory(named, folder=str(tmp_path)) == named[1:3]  # unmapped now
+
+
+def test_each_call_to_the_engine_has_a_deadline_from_the_runs_own_pace():
+    """plumbing.engine.Deadlines by hand: the first call of a kind (it may compile) gets 10 minutes on a CPU, 30 on a
+    GPU, or the flag's if longer, and is not the kind's pace; the second the flag's; a later one 10 times the slowest
+    of its kind but the first, at least the flag's; each kind its own."""
+    cpu = plumbing.engine.Deadlines(timeout_minutes=1.0, on_gpu=False)
+    assert cpu.deadline("rollout") == (600.0, "the first rollout may compile: 10 minutes on a CPU")
+    cpu.answered("rollout", 120.0)  # compiling: not the pace
+    assert cpu.deadline("rollout") == (60.0, "--engine_timeout_minutes 1")
+    for seconds in (4.0, 7.5, 5.0):
+        cpu.answered("rollout", seconds)
+    expected = "10 x the slowest rollout so far, 7.50 s, more than --engine_timeout_minutes 1"
+    assert cpu.deadline("rollout") == (75.0, expected)
+    assert cpu.deadline("weight push")[0] == 600.0 and cpu.deadline("evaluation")[0] == 600.0
+    cpu.answered("weight push", 30.0)
+    cpu.answered("weight push", 0.05)
+    assert cpu.deadline("weight push") == (60.0, "--engine_timeout_minutes 1")  # 0.5 s: the flag's is longer
+    gpu = plumbing.engine.Deadlines(timeout_minutes=5.0, on_gpu=True)
+    assert gpu.deadline("evaluation") == (1800.0, "the first evaluation may compile: 30 minutes on a GPU")
+    assert plumbing.engine.Deadlines(timeout_minutes=45.0, on_gpu=True).first == 2700.0  # the flag's, longer
+    # a call in flight is overdue once past its deadline; one that raised is not the pace
+    with cpu.call("weight push", 7):
+        call = cpu.open
+        assert (
+            call.deadline == 60.0 and cpu.overdue(call.start + 59.9) is None and cpu.overdue(call.start + 60.1) is call
+        )
+        assert call.describe(call.start + 61.25) == (
+            "the weight push of policy version 7 had no answer in 61.2 s, its deadline 60.0 s (--engine_timeout_minutes 1)"
+        )
+    assert cpu.open is None and cpu.done["weight push"] == 3 and cpu.slowest["weight push"] < 1
+    with pytest.raises(RuntimeError), cpu.call("evaluation", 4):
+        raise RuntimeError("the engine said no")
+    assert cpu.open is None and "evaluation" not in cpu.done
+
+
+def sleeping_engine(count: int) -> tuple[plumbing.Engine, list[subprocess.Popen]]:
+    """An Engine whose 'processes' are `count` sleeping children, named as vLLM's, resumable from a checkpoint."""
+    from types import SimpleNamespace
+
+    engine = plumbing.Engine.around(llm=None, bucket=None)
+    children = [subprocess.Popen(["sleep", "60"]) for _ in range(count)]
+    engine.engine_processes = [psutil.Process(child.pid) for child in children]
+    engine.names = {child.pid: name for child, name in zip(children, ["VLLM::EngineCore", "VLLM::Worker"])}
+    engine.folder = SimpleNamespace(last_checkpoint="runs/r/checkpoints/step_000007")
+    return engine, children
+
+
+def test_a_frozen_or_dead_engine_is_killed_and_stops_the_trainers_wait_naming_the_checkpoint():
+    """What the trainer does while it waits on the engine (plumbing.Engine.get, every half second): a call past its
+    deadline, or an engine process that died, kills the engine's processes and ends the wait; a wait that cannot
+    write a checkpoint (the final evaluations) ends the run with the line naming the newest one."""
+    import queue
+
+    engine, children = sleeping_engine(2)
+    engine.deadlines.open = plumbing.engine.Call("rollout", 12, time.monotonic() - 90, 75.0, "10 x the slowest")
+    with pytest.raises(SystemExit) as stopped:
+        engine.get(queue.Queue())
+    assert re.fullmatch(
+        r"error: the engine froze: the rollout of step 12 had no answer in 9\d\.\d s, its deadline 75\.0 s \(10 x the "
+        r"slowest\); resume from runs/r/checkpoints/step_000007 with --resume",
+        str(stopped.value.code),
+    ), stopped.value.code
+    assert [child.wait(timeout=10) for child in children] == [-signal.SIGKILL] * 2 and engine.stopping.is_set()
+
+    engine, children = sleeping_engine(2)
+    children[1].kill()
+    children[1].wait()  # reaped: gone, as a killed worker its scheduler reaps
+    engine.folder.last_checkpoint = None
+    with pytest.raises(SystemExit) as stopped:
+        engine.get(queue.Queue())
+    assert stopped.value.code == (
+        f"error: the engine died: its process VLLM::Worker (pid {children[1].pid}) ended (a crash prints its traceback "
+        "above; none: it was killed, e.g. by the out-of-memory killer); no checkpoint: start it again"
+    )
+    assert children[0].wait(timeout=10) == -signal.SIGKILL
+
+
+def test_a_failure_of_the_generation_thread_is_raised_once_with_its_traceback():
+    """The thread keeps its exception without printing it; the trainer's wait raises it as the cause of its own
+    error, so the traceback is printed once (plumbing.run), and the engine, alive, is left to stop."""
+    import queue
+
+    engine, children = sleeping_engine(1)
+    try:
+        raise ValueError("token id 10000 is out of vocabulary")
+    except ValueError as error:
+        engine.thread_error = error
+    with pytest.raises(RuntimeError) as raised:
+        engine.get(queue.Queue())
+    assert str(raised.value) == "the generation thread failed: ValueError: token id 10000 is out of vocabulary"
+    assert raised.value.__cause__ is engine.thread_error and engine.failure is None
+    assert children[0].poll() is None
+    children[0].kill()
+
+
+def test_the_engines_start_has_a_deadline():
+    """plumbing.engine.StopSignals.start_deadline, around the engine's start in Engine.start: a start that takes longer (a
+    stopped process here) ends the run at once with one line and status 1, killing what it started, as SIGTERM
+    does while starting. In a process of its own: it kills its process's children."""
+    program = """
+import subprocess, sys, time
+from plumbing.engine import StopSignals
+
+signals = StopSignals()
+engine = subprocess.Popen(["sleep", "60"])
+print(engine.pid, flush=True)
+with signals.start_deadline(3.0, "its start may compile"):
+    time.sleep(60)
+"""
+    proc = subprocess.Popen(
+        [sys.executable, "-c", program], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+    engine = int(proc.stdout.readline())
+    started = time.time()
+    _, stderr = proc.communicate(timeout=60)
+    assert proc.returncode == 1 and 2.5 < time.time() - started < 3 + PROMPTLY, stderr
+    assert stderr.strip().splitlines()[-1] == (
+        "error: the engine did not start in 0.05 minutes (its start may compile): stopped it"
+    )
+    assert not psutil.pid_exists(engine) or psutil.Process(engine).status() == psutil.STATUS_ZOMBIE

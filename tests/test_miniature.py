@@ -199,7 +199,7 @@ def test_plan_keeps_optimizer_updates_fixed_across_n_and_halves_them_for_k4():
 def test_plan_spells_out_every_flag_that_defines_a_run(script):
     """No run relies on a default: every field of the file's Args is given, except where output goes
     (--output_dir, added per run), tracking, --resume, how many checkpoints are kept, how many samples are
-    printed and how long processes wait for each other. The file's parser accepts them, and they are the tiny task's defaults but for what the plan sets on
+    printed and how long processes wait for each other and for the engine. The file's parser accepts them, and they are the tiny task's defaults but for what the plan sets on
     purpose."""
     import importlib
 
@@ -207,7 +207,8 @@ def test_plan_spells_out_every_flag_that_defines_a_run(script):
 
     module = importlib.import_module(script[:-3])
     not_defining = {"output_dir", "track", "wandb_project", "wandb_entity", "resume", "keep_checkpoints"}
-    not_defining |= {"num_sample_completions", "collective_timeout_minutes"}  # how long processes wait: no result
+    # how long processes wait for each other and for the engine: no result
+    not_defining |= {"num_sample_completions", "collective_timeout_minutes", "engine_timeout_minutes"}
     # GPU flags added after the reproduction ran; on a CPU their defaults are what it ran with (float32, an engine
     # without CUDA graphs and GPU placement, no recomputation; the memory fraction, given as 0.9, is not used)
     gpu_flags = {"dtype", "vllm_placement", "vllm_enforce_eager", "gradient_checkpointing"}
