@@ -33,7 +33,8 @@ def test_flag_values_out_of_range_name_the_flag_its_domain_and_why(script):
     for flags, message in [
         ({"async_level": -1}, r"--async_level must be >= 0 \(a count of policy versions\), got -1$"),
         ({"response_length": 0}, r"--response_length must be >= 1 \(a count of tokens\), got 0$"),
-        ({"temperature": 0.0}, r"--temperature must be > 0 \(logprobs divide logits by it\), got 0.0$"),
+        ({"temperature": 0.0}, r"--temperature must be >= 0.01 \(below it vLLM samples at 0.01, .*\), got 0.0$"),
+        ({"temperature": 1e-6}, r"--temperature must be >= 0.01 \(.*not at the trainer's temperature\), got 1e-06$"),
         ({"missing_eos_penalty": float("nan")}, r"--missing_eos_penalty must be a finite number \(a score\), got nan$"),
         ({"vllm_gpu_memory_utilization": 1.5}, r"--vllm_gpu_memory_utilization must be in \(0, 1\] .*, got 1.5$"),
         ({"keep_checkpoints": 0}, r"--keep_checkpoints must be >= 1 \(the latest checkpoint is the one a resume"),
@@ -152,15 +153,22 @@ def test_a_tokenizer_without_eos_is_refused_and_one_without_pad_pads_with_eos(to
         load_tokenizer(str(tmp_path / "tok"), "--sft_model_path", False)
 
 
+def split_of(name: str, split: str = "train", evaluation: bool = False, **flags):
+    """plumbing's load_split, which the three files call, on --dataset_name `name` as the tiny task reads it."""
+    import online_dpo_async as dpo
+
+    args = dpo.Args(dataset_name=name, **flags)
+    return load_split(args, split, dpo.TASK_COLUMNS["tiny"], evaluation)
+
+
 def test_datasets_of_an_unknown_kind_or_split_name_the_flag(tmp_path):
-    """plumbing's load_split, which the three files call."""
     (tmp_path / "prompts.txt").write_text("sort: a ->\n")
     with pytest.raises(UsageError, match="--dataset_name .*prompts.txt: a single file must be one of"):
-        load_split(str(tmp_path / "prompts.txt"), "train")
+        split_of(str(tmp_path / "prompts.txt"))
     with pytest.raises(UsageError, match="--dataset_name .* split validation"):
-        load_split(str(TINY / "data"), "validation")
+        split_of(str(TINY / "data"), "validation")
     with pytest.raises(UsageError, match=f"^--dataset_name {tmp_path}/nowhere: no such file or folder$"):
-        load_split(str(tmp_path / "nowhere"), "train")
+        split_of(str(tmp_path / "nowhere"))
 
 
 def test_an_output_dir_holding_a_run_needs_resume_with_the_same_flags(script, tmp_path):
@@ -177,13 +185,14 @@ def test_an_output_dir_holding_a_run_needs_resume_with_the_same_flags(script, tm
     assert resume(str(tmp_path), resumed, True, world_size=1) is None  # no checkpoint yet: starts over
     for name in ("step_000004", "step_000012", "step_000008.tmp"):
         (tmp_path / "checkpoints" / name).mkdir(parents=True)
-    # a checkpoint of an older version (no format.json, or another format) is refused in one line
-    with pytest.raises(UsageError, match=r"step_000012 is not a checkpoint of this version \(format 3\)"):
-        resume(str(tmp_path), resumed, True, world_size=1)
-    (tmp_path / "checkpoints" / "step_000012" / "format.json").write_text('{"format": 2}')
-    with pytest.raises(UsageError, match=r"step_000012 is not a checkpoint of this version"):
+    # a checkpoint of an older version (no format.json, or another format, and no manifest) is refused in one line
+    with pytest.raises(UsageError, match=r"step_000012 is not a checkpoint of this version \(format 4\)"):
         resume(str(tmp_path), resumed, True, world_size=1)
     (tmp_path / "checkpoints" / "step_000012" / "format.json").write_text('{"format": 3}')
+    with pytest.raises(UsageError, match=r"step_000012 is not a checkpoint of this version"):
+        resume(str(tmp_path), resumed, True, world_size=1)
+    (tmp_path / "checkpoints" / "step_000012" / "format.json").write_text('{"format": 4}')
+    plumbing.run_folder.write_manifest(str(tmp_path / "checkpoints" / "step_000012"))
     assert resume(str(tmp_path), resumed, True, world_size=1) == str(tmp_path / "checkpoints" / "step_000012")
     with pytest.raises(
         UsageError,
