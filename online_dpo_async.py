@@ -49,8 +49,8 @@ class Args(plumbing.RunArgs):  # and the plumbing's flags: run, engine, checkpoi
     dataset_config: str | None = None  # the dataset's config, e.g. `main` of openai/gsm8k (None: its default)
     dataset_train_split: str = "train"  # split whose prompts are trained on
     dataset_eval_split: str = "test"  # split whose prompts (and reference responses) are evaluated on
-    # evaluate on this file's prompts instead (.jsonl/.json/.parquet/.csv): a --dataset_name that is one file
-    # would serve its prompts to both splits
+    # the evaluation prompts as a file of their own, needed when --dataset_name is one file, which would serve
+    # both splits (None: --dataset_name's --dataset_eval_split)
     dataset_eval_file: str | None = None
     num_eval_prompts: int | None = None  # evaluate on the first this many prompts of the split (None: all)
     sft_model_path: str = str(TINY_TASK / "sft")  # initial policy, also the frozen reference policy

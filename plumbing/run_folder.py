@@ -48,8 +48,8 @@ class DiskFull(UsageError):
 
 
 class RunFolder:
-    """The run's folder (module docstring): its name and path, the checkpoint --resume continues from, the
-    metrics' logs (rank 0's), the checkpoints and the final policy."""
+    """The run's folder (module docstring): its name and path, its lock (rank 0's), the checkpoint --resume
+    continues from, the metrics' logs (rank 0's), the checkpoints and the final policy."""
 
     def __init__(self, args, processes, trained: list[str] | None = None):
         """Before any model loads, the run's name and folder, which rank 0 claims (claim) for the run's
@@ -99,7 +99,8 @@ class RunFolder:
                 print(
                     f"--resume: the last line of metrics.jsonl was cut off ({len(cut)} characters): dropped"
                 )
-            parameters = [parameter_count(model, args.trust_remote_code) for model in trained]
+            with processes.whole_models():  # no ZeRO-3 partitioning, whose collectives rank 1 is not in
+                parameters = [parameter_count(model, args.trust_remote_code) for model in trained]
             deepspeed, engine_bytes = processes.zero_stage > 0, processes.engine_dtype.itemsize
             each = checkpoint_bytes(parameters, engine_bytes, args.async_level, deepspeed)
             at_most = args.keep_checkpoints + 1 if args.save_freq else 1  # the kept ones and a new one
@@ -413,18 +414,22 @@ class FolderLock:
 # == The space the run needs, a full disk ====================================================================
 def parameter_count(path: str, trust_remote_code: bool) -> int:
     """The parameters of the model at `path` (a folder or a hub id), counted on the meta device from its
-    config: no weight is read. 0 when its config cannot be read (load_inputs then names the path)."""
+    config: no weight is read. 0 when its config cannot be read (load_inputs then names the path), or the
+    model cannot be built from it there (its loading then says why): no estimate."""
     try:
         config = transformers.AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
     except (OSError, ValueError):
         return 0
     architecture = getattr(transformers, (config.architectures or [""])[0], None)
-    with torch.device("meta"):
-        if architecture is None:
-            auto = transformers.AutoModelForCausalLM
-            model = auto.from_config(config, trust_remote_code=trust_remote_code)
-        else:
-            model = architecture._from_config(config)
+    try:
+        with torch.device("meta"):
+            if architecture is None:
+                auto = transformers.AutoModelForCausalLM
+                model = auto.from_config(config, trust_remote_code=trust_remote_code)
+            else:
+                model = architecture._from_config(config)
+    except Exception:
+        return 0
     return sum(p.numel() for p in model.parameters())
 
 
