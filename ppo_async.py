@@ -25,12 +25,12 @@ import plumbing
 from plumbing import UsageError
 
 TINY_TASK = Path(__file__).resolve().parent / "benchmark" / "tiny_task"
-# The dataset columns each --task reads (docs/tasks.md).
+# The dataset columns each --task reads (docs/tasks.md): text, or a conversation of {"role", "content"} texts.
 TASK_COLUMNS = {
-    "tiny": ["query", "reference_response"],
-    "tldr": ["query", "reference_response"],
-    "no_robots": ["messages"],
-    "gsm8k": ["question", "answer"],
+    "tiny": {"query": str, "reference_response": str},
+    "tldr": {"query": str, "reference_response": str},
+    "no_robots": {"messages": list[dict[str, str]]},
+    "gsm8k": {"question": str, "answer": str},
 }
 # GSM8k's prompt: the format the paper's policy (Rho-1B SFT on GSM8k, after Kazemnejad et al. 2024) knows.
 GSM8K_PROMPT = "[MATH_TASK] Problem:\n{question}\n\nSolution:"
@@ -49,6 +49,9 @@ class Args(plumbing.RunArgs):  # and the plumbing's flags: run, engine, checkpoi
     dataset_config: str | None = None  # the dataset's config, e.g. `main` of openai/gsm8k (None: its default)
     dataset_train_split: str = "train"  # split whose prompts are trained on
     dataset_eval_split: str = "test"  # split whose prompts (and reference responses) are evaluated on
+    # the evaluation prompts as a file of their own, needed when --dataset_name is one file, which would serve
+    # both splits (None: --dataset_name's --dataset_eval_split)
+    dataset_eval_file: str | None = None
     num_eval_prompts: int | None = None  # evaluate on the first this many prompts of the split (None: all)
     sft_model_path: str = str(TINY_TASK / "sft")  # initial policy, also the frozen reference policy
     # proxy reward model trained on (a one-label sequence classifier); also the value model's start (gsm8k:
@@ -212,9 +215,12 @@ def load_inputs(args: Args, sizes: Sizes) -> Inputs:
     if args.task == "gsm8k" and args.gold_judge != "tiny":
         judge = "its verifier (eval/pass@1), not by a gold reward model"
         raise UsageError(f"--gold_judge {args.gold_judge}: --task gsm8k is evaluated by {judge}")
+    if args.task in ("tldr", "no_robots") and args.gold_judge == "tiny":  # which judges the tiny task only
+        what = "pass a reward model as --gold_judge, or judge eval_completions/ afterwards (docs/tasks.md)"
+        print(f"--task {args.task} with --gold_judge tiny logs no eval/win_rate: {what}")
     tokenizer, reward_tokenizer = plumbing.load_tokenizers(args, reward_model=args.task != "gsm8k")
     train = load_prompts(args, args.dataset_train_split, tokenizer)
-    evaluation = load_prompts(args, args.dataset_eval_split, tokenizer, limit=args.num_eval_prompts)
+    evaluation = load_prompts(args, args.dataset_eval_split, tokenizer, evaluation=True)
     if (n := len(train.token_ids)) < sizes.batch_size:
         raise UsageError(f"{n} training prompts cannot fill one batch ({sizes.batch_size}): lower its sizes")
     return Inputs(tokenizer, reward_tokenizer, train, evaluation)
@@ -249,17 +255,13 @@ def task_prompts(dataset, task: str, tokenizer, where: str) -> tuple[list[str], 
     return list(dataset["query"]), list(dataset["reference_response"])
 
 
-def load_prompts(args: Args, split: str, tokenizer, limit: int | None = None) -> Prompts:
-    """The first `limit` prompts of a split of --dataset_name in the format of --task, but those over
-    --max_prompt_length tokens."""
-    name, task, max_prompt_length = args.dataset_name, args.task, args.max_prompt_length
-    dataset = plumbing.load_split(name, split, args.dataset_config)
-    if missing := [column for column in TASK_COLUMNS[task] if column not in dataset.column_names]:
-        what = f"lacks column(s) {missing} of --task {task}; it has {dataset.column_names}"
-        raise UsageError(f"--dataset_name {name} split {split} {what}")
-    if limit is not None:
-        dataset = dataset.select(range(min(limit, len(dataset))))
-    queries, references = task_prompts(dataset, task, tokenizer, f"--dataset_name {name} split {split}")
+def load_prompts(args: Args, split: str, tokenizer, evaluation: bool = False) -> Prompts:
+    """The prompts of a split of --dataset_name (`evaluation`: the first --num_eval_prompts of the evaluation
+    split, or of --dataset_eval_file), every row checked (plumbing's load_split), in the format of --task; but
+    those over --max_prompt_length tokens."""
+    task, max_prompt_length = args.task, args.max_prompt_length
+    dataset, where = plumbing.load_split(args, split, TASK_COLUMNS[task], evaluation)
+    queries, references = task_prompts(dataset, task, tokenizer, where)
     # A chat template writes the BOS token itself (Llama 3.1's does): encoding the text must not add another.
     token_ids = tokenizer(queries, add_special_tokens=task != "no_robots").input_ids
     keep = [i for i, ids in enumerate(token_ids) if len(ids) <= max_prompt_length]
@@ -679,10 +681,9 @@ def check_value_model(inputs: Inputs, args: Args) -> None:
         raise UsageError(f"{start}: its tokenizer must be the policy's")
 
 
-def load_value_model(args: Args) -> torch.nn.Module:
-    """The value model: a copy of the reward model trained with the policy (the paper's code, ppov2.py), in
-    fp32, dropout off. GSM8k has no reward model: it starts from the SFT policy with a new value head."""
-    start = args.sft_model_path if args.task == "gsm8k" else args.reward_model_path
+def load_value_model(start: str, args: Args) -> torch.nn.Module:
+    """The value model, from `start`: a copy of the reward model trained with the policy (the paper's code,
+    ppov2.py), or on GSM8k, which has none, the SFT policy with a new value head; fp32, dropout off."""
     kwargs = dict(trust_remote_code=args.trust_remote_code, use_safetensors=True, dtype=torch.float32)
     value_model = AutoModelForSequenceClassification.from_pretrained(start, num_labels=1, **kwargs)
     disable_dropout(value_model)
@@ -980,13 +981,15 @@ def main(args: Args) -> None:
     processes = plumbing.Processes(args)  # accelerate's processes, the dtypes (bf16 autocast on GPUs)
     accelerator, device = processes.accelerator, processes.accelerator.device
     sizes = compute_sizes(args, accelerator.num_processes)
-    folder = plumbing.RunFolder(args, accelerator.num_processes)  # and the checkpoint --resume continues from
+    value_start = args.sft_model_path if args.task == "gsm8k" else args.reward_model_path  # load_value_model
+    # locked, and the checkpoint --resume continues from, which holds the policy and the value model
+    folder = plumbing.RunFolder(args, processes, trained=[args.sft_model_path, value_start])
     engine = plumbing.Engine(args, processes, folder)  # its GPU and cores, the stop signals, the deadlines
     inputs = load_inputs(args, sizes)
     check_value_model(inputs, args)
     set_seed(args.seed + accelerator.process_index)
     policy, models = load_models(args, inputs, processes)
-    policy_and_value = PolicyAndValue(policy, load_value_model(args))  # one model, one optimizer: both
+    policy_and_value = PolicyAndValue(policy, load_value_model(value_start, args))  # one optimizer for both
     snapshots = plumbing.PolicySnapshots(processes, policy, prefix="policy.")  # PolicyAndValue's names
     phase_flops = step_flops(policy_and_value, models, sizes, args)
     model, optimizer = accelerator.prepare(policy_and_value, make_optimizer(policy_and_value, args))

@@ -9,6 +9,7 @@ import dataclasses
 import gc
 import inspect
 import io
+import json
 import logging
 import os
 import sys
@@ -23,6 +24,7 @@ import numpy as np
 import torch
 import tyro
 from datasets import load_dataset
+from datasets.exceptions import DatasetGenerationError
 from transformers import AutoConfig, AutoModelForSequenceClassification, AutoTokenizer
 
 
@@ -79,6 +81,9 @@ def quiet_known_noise() -> None:
     logging.getLogger("DeepSpeed").addFilter(
         lambda record: not record.getMessage().startswith("Setting accelerator")
     )
+    # datasets' JSON builder logs a file that does not parse before it raises, which read_split reports in its
+    # one line with the file and the line
+    logging.getLogger("datasets.packaged_modules.json.json").setLevel(logging.CRITICAL)
     # progress bars of every model loaded or saved and of the datasets' caches: seconds each, in every run
     transformers.utils.logging.disable_progress_bar()
     datasets.disable_progress_bars()
@@ -226,7 +231,11 @@ COMMON_DOMAINS = {
     "weight_decay": (">= 0", "< 0 would push the weights away from 0"),
     "max_grad_norm": ("> 0", "the norm the gradients are clipped to (left out: no clipping)"),
     "async_level": (">= 0", "a count of policy versions"),
-    "temperature": ("> 0", "logprobs divide logits by it"),
+    # vLLM 0.32 raises a temperature under 0.01 to 0.01 (vllm/sampling_params.py:30 `_MAX_TEMP`, applied at
+    # 557-565) and samples greedily under 1e-5 (:29 `_SAMPLING_EPS`, :612; vllm/v1/sample/sampler.py:300):
+    # the engine would not sample the policy whose logprobs the trainer computes, and a prompt's K samples
+    # would be alike, so that DPO's pairs tie and RLOO's advantages are 0 (the loss and the KL 0 every step)
+    "temperature": (">= 0.01", "below it vLLM samples at 0.01, not at the trainer's temperature"),
     "vllm_gpu_memory_utilization": ("in (0, 1]", "a share of the GPU"),
     "engine_timeout_minutes": ("> 0", "a time to wait"),
     "missing_eos_penalty": ("finite", "a score"),
@@ -268,27 +277,123 @@ def check_local(path: str, flag: str) -> None:
             raise UsageError(f"{flag} {path}: no such file or folder")
 
 
-def load_split(name: str, split: str, config: str | None = None):
-    """A split of --dataset_name: a hub id, a local dataset folder (its README declares its configs, as on the
-    hub) or one file."""
-    check_local(name, "--dataset_name")
+def load_split(args, split: str, columns: dict[str, type], evaluation: bool = False) -> tuple:
+    """The rows of a split of --dataset_name: a hub id, a local dataset folder (its README declares its
+    configs, as on the hub) or one file; with `evaluation`, the first --num_eval_prompts of the evaluation
+    split, from --dataset_eval_file if given. One file would serve every split: evaluation then needs a file
+    of its own. Every row read is checked (check_rows): `columns` maps the names a task reads to str (text) or
+    CHAT. Returns the rows and where they are, as an error names them."""
+    name, config, flag = args.dataset_name, args.dataset_config, "--dataset_name"
+    if evaluation and args.dataset_eval_file is not None:
+        name, config, flag = args.dataset_eval_file, None, "--dataset_eval_file"
+        if not os.path.isfile(name):
+            raise UsageError(f"--dataset_eval_file {name} is not a file: give one file of evaluation prompts")
+        if os.path.exists(args.dataset_name) and os.path.samefile(name, args.dataset_name):
+            raise UsageError(f"--dataset_eval_file {name} is --dataset_name: evaluate on other prompts")
+    elif evaluation and os.path.isfile(name):
+        raise UsageError(
+            f"--dataset_name {name} is one file, which would serve the evaluation split too: the evaluation "
+            "would run on the training prompts; give its prompts as another file, --dataset_eval_file"
+        )
+    dataset = read_split(name, split, config, flag)
+    where = f"{flag} {name}" + ("" if flag == "--dataset_eval_file" else f" split {split}")
+    if missing := [column for column in columns if column not in dataset.column_names]:
+        has = dataset.column_names
+        raise UsageError(f"{where} lacks column(s) {missing} of --task {args.task}; it has {has}")
+    if evaluation and args.num_eval_prompts is not None:
+        dataset = dataset.select(range(min(args.num_eval_prompts, len(dataset))))
+    check_rows(dataset, columns, where)
+    return dataset, where
+
+
+def read_split(name: str, split: str, config: str | None, flag: str):
+    """A split of the dataset `name`, as load_split describes. A file that does not parse is a UsageError
+    naming it, and the line of a JSON Lines file (unparsable_line), not the builder's chained tracebacks."""
+    check_local(name, flag)
+    builder = dict(path=name, name=config)
     if os.path.isfile(name):
         builders = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".csv": "csv"}
         if Path(name).suffix not in builders:
-            raise UsageError(f"--dataset_name {name}: a single file must be one of {', '.join(builders)}")
+            raise UsageError(f"{flag} {name}: a single file must be one of {', '.join(builders)}")
         if config is not None:
-            raise UsageError(
-                f"--dataset_config {config}: the single file --dataset_name {name} has no configs"
-            )
-        return load_dataset(builders[Path(name).suffix], data_files={split: name}, split=split)
+            raise UsageError(f"--dataset_config {config}: the single file {flag} {name} has no configs")
+        builder = dict(path=builders[Path(name).suffix], data_files={split: name})
     try:
-        return load_dataset(name, config, split=split)
+        return load_dataset(**builder, split=split)
+    except DatasetGenerationError as exc:  # the builder could not read one of its files
+        files = [Path(name)] if os.path.isfile(name) else sorted(Path(name).rglob("*.json*"))
+        for file in files:
+            if file.suffix in (".json", ".jsonl") and (bad := unparsable_line(file)):
+                raise UsageError(f"{flag} {name}: {file} does not parse at {bad}")
+        cause = exc.__cause__ or exc.__context__ or exc
+        raise UsageError(f"{flag} {name} split {split} does not parse: {str(cause).strip().splitlines()[0]}")
     except (FileNotFoundError, ValueError) as exc:  # no such dataset / config / split: say which flag
         lines = str(exc).strip().splitlines()
         # a missing config: the second line lists the configs
         detail = " ".join(lines[:2]) if lines[0].startswith("Config name is missing") else lines[0]
-        where = f"--dataset_name {name}" + (f" --dataset_config {config}" if config else "")
+        where = f"{flag} {name}" + (f" --dataset_config {config}" if config else "")
         raise UsageError(f"{where} split {split}: {detail}") from exc
+
+
+def unparsable_line(path: Path) -> str | None:
+    """Where a JSON Lines file stops parsing, "line N (row R): why" (R counts the rows before it); None when
+    every line is a JSON value, or the file is one JSON document (it then says its line, without a row)."""
+    text, row = path.read_text(errors="replace"), 0
+    for number, line in enumerate(text.splitlines(), 1):
+        try:
+            if line.strip():
+                json.loads(line)
+                row += 1
+        except json.JSONDecodeError as exc:
+            first = f"line {number} (row {row}): {exc.msg}"
+            break
+    else:
+        return None
+    try:
+        json.loads(text)
+    except json.JSONDecodeError as whole:
+        # a document over several lines fails as JSON Lines at its first line: its own error says where
+        return f"line {whole.lineno}: {whole.msg}" if number == 1 and whole.lineno > 1 else first
+    return None
+
+
+# A conversation: [{"role": ..., "content": ...}, ...], as --task no_robots's `messages`.
+CHAT = list[dict[str, str]]
+CHAT_KEYS = ("role", "content")
+
+
+def check_rows(dataset, columns: dict[str, type], where: str) -> None:
+    """Each value of `columns` (name -> str or CHAT) of its type and not empty: a bad row is a UsageError
+    naming it and its column. Unchecked, a value that is not text fails in the tokenizer with a traceback
+    naming neither, and an empty prompt is trained on or divides an evaluation by zero."""
+    for column, kind in columns.items():
+        for row, value in enumerate(dataset[column]):
+            if problem := text_problem(value) if kind is str else chat_problem(value):
+                raise UsageError(f"{where}, row {row}, column {column}: {problem}")
+
+
+def text_problem(value) -> str | None:
+    if value is None:
+        return "missing (null)"
+    if not isinstance(value, str):
+        return f"{shown(value)} is not text"
+    return None if value.strip() else f"{value!r} is empty"
+
+
+def chat_problem(value) -> str | None:
+    if not isinstance(value, list) or not value:
+        return f"{shown(value)} is not a list of messages"
+    for i, message in enumerate(value):
+        if not (isinstance(message, dict) and all(isinstance(message.get(k), str) for k in CHAT_KEYS)):
+            return f"message {i}, {shown(message)}, is not {{'role': text, 'content': text}}"
+        if not message["content"].strip():
+            return f"message {i}'s content {message['content']!r} is empty"
+    return None
+
+
+def shown(value) -> str:
+    text = repr(value)
+    return f"{type(value).__name__} {text if len(text) <= 40 else text[:37] + '...'}"
 
 
 def check_model(

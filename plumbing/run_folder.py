@@ -2,21 +2,30 @@
 
 <output_dir> (runs/<run name> by default) holds args.json, metrics.jsonl and TensorBoard's logs (wandb's with
 --track), eval_completions/, checkpoints/step_NNNNNN and, at the end, policy/ (docs/checkpoints.md). RunFolder
-is made before any model loads, so a bad --output_dir, --exp_name or --resume is refused in one line, and
-written by rank 0 once the engine is up (open), so a start stopped by a signal or a failure leaves none. A
+is made before any model loads: rank 0 locks the folder (FolderLock), so a second run in it is refused, and
+checks it, so a bad --output_dir, --exp_name or --resume, a damaged checkpoint or too little space is said in
+one line; it writes the folder once the engine is up (open), so a start stopped by a signal or a failure
+leaves none. A checkpoint proves itself by its manifest; a full disk stops the run in one line (DiskFull). A
 step's timings (Laps) and FLOPs (forward_flops) are logged with its metrics."""
 
+import atexit
+import errno
+import fcntl
+import hashlib
 import json
 import os
 import re
 import shutil
+import socket
 import subprocess
 import time
+from contextlib import contextmanager, suppress
 from dataclasses import asdict
 from pathlib import Path
 
 import numpy as np
 import torch
+import transformers
 from accelerate import Accelerator, PartialState
 from accelerate.utils import broadcast_object_list, gather_object
 from safetensors.torch import load_file, save_file
@@ -28,15 +37,25 @@ from plumbing.command_line import UsageError
 RESUMABLE_CHANGES = {"resume", "output_dir", "track", "wandb_project", "wandb_entity", "save_freq"}
 RESUMABLE_CHANGES |= {"keep_checkpoints", "num_sample_completions", "collective_timeout_minutes"}
 RESUMABLE_CHANGES |= {"engine_timeout_minutes"}
-# 3: the LR schedule steps once a step; 2: the shuffle generators in Progress; 1: in files
-CHECKPOINT_FORMAT = 3
+# 4: manifest.json, each file's size and sha256; 3: the LR schedule steps once a step; 2: the shuffle
+# generators in Progress; 1: in files
+CHECKPOINT_FORMAT = 4
+MANIFEST = "manifest.json"  # a checkpoint's files with their sizes and hashes, written last
+
+
+class DiskFull(UsageError):
+    """The disk of --output_dir filled up during the run: said in one line (plumbing.run), like bad input,
+    once the temporary files are removed."""
 
 
 class RunFolder:
-    """The run's folder (module docstring): its name and path, the checkpoint --resume continues from, the
-    metrics' logs (rank 0's), the checkpoints and the final policy."""
+    """The run's folder (module docstring): its name and path, its lock (rank 0's), the checkpoint --resume
+    continues from, the metrics' logs (rank 0's), the checkpoints and the final policy."""
 
-    def __init__(self, args, world_size: int):
+    def __init__(self, args, processes, trained: list[str] | None = None):
+        """Before any model loads, the run's name and folder, which rank 0 claims (claim) for the run's
+        `processes` (plumbing.Processes): `trained` are the models a checkpoint holds with their optimizer
+        state (None: the policy, --sft_model_path), from which it estimates the space the run needs."""
         if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_.-]*", args.exp_name):
             raise UsageError(
                 f"--exp_name {args.exp_name!r} must be a plain name (letters, digits, '_', '.', '-'): it "
@@ -45,12 +64,53 @@ class RunFolder:
         self.args, self.logger, self.bar, self.origin, self.episodes_per_step = args, None, None, 0.0, 0
         self.name = name_run(args.exp_name, args.seed)
         self.path = args.output_dir or os.path.join("runs", self.name)
-        if os.path.exists(self.path) and not os.path.isdir(self.path):
-            raise UsageError(f"--output_dir {self.path} is a file, not a folder: choose another --output_dir")
+        self.lock, claimed = None, None
+        if processes.is_main:
+            try:
+                claimed = self.claim(processes, trained or [args.sft_model_path])
+            except (UsageError, SystemExit) as exc:  # every process stops with it
+                claimed = exc
+        claimed = processes.broadcast(claimed)
+        if isinstance(claimed, BaseException):
+            raise claimed
+        self.checkpoint = claimed
+        self.last_checkpoint = self.checkpoint  # the newest on disk, which a NaN loss names
+
+    def claim(self, processes, trained: list[str]) -> str | None:
+        """Rank 0's checks of the folder, which it locks first (FolderLock: writable, and no other run in
+        it): the run it holds, and the checkpoint --resume continues from (checkpoint_to_resume), with a
+        line for a cut-off last line of metrics.jsonl, which is dropped; and the free space, against the
+        run's own estimate of what its checkpoints and final policy need (check_space). Returns the
+        checkpoint."""
+        args, path = self.args, self.path
+        if os.path.exists(path) and not os.path.isdir(path):
+            raise UsageError(f"--output_dir {path} is a file, not a folder: choose another --output_dir")
         if args.resume and args.output_dir is None:
             raise UsageError("--resume needs --output_dir, the folder of the run to continue")
-        self.checkpoint = checkpoint_to_resume(self.path, asdict(args), args.resume, world_size)
-        self.last_checkpoint = self.checkpoint  # the newest on disk, which a NaN loss names
+        if args.resume and not os.path.isfile(os.path.join(path, "args.json")):
+            raise UsageError(
+                f"--resume: --output_dir {path} holds no run (no args.json): check the folder, or leave out "
+                "--resume to start a new run"
+            )
+        self.lock = FolderLock(path)
+        try:
+            world_size = processes.accelerator.num_processes
+            checkpoint = checkpoint_to_resume(path, asdict(args), args.resume, world_size)
+            if (cut := metrics_lines(os.path.join(path, "metrics.jsonl"))[1]) is not None:
+                print(
+                    f"--resume: the last line of metrics.jsonl was cut off ({len(cut)} characters): dropped"
+                )
+            with processes.whole_models():  # no ZeRO-3 partitioning, whose collectives rank 1 is not in
+                parameters = [parameter_count(model, args.trust_remote_code) for model in trained]
+            deepspeed, engine_bytes = processes.zero_stage > 0, processes.engine_dtype.itemsize
+            each = checkpoint_bytes(parameters, engine_bytes, args.async_level, deepspeed)
+            at_most = args.keep_checkpoints + 1 if args.save_freq else 1  # the kept ones and a new one
+            count = max(0, at_most - len(checkpoints_in(path)))
+            check_space(path, each, count, final_policy=4 * parameters[0])
+        except BaseException:
+            self.lock.release()
+            raise
+        return checkpoint
 
     def resume(self, accelerator: Accelerator, scheduler, *more) -> "Progress":
         """Where the run is (Progress), once the objects a checkpoint saves beside accelerate's own (the
@@ -72,13 +132,13 @@ class RunFolder:
         self.origin, self.episodes_per_step = origin, sizes["episodes_per_step"]
         if not PartialState().is_main_process:
             return
-        args = self.args
-        os.makedirs(self.path, exist_ok=True)
-        keep_metrics_before(os.path.join(self.path, "metrics.jsonl"), progress.step, progress.evals_logged)
-        run_args = asdict(args) | sizes | {"output_dir": self.path, "git_revision": git_revision()}
-        write_atomically(os.path.join(self.path, "args.json"), json.dumps(run_args, indent=2))
-        tracking = (args.track, args.wandb_project, args.wandb_entity)
-        self.logger = MetricsLogger(self.path, self.name, asdict(args), *tracking)
+        args, metrics = self.args, os.path.join(self.path, "metrics.jsonl")
+        with self.writing("args.json and the logs"):
+            keep_metrics_before(metrics, progress.step, progress.evals_logged)
+            run_args = asdict(args) | sizes | {"output_dir": self.path, "git_revision": git_revision()}
+            write_atomically(os.path.join(self.path, "args.json"), json.dumps(run_args, indent=2))
+            tracking = (args.track, args.wandb_project, args.wandb_entity)
+            self.logger = MetricsLogger(self.path, self.name, asdict(args), *tracking)
 
     def steps(self, start: int, end: int):
         """The steps from `start` to `end`, with rank 0's progress bar, which `log` annotates."""
@@ -90,7 +150,8 @@ class RunFolder:
         """A training step's line of metrics.jsonl, rank 0's: `metrics` and its timings (pipeline_metrics)."""
         if self.logger is not None:
             timings = pipeline_metrics(laps, generator, self.origin, flops, self.episodes_per_step, tokens)
-            self.logger.log(metrics | timings)
+            with self.writing("metrics.jsonl"):
+                self.logger.log(metrics | timings)
             score, kl = f"{metrics['objective/scores']:.3f}", f"{metrics['objective/kl']:.2f}"
             self.bar.set_postfix(lag=metrics["async/lag"], score=score, kl=kl)
 
@@ -107,13 +168,14 @@ class RunFolder:
         if self.logger is not None:  # under ZeRO-3 every process evaluates; rank 0 logs
             texts = (prompts.queries, completions, prompts.references)
             episode = arrived.version * self.episodes_per_step
-            self.logger.log_evaluation(arrived.version, episode, metrics, rows, texts)
+            with self.writing(f"eval_completions/step_{arrived.version:06d}.jsonl and metrics.jsonl"):
+                self.logger.log_evaluation(arrived.version, episode, metrics, rows, texts)
 
     def save_checkpoint(self, accelerator: Accelerator, progress: "Progress", owed: dict[int, list]) -> None:
         """A checkpoint for a trainer about to run step `progress.step` (save_checkpoint), with `owed`."""
-        self.last_checkpoint = save_checkpoint(
-            accelerator, self.path, progress, owed, self.args.keep_checkpoints
-        )
+        with self.writing(f"checkpoints/step_{progress.step:06d}"):
+            keep = self.args.keep_checkpoints
+            self.last_checkpoint = save_checkpoint(accelerator, self.path, progress, owed, keep)
 
     def stopped(self, step: int) -> None:
         resume = f"; resume from {self.last_checkpoint} with --resume" if self.last_checkpoint else ""
@@ -121,17 +183,45 @@ class RunFolder:
 
     def save_policy(self, accelerator: Accelerator, model, tokenizer, prefix: str = "") -> None:
         """The trained policy, as policy/ (save_policy)."""
-        save_policy(accelerator, model, tokenizer, os.path.join(self.path, "policy"), prefix)
+        with self.writing("policy/"):
+            save_policy(accelerator, model, tokenizer, os.path.join(self.path, "policy"), prefix)
+
+    @contextmanager
+    def writing(self, what: str):
+        """Writes `what` into the folder: a full disk (disk_full) stops the run with one line naming the path
+        and the flag (DiskFull), once the temporary files are removed, so that the --resume that follows has
+        the space they took."""
+        try:
+            yield
+        except Exception as exc:
+            if not disk_full(exc, self.path):
+                raise
+            remove_temporary_files(self.path)
+            then = f"continues from {self.last_checkpoint}" if self.last_checkpoint else "starts the run over"
+            raise DiskFull(
+                f"no space left on the device of --output_dir {self.path} (writing {what}): free some, and "
+                f"--resume {then}"
+            ) from exc
 
     def close(self) -> None:
-        if self.logger is not None:
-            self.logger.close()
+        """The logs, closed; the folder's lock, released (on every process but rank 0: nothing)."""
+        try:
+            if self.logger is not None:
+                with self.writing("the logs"):
+                    self.logger.close()
+        finally:
+            if self.lock is not None:
+                self.lock.release()
 
     def __enter__(self) -> "RunFolder":
         return self
 
     def __exit__(self, kind, error, trace) -> None:
-        self.close()
+        if kind is None:
+            self.close()
+            return
+        with suppress(Exception):  # the logs of a run that failed, on a full disk maybe: its error is the one
+            self.close()
 
 
 # == Naming, resuming ========================================================================================
@@ -155,7 +245,9 @@ def checkpoints_in(output_dir: str) -> list[Path]:
 
 def checkpoint_to_resume(output_dir: str, flags: dict, resume: bool, world_size: int) -> str | None:
     """The checkpoint a run continues from (None: it starts at step 0); two runs never share a folder. Exits
-    (0) on --resume of a finished run, whose final policy is saved at the very end."""
+    (0) on --resume of a finished run, whose final policy is saved at the very end. The newest checkpoint
+    that its manifest proves intact (checkpoint_damage): damaged ones are named with what is wrong, in the
+    one line that says which the run continues from; with none intact, the error says how to start over."""
     if not resume:
         if holds_a_run(output_dir):
             raise UsageError(
@@ -164,10 +256,7 @@ def checkpoint_to_resume(output_dir: str, flags: dict, resume: bool, world_size:
             )
         return None
     if os.path.isdir(policy := os.path.join(output_dir, "policy")):
-        if PartialState().is_main_process:
-            print(
-                f"--resume: the run in {output_dir} is finished (its final policy is {policy}): nothing to do"
-            )
+        print(f"--resume: the run in {output_dir} is finished (its final policy is {policy}): nothing to do")
         raise SystemExit(0)
     if os.path.exists(run_file := os.path.join(output_dir, "args.json")):
         previous = json.loads(Path(run_file).read_text())
@@ -183,15 +272,218 @@ def checkpoint_to_resume(output_dir: str, flags: dict, resume: bool, world_size:
                 f"--resume: {', '.join(changed)} differ from the run in --output_dir {output_dir}; resume it "
                 "with its own flags"
             )
-    if not (checkpoints := checkpoints_in(output_dir)):
-        return None
-    format_file = checkpoints[-1] / "format.json"
-    if not format_file.exists() or json.loads(format_file.read_text()) != {"format": CHECKPOINT_FORMAT}:
+    damaged = []
+    for checkpoint in reversed(checkpoints_in(output_dir)):
+        if (problem := checkpoint_damage(checkpoint)) is None:
+            if damaged:
+                print(f"--resume: {'; '.join(damaged)}: continuing from the newest intact one, {checkpoint}")
+            return str(checkpoint)
+        damaged.append(f"{checkpoint} is damaged ({problem}; delete it)")
+    if damaged:
         raise UsageError(
-            f"--resume: {checkpoints[-1]} is not a checkpoint of this version (format {CHECKPOINT_FORMAT}): "
-            "resume it with the version that wrote it"
+            f"--resume: no intact checkpoint: {'; '.join(damaged)}; to start the run over, delete "
+            f"{Path(output_dir, 'checkpoints')} too and --resume starts at step 0"
         )
-    return str(checkpoints[-1])
+    return None
+
+
+def checkpoint_damage(checkpoint: Path) -> str | None:
+    """What is wrong with a checkpoint, as its manifest (MANIFEST, written last) shows: a file missing, or of
+    another size, or another sha256 than it had when written; the manifest itself missing (the checkpoint
+    was never finished) or unreadable. None: nothing. A checkpoint of another format is refused."""
+    other_version = UsageError(
+        f"--resume: {checkpoint} is not a checkpoint of this version (format {CHECKPOINT_FORMAT}): resume "
+        "it with the version that wrote it"
+    )
+    if not (checkpoint / MANIFEST).exists():
+        if read_json(checkpoint / "format.json") != {"format": CHECKPOINT_FORMAT}:  # formats 1-3 had none
+            raise other_version
+        return f"{MANIFEST} is missing: it is written last, and the checkpoint was not finished"
+    try:
+        files = json.loads((checkpoint / MANIFEST).read_text())["files"]
+        files = {name: (int(file["bytes"]), str(file["sha256"])) for name, file in files.items()}
+    except (ValueError, KeyError, TypeError, AttributeError):
+        return f"{MANIFEST} does not parse"
+    for name, (size, sha256) in files.items():
+        if not (file := checkpoint / name).is_file():
+            return f"{name} is missing"
+        if file.stat().st_size != size:
+            return f"{name} has {file.stat().st_size} bytes, not the {size} written"
+        if file_sha256(file) != sha256:
+            return f"{name} is not the file written: its sha256 differs"
+    if read_json(checkpoint / "format.json") != {"format": CHECKPOINT_FORMAT}:
+        raise other_version
+    return None
+
+
+def write_manifest(folder: str) -> None:
+    """`folder`'s manifest: every file under it with its size and sha256, which --resume checks."""
+    files = {
+        str(file.relative_to(folder)): {"bytes": file.stat().st_size, "sha256": file_sha256(file)}
+        for file in sorted(Path(folder).rglob("*"))
+        if file.is_file() and file.name != MANIFEST
+    }
+    write_atomically(os.path.join(folder, MANIFEST), json.dumps({"files": files}, indent=1))
+
+
+def file_sha256(path: Path) -> str:
+    with open(path, "rb") as file:
+        return hashlib.file_digest(file, "sha256").hexdigest()
+
+
+def read_json(path: Path):
+    """A JSON file's value; None if it is missing or does not parse."""
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+
+
+class FolderLock:
+    """The run folder's lock, run.lock, held by the process that writes the folder (rank 0) from its first
+    check to the run's end: an fcntl lock, and in the file the holder's pid and host, so that a second run or
+    a second --resume in the folder is refused naming that process. The lock dies with its process: a file
+    left by a process that is gone (kill -9) is taken over. The file, and the folders made for it while
+    still empty, go when the lock is released or its process exits."""
+
+    def __init__(self, folder: str):
+        self.path, self.made = os.path.join(folder, "run.lock"), []
+        parent = os.path.abspath(folder)
+        while not os.path.exists(parent):  # the folders makedirs makes, removed with the lock if left empty
+            self.made.append(parent)
+            parent = os.path.dirname(parent)
+        try:
+            os.makedirs(folder, exist_ok=True)
+            self.fd = self.take(folder)
+        except OSError as exc:
+            self.remove_made_folders()
+            raise UsageError(
+                f"--output_dir {folder} is not writable ({exc.strerror}): choose another --output_dir"
+            ) from exc
+        atexit.register(self.release)
+
+    def take(self, folder: str) -> int:
+        while True:
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o666)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                holder = self.holder(fd) or "another process"
+                os.close(fd)
+                self.remove_made_folders()
+                raise UsageError(
+                    f"--output_dir {folder} is in use by {holder}, which holds {self.path}: wait for that "
+                    "run to end, or choose another --output_dir"
+                ) from None
+            with suppress(FileNotFoundError):
+                if os.path.samestat(os.fstat(fd), os.stat(self.path)):
+                    break
+            os.close(fd)  # its holder removed the file as this process opened it: lock the new one
+        if left := self.holder(fd):
+            print(f"--output_dir {folder}: {self.path} was left by {left}, which is gone: taking it over")
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, json.dumps({"pid": os.getpid(), "host": socket.gethostname()}).encode(), 0)
+        return fd
+
+    @staticmethod
+    def holder(fd: int) -> str | None:
+        """Who holds (or held) a lock file, as it says: "process <pid> on <host>"."""
+        try:
+            holder = json.loads(os.pread(fd, 4096, 0))
+            return f"process {holder['pid']} on {holder['host']}"
+        except (ValueError, KeyError, TypeError):
+            return None
+
+    def release(self) -> None:
+        if self.fd is None:
+            return
+        with suppress(FileNotFoundError):
+            if os.path.samestat(os.fstat(self.fd), os.stat(self.path)):
+                os.unlink(self.path)
+        os.close(self.fd)
+        self.fd = None
+        self.remove_made_folders()
+
+    def remove_made_folders(self) -> None:
+        for folder in self.made:  # the deepest first
+            try:
+                os.rmdir(folder)
+            except OSError:
+                return
+
+
+# == The space the run needs, a full disk ====================================================================
+def parameter_count(path: str, trust_remote_code: bool) -> int:
+    """The parameters of the model at `path` (a folder or a hub id), counted on the meta device from its
+    config: no weight is read. 0 when its config cannot be read (load_inputs then names the path), or the
+    model cannot be built from it there (its loading then says why): no estimate."""
+    try:
+        config = transformers.AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
+    except (OSError, ValueError):
+        return 0
+    architecture = getattr(transformers, (config.architectures or [""])[0], None)
+    try:
+        with torch.device("meta"):
+            if architecture is None:
+                auto = transformers.AutoModelForCausalLM
+                model = auto.from_config(config, trust_remote_code=trust_remote_code)
+            else:
+                model = architecture._from_config(config)
+    except Exception:
+        return 0
+    return sum(p.numel() for p in model.parameters())
+
+
+def checkpoint_bytes(trained: list[int], engine_bytes: int, async_level: int, deepspeed: bool) -> int:
+    """A checkpoint's size by the run's own estimate: the `trained` models' parameters (the policy's first)
+    as fp32 weights and AdamW's two fp32 moments, 12 bytes a parameter (16 under DeepSpeed, which also
+    saves its own copy of the weights); and up to async_level + 1 older policies the generator still owes a
+    batch or an evaluation, at the engine's `engine_bytes` a parameter."""
+    return sum(trained) * (16 if deepspeed else 12) + trained[0] * engine_bytes * (async_level + 1)
+
+
+def check_space(output_dir: str, checkpoint: int, count: int, final_policy: int) -> None:
+    """`count` more checkpoints of `checkpoint` bytes and the final policy fit in `output_dir`'s free space,
+    or the run is refused, saying how much is missing."""
+    needed, free = count * checkpoint + final_policy, shutil.disk_usage(output_dir).free
+    if needed > free:
+        raise UsageError(
+            f"--output_dir {output_dir} has {size_text(free)} free, and this run would write about "
+            f"{size_text(needed)} there: {count} checkpoint(s) of {size_text(checkpoint)} at once "
+            "(--keep_checkpoints and the one being written) and its final policy, "
+            f"{size_text(final_policy)}; free some space, choose another --output_dir, or lower "
+            "--keep_checkpoints"
+        )
+
+
+def size_text(size: int) -> str:
+    return f"{size / 2**30:.1f} GiB" if size >= 2**30 else f"{size / 2**20:.1f} MiB"
+
+
+def disk_full(error: BaseException, path: str) -> bool:
+    """Whether `error` came from a full disk under `path`: an OSError saying so (no space, or over quota)
+    anywhere in its chain; or, as some writers lose the error's number (torch.save), no space left there."""
+    chain = []
+    while error is not None and error not in chain:
+        chain.append(error)
+        error = error.__cause__ or error.__context__
+    if any(isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT) for e in chain):
+        return True
+    if any("No space left on device" in str(e) or "Disk quota exceeded" in str(e) for e in chain):
+        return True  # safetensors'
+    with suppress(OSError):
+        return shutil.disk_usage(path).free < 2**20
+    return False
+
+
+def remove_temporary_files(output_dir: str) -> None:
+    """The *.tmp files and folders the run writes before it renames them (write_atomically, save_checkpoint,
+    save_policy), in the folder and its subfolders (checkpoints/, eval_completions/)."""
+    for temporary in [*Path(output_dir).glob("*.tmp"), *Path(output_dir).glob("*/*.tmp")]:
+        if temporary.is_dir():
+            shutil.rmtree(temporary, ignore_errors=True)
+        else:
+            temporary.unlink(missing_ok=True)
 
 
 def git_revision() -> str:
@@ -211,16 +503,30 @@ def write_atomically(path: str, text: str) -> None:
 
 def keep_metrics_before(metrics: str, start_step: int, evals_logged: set[int]) -> None:
     """metrics.jsonl without the training steps from `start_step` on and the evaluations not in
-    `evals_logged`."""
+    `evals_logged`, and without a last line cut off (metrics_lines)."""
     if not os.path.exists(metrics):
         return
     kept = []
-    for line in Path(metrics).read_text().splitlines():
+    for line in metrics_lines(metrics)[0]:
         logged = json.loads(line)
         is_eval = any(key.startswith("eval/") for key in logged)
         if (logged["step"] in evals_logged) if is_eval else (logged["step"] < start_step):
             kept.append(line + "\n")
     write_atomically(metrics, "".join(kept))
+
+
+def metrics_lines(metrics: str) -> tuple[list[str], str | None]:
+    """The lines of metrics.jsonl (none if it is missing), and apart its last one when a kill or a full disk
+    cut it off (it is not JSON). A line before the last that is not JSON is a UsageError naming it."""
+    lines = Path(metrics).read_text(errors="replace").splitlines() if os.path.exists(metrics) else []
+    for number, line in enumerate(lines, 1):
+        try:
+            json.loads(line)
+        except json.JSONDecodeError as exc:
+            if number == len(lines):
+                return lines[:-1], line
+            raise UsageError(f"--resume: {metrics} line {number} is not JSON ({exc.msg}): mend or delete it")
+    return lines, None
 
 
 # == Checkpoints =============================================================================================
@@ -249,18 +555,21 @@ def save_checkpoint(
     safetensors, the optimizer, the registered objects such as the scheduler and Progress, RNG states) and the
     older policy versions the generator still owes batches or evaluations (`owed`: version -> [(name,
     tensor)]), so no engine state is needed. Written to a temporary folder, then renamed; then all but the
-    `keep` newest checkpoints are deleted. Returns its path."""
+    `keep` newest checkpoints are deleted. Its manifest, written last, lists every file with its size and
+    sha256 (write_manifest). Returns its path."""
     path = os.path.join(output_dir, "checkpoints", f"step_{progress.step:06d}")
     if accelerator.is_main_process:
         shutil.rmtree(f"{path}.tmp", ignore_errors=True)
     accelerator.wait_for_everyone()
     accelerator.save_state(f"{path}.tmp")
+    accelerator.wait_for_everyone()  # every process's files are written before rank 0 lists them
     if accelerator.is_main_process:  # theta_step itself is the policy's weights
         for version, tensors in owed.items():
             tensors = {name: tensor.cpu().clone() for name, tensor in tensors}
             save_file(tensors, os.path.join(f"{path}.tmp", f"version_{version:06d}.safetensors"))
         Path(f"{path}.tmp", "format.json").write_text(json.dumps({"format": CHECKPOINT_FORMAT}))
         follow_umask(f"{path}.tmp")
+        write_manifest(f"{path}.tmp")  # last: a checkpoint without one was not finished
         shutil.rmtree(path, ignore_errors=True)
         os.replace(f"{path}.tmp", path)
         for old in checkpoints_in(output_dir)[:-keep]:  # the newest, just written, is the one a resume reads

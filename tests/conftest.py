@@ -4,7 +4,6 @@ import shutil
 import subprocess
 import sys
 import tempfile
-from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -391,13 +390,13 @@ def start_and_stop(
 
 
 def assert_resumed_run_matches(
-    script: str, flags: list[str], tmp_path: Path, stop_after: int, sig: int, then: Callable[[Path], None] | None = None
+    script: str, flags: list[str], tmp_path: Path, stop_after: int, sig: int, before_resume=None
 ):
     """A run stopped by `sig` after `stop_after` steps (SIGKILL: to the trainer and its engine at once) and resumed
     with --resume ends with the same metrics.jsonl (wall-clock figures aside) and the same final policy as an
-    uninterrupted run. `then(folder)`, if given, runs between the stop and the resume (a resume that stops again).
-    Returns the resumed run's folder, the uninterrupted one's, what the stopped run printed and the checkpoints it
-    left."""
+    uninterrupted run. `before_resume(folder)`: what happens to the stopped run's folder before it is resumed.
+    Returns the resumed run's folder, the uninterrupted one's, what the stopped run printed, the checkpoints it
+    left and what the resumed run printed."""
     import signal
 
     import torch
@@ -411,13 +410,13 @@ def assert_resumed_run_matches(
     stopped = sorted(p.name for p in (interrupted / "checkpoints").iterdir())
     print(f"stopped with exit code {code}; checkpoints: {stopped}")
     assert not (interrupted / "policy").exists(), "the run finished before it was stopped: stop it earlier"
-    if then is not None:
-        then(interrupted)
-    run_script(argv + ["--resume"])
+    if before_resume is not None:
+        before_resume(interrupted)
+    resumed = run_script(argv + ["--resume"]).stdout
     assert training_lines_without_timings(interrupted) == training_lines_without_timings(reference)
     final, expected = (load_file(d / "policy" / "model.safetensors") for d in (interrupted, reference))
     assert all(torch.equal(final[k], expected[k]) for k in expected)
-    return interrupted, reference, output, stopped
+    return interrupted, reference, output, stopped, resumed
 
 
 def run_tracking_children(

@@ -529,6 +529,7 @@ LEFT_OUT = {
     "tests/test_rloo_runs.py": "whole runs, each starting an engine",
     "tests/test_ppo_runs.py": "whole runs, each starting an engine",
     "tests/test_faults_and_resume.py": "whole runs: faults, signals, resume",
+    "tests/test_run_folder.py": "the run folder (plumbing's): checkpoints, its lock and space, a full disk",
     "tests/test_gpu.py": "needs a GPU",
     "tests/test_benchmark_scripts.py": "the benchmark scripts' commands",
     "tests/test_benchmark_tools.py": "the benchmark tools",
@@ -541,6 +542,7 @@ LEFT_OUT = {
 SUBPROCESS_TESTS = (
     "tests/test_bad_input.py::test_the_command_line_prints_one_line_and_writes_nothing",
     "tests/test_bad_input.py::test_an_sft_policy_as_reward_model_or_gold_judge_is_refused_in_one_line",
+    "tests/test_bad_input.py::test_bad_data_and_settings_get_one_line_from_the_shell_and_nothing_written",
     "tests/test_tasks.py::test_a_gold_reward_model_for_gsm8k_is_refused_in_one_line_before_any_model_loads",
 )
 

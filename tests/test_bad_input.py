@@ -33,7 +33,8 @@ def test_flag_values_out_of_range_name_the_flag_its_domain_and_why(script):
     for flags, message in [
         ({"async_level": -1}, r"--async_level must be >= 0 \(a count of policy versions\), got -1$"),
         ({"response_length": 0}, r"--response_length must be >= 1 \(a count of tokens\), got 0$"),
-        ({"temperature": 0.0}, r"--temperature must be > 0 \(logprobs divide logits by it\), got 0.0$"),
+        ({"temperature": 0.0}, r"--temperature must be >= 0.01 \(below it vLLM samples at 0.01, .*\), got 0.0$"),
+        ({"temperature": 1e-6}, r"--temperature must be >= 0.01 \(.*not at the trainer's temperature\), got 1e-06$"),
         ({"missing_eos_penalty": float("nan")}, r"--missing_eos_penalty must be a finite number \(a score\), got nan$"),
         ({"vllm_gpu_memory_utilization": 1.5}, r"--vllm_gpu_memory_utilization must be in \(0, 1\] .*, got 1.5$"),
         ({"keep_checkpoints": 0}, r"--keep_checkpoints must be >= 1 \(the latest checkpoint is the one a resume"),
@@ -152,15 +153,22 @@ def test_a_tokenizer_without_eos_is_refused_and_one_without_pad_pads_with_eos(to
         load_tokenizer(str(tmp_path / "tok"), "--sft_model_path", False)
 
 
+def split_of(name: str, split: str = "train", evaluation: bool = False, **flags):
+    """plumbing's load_split, which the three files call, on --dataset_name `name` as the tiny task reads it."""
+    import online_dpo_async as dpo
+
+    args = dpo.Args(dataset_name=name, **flags)
+    return load_split(args, split, dpo.TASK_COLUMNS["tiny"], evaluation)
+
+
 def test_datasets_of_an_unknown_kind_or_split_name_the_flag(tmp_path):
-    """plumbing's load_split, which the three files call."""
     (tmp_path / "prompts.txt").write_text("sort: a ->\n")
     with pytest.raises(UsageError, match="--dataset_name .*prompts.txt: a single file must be one of"):
-        load_split(str(tmp_path / "prompts.txt"), "train")
+        split_of(str(tmp_path / "prompts.txt"))
     with pytest.raises(UsageError, match="--dataset_name .* split validation"):
-        load_split(str(TINY / "data"), "validation")
+        split_of(str(TINY / "data"), "validation")
     with pytest.raises(UsageError, match=f"^--dataset_name {tmp_path}/nowhere: no such file or folder$"):
-        load_split(str(tmp_path / "nowhere"), "train")
+        split_of(str(tmp_path / "nowhere"))
 
 
 def test_an_output_dir_holding_a_run_needs_resume_with_the_same_flags(script, tmp_path):
@@ -177,13 +185,14 @@ def test_an_output_dir_holding_a_run_needs_resume_with_the_same_flags(script, tm
     assert resume(str(tmp_path), resumed, True, world_size=1) is None  # no checkpoint yet: starts over
     for name in ("step_000004", "step_000012", "step_000008.tmp"):
         (tmp_path / "checkpoints" / name).mkdir(parents=True)
-    # a checkpoint of an older version (no format.json, or another format) is refused in one line
-    with pytest.raises(UsageError, match=r"step_000012 is not a checkpoint of this version \(format 3\)"):
-        resume(str(tmp_path), resumed, True, world_size=1)
-    (tmp_path / "checkpoints" / "step_000012" / "format.json").write_text('{"format": 2}')
-    with pytest.raises(UsageError, match=r"step_000012 is not a checkpoint of this version"):
+    # a checkpoint of an older version (no format.json, or another format, and no manifest) is refused in one line
+    with pytest.raises(UsageError, match=r"step_000012 is not a checkpoint of this version \(format 4\)"):
         resume(str(tmp_path), resumed, True, world_size=1)
     (tmp_path / "checkpoints" / "step_000012" / "format.json").write_text('{"format": 3}')
+    with pytest.raises(UsageError, match=r"step_000012 is not a checkpoint of this version"):
+        resume(str(tmp_path), resumed, True, world_size=1)
+    (tmp_path / "checkpoints" / "step_000012" / "format.json").write_text('{"format": 4}')
+    plumbing.run_folder.write_manifest(str(tmp_path / "checkpoints" / "step_000012"))
     assert resume(str(tmp_path), resumed, True, world_size=1) == str(tmp_path / "checkpoints" / "step_000012")
     with pytest.raises(
         UsageError,
@@ -318,3 +327,162 @@ def test_an_sft_policy_as_reward_model_or_gold_judge_is_refused_in_one_line(flag
     assert proc.returncode == 1
     assert proc.stderr.strip().splitlines() == [f"error: {not_a_reward_model(flag, 'benchmark/tiny_task/sft')}"]
     assert not (tmp_path / "run" / "args.json").exists() and not (tmp_path / "run").exists()
+
+
+# ------------------------------------------------------------------------------------------ data
+def rows_file(path, rows: list) -> str:
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    return str(path)
+
+
+SORT = {"query": "sort: cat ant ->", "reference_response": "ant cat </s>"}
+CHAT = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello!"}]
+# (--task, the bad row (row 1, after a good one), the column and what is wrong with it)
+BAD_ROWS = [
+    ("tiny", {**SORT, "query": 5}, "query", "int 5 is not text"),
+    ("tiny", {"query": SORT["query"]}, "reference_response", "missing (null)"),  # no such key in the row
+    ("tiny", {**SORT, "query": ""}, "query", "'' is empty"),
+    ("tldr", {**SORT, "reference_response": " \n"}, "reference_response", "' \\n' is empty"),
+    ("tldr", {**SORT, "query": ["sort: cat ->"]}, "query", "list ['sort: cat ->'] is not text"),
+    ("gsm8k", {"question": 7, "answer": "#### 7"}, "question", "int 7 is not text"),
+    ("no_robots", {"messages": "Hi"}, "messages", "str 'Hi' is not a list of messages"),
+    ("no_robots", {"messages": [CHAT[0], {"role": "assistant"}]}, "messages", "message 1, dict {'role': 'assistant'}, "
+     "is not {'role': text, 'content': text}"),
+    ("no_robots", {"messages": [CHAT[0], {**CHAT[1], "content": ""}]}, "messages", "message 1's content '' is empty"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("task, bad, column, problem", BAD_ROWS)
+def test_every_row_read_is_checked_naming_the_file_split_row_and_column(task, bad, column, problem, tmp_path):
+    """plumbing.load_split, which every file's load_prompts calls: the columns' types, no empty prompt or reference,
+    in one line naming the file, the split, the row and the column (a tokenizer would fail on the value with a
+    traceback naming none of them; an empty evaluation prompt divided by zero mid-run)."""
+    import online_dpo_async as dpo
+
+    good = {
+        "tiny": SORT,
+        "tldr": SORT,
+        "gsm8k": {"question": "2 + 2?", "answer": "#### 4"},
+        "no_robots": {"messages": CHAT},
+    }
+    name = rows_file(tmp_path / "rows.jsonl", [good[task], bad])
+    with pytest.raises(UsageError) as error:
+        load_split(dpo.Args(task=task, dataset_name=name), "train", dpo.TASK_COLUMNS[task])
+    assert str(error.value) == f"--dataset_name {name} split train, row 1, column {column}: {problem}"
+
+
+def test_the_evaluation_split_is_checked_as_far_as_it_is_read(tmp_path):
+    """The evaluation prompts of --dataset_eval_file: a bad row past --num_eval_prompts is not read."""
+    import online_dpo_async as dpo
+
+    train = rows_file(tmp_path / "train.jsonl", [SORT])
+    evaluation = rows_file(tmp_path / "eval.jsonl", [SORT, SORT, {**SORT, "query": " "}])
+    args = dict(dataset_name=train, dataset_eval_file=evaluation)
+    dataset, where = load_split(dpo.Args(**args, num_eval_prompts=2), "test", dpo.TASK_COLUMNS["tiny"], evaluation=True)
+    assert (len(dataset), where) == (2, f"--dataset_eval_file {evaluation}")
+    with pytest.raises(UsageError, match=rf"^--dataset_eval_file {evaluation}, row 2, column query: ' ' is empty$"):
+        load_split(dpo.Args(**args), "test", dpo.TASK_COLUMNS["tiny"], evaluation=True)
+
+
+def test_one_file_for_both_splits_is_refused_unless_the_evaluation_has_a_file_of_its_own(tmp_path):
+    """A single file serves every split name: the evaluation would run on the training prompts."""
+    train = rows_file(tmp_path / "train.jsonl", [SORT, {**SORT, "query": "sort: dog ->"}])
+    evaluation = rows_file(tmp_path / "eval.jsonl", [{**SORT, "query": "sort: eel ->"}])
+    with pytest.raises(UsageError) as error:
+        split_of(train, "test", evaluation=True)
+    assert str(error.value) == (
+        f"--dataset_name {train} is one file, which would serve the evaluation split too: the evaluation would run on "
+        "the training prompts; give its prompts as another file, --dataset_eval_file"
+    )
+    assert len(split_of(train, "train")[0]) == 2  # for training it is what it was
+    dataset, _ = split_of(train, "test", evaluation=True, dataset_eval_file=evaluation)
+    assert dataset["query"] == ["sort: eel ->"]
+    dataset, _ = split_of(
+        str(TINY / "data"), "test", evaluation=True, dataset_eval_file=evaluation
+    )  # with a folder too
+    assert dataset["query"] == ["sort: eel ->"]
+    with pytest.raises(UsageError, match=f"^--dataset_eval_file {train} is --dataset_name: evaluate on other prompts$"):
+        split_of(train, "test", evaluation=True, dataset_eval_file=train)
+    with pytest.raises(UsageError, match="^--dataset_eval_file .*tiny_task/data is not a file: give one file"):
+        split_of(train, "test", evaluation=True, dataset_eval_file=str(TINY / "data"))
+
+
+def test_a_file_that_does_not_parse_is_named_with_its_line(tmp_path):
+    """A .jsonl cut off by a kill or a full disk, a bad line in the middle, a .json document cut off, and a dataset
+    folder with one such file: the file and its line (the row for JSON Lines), not the builder's chained tracebacks."""
+    lines = [json.dumps(SORT)] * 3
+    (tmp_path / "cut.jsonl").write_text("\n".join(lines) + "\n" + lines[0][:25])
+    (tmp_path / "middle.jsonl").write_text(lines[0] + "\n\n" + lines[0] + "\n{'query': 1}\n" + lines[0] + "\n")
+    (tmp_path / "document.json").write_text(json.dumps([SORT, SORT], indent=1)[:-30])
+    (tmp_path / "folder" / "data").mkdir(parents=True)
+    shutil.copy(tmp_path / "cut.jsonl", tmp_path / "folder" / "data" / "train.jsonl")
+    for name, where in [
+        ("cut.jsonl", "line 4 (row 3): Unterminated string starting at"),
+        ("middle.jsonl", "line 4 (row 2): Expecting property name enclosed in double quotes"),
+        ("document.json", "line 8: Unterminated string starting at"),
+    ]:
+        with pytest.raises(UsageError) as error:
+            split_of(str(tmp_path / name))
+        assert str(error.value) == f"--dataset_name {tmp_path / name}: {tmp_path / name} does not parse at {where}"
+    with pytest.raises(UsageError) as error:
+        split_of(str(tmp_path / "folder"))
+    file = tmp_path / "folder" / "data" / "train.jsonl"
+    assert (
+        str(error.value)
+        == f"--dataset_name {tmp_path / 'folder'}: {file} does not parse at line 4 (row 3): Unterminated string starting at"
+    )
+
+
+# ------------------------------------------------------------------------------------------ settings
+def test_a_task_without_a_gold_judge_says_at_start_that_no_win_rate_is_logged(capsys, tmp_path):
+    """`--gold_judge tiny`, the default, judges the tiny task only: --task tldr or no_robots with it logs no
+    eval/win_rate, which load_inputs says in one line before anything loads (docs/tasks.md says why this is not
+    refused: No Robots is judged afterwards, as the paper's LLM judge does); with a reward model as the judge, or
+    on the tiny task, nothing is said."""
+    import online_dpo_async as dpo
+
+    line = (
+        "--task tldr with --gold_judge tiny logs no eval/win_rate: pass a reward model as --gold_judge, or judge "
+        "eval_completions/ afterwards (docs/tasks.md)"
+    )
+    train, evaluation = rows_file(tmp_path / "train.jsonl", [SORT]), rows_file(tmp_path / "eval.jsonl", [SORT])
+    sizes = dict(local_micro_batch_size=1, total_episodes=2, dataset_name=train, dataset_eval_file=evaluation)
+    for flags, said in [
+        ({"task": "tldr"}, [line]),
+        ({"task": "tldr", "gold_judge": str(TINY / "reward")}, []),
+        ({}, []),
+    ]:
+        args = dpo.Args(**sizes, **flags)
+        dpo.load_inputs(args, dpo.compute_sizes(args, world_size=1))
+        assert [out for out in capsys.readouterr().out.splitlines() if "eval/win_rate" in out] == said
+
+
+@pytest.mark.parametrize(
+    "name, flags, line",
+    [
+        (
+            "online_dpo_async.py",
+            ["--temperature", "1e-6"],
+            "--temperature must be >= 0.01 (below it vLLM samples at 0.01, not at the trainer's temperature), got 1e-06",
+        ),
+        (
+            "ppo_async.py",
+            ["--dataset_name", "{data}/cut.jsonl"],
+            "--dataset_name {data}/cut.jsonl: {data}/cut.jsonl does not parse at line 2 (row 1): Unterminated string "
+            "starting at",
+        ),
+    ],
+)
+def test_bad_data_and_settings_get_one_line_from_the_shell_and_nothing_written(name, flags, line, tmp_path):
+    """As a user meets them: exit 1, the one `error:` line (no builder's log, no traceback), before any model loads,
+    and no run folder (a bad row takes the same way out as the file that does not parse: a UsageError of
+    load_split's)."""
+    data = tmp_path / "data"
+    data.mkdir()
+    (data / "cut.jsonl").write_text(json.dumps(SORT) + "\n" + json.dumps(SORT)[:25])
+    run = tmp_path / "run"
+    argv = [sys.executable, name, *(flag.format(data=data) for flag in flags), "--output_dir", str(run)]
+    proc = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 1
+    assert proc.stderr.strip().splitlines() == ["error: " + line.format(data=data)]
+    assert not run.exists()

@@ -13,6 +13,7 @@ import os
 import re
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -184,6 +185,22 @@ def assert_a_failed_engine_stops_the_run(script: str, flags: list[str], fault: s
             assert deadline == pytest.approx(10 * slowest, abs=0.1) and deadline > 60 * FROZEN_ENGINE_MINUTES
         assert deadline - 1 < seconds < deadline + PROMPTLY and "Traceback" not in output, output[-3000:]
     assert not psutil.wait_procs(children, timeout=10)[1], "processes left behind"
+    return output
+
+
+class Damage:
+    """What a machine may leave besides a kill, done to the stopped run's folder: the newest checkpoint's weights
+    cut short, and the last line of metrics.jsonl cut off in its middle; and what was there (the lock the killed
+    run left, the weights' size, the length of what is left of the line)."""
+
+    def __call__(self, run: Path) -> None:
+        self.lock = json.loads((run / "run.lock").read_text())
+        weights = run / "checkpoints" / "step_000010" / "model.safetensors"
+        self.size = weights.stat().st_size
+        os.truncate(weights, 1000)
+        lines = (run / "metrics.jsonl").read_text().splitlines()
+        self.cut = len(lines[-1]) // 2
+        (run / "metrics.jsonl").write_text("".join(line + "\n" for line in lines[:-1]) + lines[-1][: self.cut])
 
 
 @pytest.mark.slow
@@ -191,15 +208,34 @@ def assert_a_failed_engine_stops_the_run(script: str, flags: list[str], fault: s
 def test_a_run_stopped_mid_way_resumes_exactly(script, flags, sig, after, failure, tmp_path):
     """A run stopped after `after` steps and resumed with --resume, where its engine fails (`failure`: the fault
     and the step the run stops before) and which is resumed again, ends with the same metrics.jsonl (wall-clock
-    figures aside) and the same final policy as the run that was not stopped."""
+    figures aside) and the same final policy as the run that was not stopped. The one killed with SIGKILL left its
+    lock, which the first resume takes over, and is damaged before it (Damage): its newest checkpoint is named
+    and skipped, the resume continues from the one before, and the cut-off metrics line is dropped, each said in a
+    line (docs/checkpoints.md)."""
+    damage = Damage() if sig == signal.SIGKILL else None
+    said = []  # what the resume whose engine fails printed
 
-    def engine_fails(run: Path) -> None:
-        assert_a_failed_engine_stops_the_run(script, flags, *failure, run)
+    def damaged_and_engine_fails(run: Path) -> None:
+        if damage is not None:
+            damage(run)
+        said.append(assert_a_failed_engine_stops_the_run(script, flags, *failure, run))
 
-    run, reference, output, stopped = assert_resumed_run_matches(script, flags, tmp_path, after, sig, engine_fails)
+    run, reference, output, stopped, _ = assert_resumed_run_matches(
+        script, flags, tmp_path, stop_after=after, sig=sig, before_resume=damaged_and_engine_fails
+    )
     names = [int(name.removeprefix("step_")) for name in stopped]
     if sig == signal.SIGKILL:  # the --save_freq checkpoints before the kill
         assert names == [5, 10], stopped
+        checkpoints, lock = run / "checkpoints", run / "run.lock"
+        assert damage.lock["host"] == socket.gethostname()
+        assert said[0].splitlines()[:4] == [
+            f"--output_dir {run}: {lock} was left by process {damage.lock['pid']} on {damage.lock['host']}, which is "
+            "gone: taking it over",
+            f"--resume: {checkpoints / 'step_000010'} is damaged (model.safetensors has 1000 bytes, not the "
+            f"{damage.size} written; delete it): continuing from the newest intact one, {checkpoints / 'step_000005'}",
+            f"--resume: the last line of metrics.jsonl was cut off ({damage.cut} characters): dropped",
+            f"resuming from {checkpoints / 'step_000005'} (step 5)",
+        ], said[0][:3000]
     else:  # the --save_freq one, then the one written at the step boundary on the signal
         assert names[0] == 5 and after <= names[1] < 10 and len(names) == 2, stopped
         assert f"resume from {run / 'checkpoints' / stopped[1]} with --resume" in output
@@ -343,7 +379,10 @@ def test_a_signal_while_the_engine_starts_stops_the_run_at_once(script, sig, to_
         assert [path for path in shared_memory if os.path.exists(path)] == []
         output = log.read_text()
         assert "TimeoutError" not in output and (to_group or "Traceback" not in output), output[-4000:]
-        assert not run.exists(), sorted(p.name for p in run.iterdir())
+        # no run folder: the lock's, made before any model loaded, goes with it; kill -9 leaves the lock's file,
+        # which the next run in the folder takes over (a folder that holds only it holds no run)
+        left = sorted(p.name for p in run.iterdir()) if run.exists() else []
+        assert left == (["run.lock"] if sig == signal.SIGKILL else []), left
     finally:
         proc.kill()
         kill_all(list(seen))

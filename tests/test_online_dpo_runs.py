@@ -166,13 +166,14 @@ def test_deepspeed_trains_pushes_and_resumes_exactly(config, processes, flags, t
     training processes (plumbing.distributed.process_state counts them: accelerate alone takes each for the only one on a CPU).
     Under ZeRO-3 every model but the gold judge is sharded, both processes evaluate, the push gathers a layer at a
     time on both, and each process's shuffle generator goes into the checkpoint. The checkpoints are accelerate's
-    save_state, written by DeepSpeed: the run resumed from step 4 ends as the run that was not stopped. In bf16, where
+    save_state, written by DeepSpeed, with a manifest of their files in DeepSpeed's subfolder too: the run resumed
+    from step 4, past a damaged step-6 checkpoint, ends as the run that was not stopped. In bf16, where
     accelerate's autocast does nothing under DeepSpeed, the reference gives the policy's logprobs at step 0 (KL
     exactly 0); the weight snapshot is sized from the whole shapes (ZeRO-3's state dict holds empty tensors): the tiny
     policy's 662,144 parameters in bf16 are 1,324,288 bytes, 1.26 MiB; the collective timeout is the flag's."""
     launch = [PYTHON, "-m", "accelerate.commands.launch", "--config_file", config, "--num_processes", str(processes)]
     launch += ["online_dpo_async.py", "--total_episodes", "256", "--local_micro_batch_size", "8", *flags]
-    launch += ["--eval_freq", "4", "--num_eval_prompts", "16", "--save_freq", "4", "--dtype", "bfloat16"]
+    launch += ["--eval_freq", "4", "--num_eval_prompts", "16", "--save_freq", "2", "--dtype", "bfloat16"]
     stdout = run_script(launch + ["--output_dir", str(tmp_path / "run")]).stdout
     assert "engine: on the CPU; weight snapshots of 1.26 MiB each" in stdout.splitlines()
     if processes > 1:
@@ -185,16 +186,21 @@ def test_deepspeed_trains_pushes_and_resumes_exactly(config, processes, flags, t
     assert json.loads((tmp_path / "run" / "args.json").read_text())["world_size"] == processes
     assert all(m["loss/policy"] == m["loss/policy"] for m in train)
     assert train[0]["objective/kl"] == 0.0 and train[1]["objective/kl"] != 0.0
-    # the same run as if stopped right after its step-4 checkpoint: no final policy, nothing logged after step 3
-    shutil.copytree(tmp_path / "run", tmp_path / "resumed")
-    shutil.rmtree(tmp_path / "resumed" / "policy")
-    for later in (tmp_path / "resumed" / "checkpoints").glob("step_*"):
-        if later.name > "step_000004":
-            shutil.rmtree(later)
-    lines = (tmp_path / "resumed" / "metrics.jsonl").read_text().splitlines()
-    (tmp_path / "resumed" / "metrics.jsonl").write_text(
-        "".join(line + "\n" for line in lines if json.loads(line)["step"] < 4)
+    # the same run as if stopped during step 7, its step-6 checkpoint damaged since: no final policy, nothing logged
+    # after step 6, the last line cut off; the resume (rank 0 checks, every process follows) continues from step 4
+    resumed = tmp_path / "resumed"
+    shutil.copytree(tmp_path / "run", resumed)
+    shutil.rmtree(resumed / "policy")
+    shard = next((resumed / "checkpoints" / "step_000006" / "pytorch_model").iterdir())  # DeepSpeed's subfolder
+    shard.unlink()
+    lines = (resumed / "metrics.jsonl").read_text().splitlines()
+    kept = "".join(line + "\n" for line in lines if json.loads(line)["step"] < 7)
+    (resumed / "metrics.jsonl").write_text(kept + lines[-1][:40])
+    said = run_script(launch + ["--output_dir", str(resumed), "--resume"]).stdout.splitlines()
+    assert (
+        f"--resume: {resumed / 'checkpoints' / 'step_000006'} is damaged (pytorch_model/{shard.name} is missing; "
+        f"delete it): continuing from the newest intact one, {resumed / 'checkpoints' / 'step_000004'}" in said
     )
-    run_script(launch + ["--output_dir", str(tmp_path / "resumed"), "--resume"])
-    assert training_lines_without_timings(tmp_path / "resumed") == training_lines_without_timings(tmp_path / "run")
+    assert "--resume: the last line of metrics.jsonl was cut off (40 characters): dropped" in said
+    assert training_lines_without_timings(resumed) == training_lines_without_timings(tmp_path / "run")
     AutoModelForCausalLM.from_pretrained(tmp_path / "resumed" / "policy")  # the whole policy, gathered to be saved

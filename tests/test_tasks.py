@@ -115,7 +115,7 @@ def test_gsm8k_prompts_answers_and_configs(script, tokenizer):
         script.UsageError,
         match=r"^--dataset_config main: the single file --dataset_name \S+train.jsonl has no configs$",
     ):
-        plumbing.load_split(str(FIXTURES / "gsm8k" / "main" / "train.jsonl"), "train", "main")
+        load_prompts(script, str(FIXTURES / "gsm8k" / "main" / "train.jsonl"), "train", tokenizer, 512, "gsm8k", "main")
 
 
 def test_missing_columns_and_chat_templates_and_bad_rows_are_one_line_usage_errors(
