@@ -9,7 +9,13 @@ FAULT is <where>:<step>:
     scoring:N     the trainer raises right after scoring step N (plumbing's check of the scores)
     nan_score:N   the first score of step N is NaN, as if the reward model had given it
     nan_loss:N    the loss of step N's updates is NaN (the file's loss function, whichever it has)
-Each raised fault says "injected test fault in ... (time T)", T the time.time() it was raised.
+    inf_loss:N, -inf_loss:N, inf_score:N, -inf_score:N: the same, +inf or -inf
+    wrong_copy:V  the push of policy version V finds a wrong value planted in its bucket, after the copy of its first
+                  run, in the first element of the run's last tensor (a copy from the host snapshot gone wrong)
+    stale_run:V   the push of policy version V finds its second run (its only one: its first) never copied into the
+                  bucket: the bucket still holds what the load before it read, an earlier run or version
+Each raised fault says "injected test fault in ... (time T)", T the time.time() it was raised; each planted one says
+"injected test fault: ..." as it plants it.
 """
 
 import functools
@@ -24,11 +30,14 @@ LOSSES = ("dpo_batch_loss", "proximal_rloo_loss", "ppo_policy_loss")
 
 
 def inject(fault: str, module) -> None:
-    """Wrap the function `fault` names so that it fails at its step."""
+    """Wrap the function `fault` names so that it fails at its step or push."""
     import plumbing.distributed
 
     where, at = fault.split(":")
     at, seen = int(at), {"step": None}  # the training step the trainer is on, from the check of its scores
+    value, (kind, _, what) = float("nan"), where.rpartition("_")
+    if kind in NON_FINITE:  # nan_loss, inf_loss, -inf_loss: one fault with three values
+        value, where = NON_FINITE[kind], f"nan_{what}"
     check_scores = plumbing.distributed.check_scores
 
     def checking_scores(scores, source, step):
@@ -37,7 +46,7 @@ def inject(fault: str, module) -> None:
             raise RuntimeError(f"injected test fault in reward scoring at step {step} (time {time.time():.2f})")
         if where == "nan_score" and step == at:
             scores = scores.clone()
-            scores[0] = float("nan")
+            scores[0] = value
         return check_scores(scores, source, step)
 
     plumbing.distributed.check_scores = checking_scores
@@ -60,9 +69,47 @@ def inject(fault: str, module) -> None:
             out = loss_function(*args, **kwargs)
             if seen["step"] != at:
                 return out
-            return (out[0] * float("nan"), *out[1:]) if isinstance(out, tuple) else out * float("nan")
+            return (out[0] * value, *out[1:]) if isinstance(out, tuple) else out * value
 
         setattr(module, name, nan_loss)
+    if where in ("wrong_copy", "stale_run"):
+        import plumbing.weights
+
+        plumbing.weights.WeightBucket.fill = faulty_fill(plumbing.weights.WeightBucket.fill, where, at)
+
+
+NON_FINITE = {"nan": float("nan"), "inf": float("inf"), "-inf": float("-inf")}
+
+
+def faulty_fill(fill, fault: str, version: int):
+    """WeightBucket.fill, but for the push of policy `version`: a wrong value planted in the bucket after the copy
+    of its first run ("wrong_copy"), or its second run (its only one: its first) never copied ("stale_run"), the
+    bucket and its header left as the load before found them. A fake on purpose: the faults a bug in the copy from
+    the host snapshot would make, which the engine's check after the push must name."""
+
+    import plumbing.weights
+
+    def filled_runs(bucket, weights):
+        runs, run = fill(bucket, weights), 0
+        while True:
+            left = None if bucket.flat is None else (bucket.flat.clone(), bucket.header.clone())
+            try:
+                filled = next(runs)
+            except StopIteration:
+                return
+            count = len(plumbing.weights.bucket_chunks(weights.layout, bucket.flat.numel()))
+            if weights.version == version and fault == "wrong_copy" and run == 0:
+                name, _, offset = filled.layout[-1]
+                bucket.flat[offset] += 1.0
+                print(f"injected test fault: a wrong value planted in {name} of version {version}'s bucket")
+            if weights.version == version and fault == "stale_run" and run == min(1, count - 1):
+                bucket.flat.copy_(left[0])
+                bucket.header.copy_(left[1])
+                print(f"injected test fault: run {run} of version {version} never copied into the bucket")
+            run += 1
+            yield filled
+
+    return filled_runs
 
 
 def main() -> None:
