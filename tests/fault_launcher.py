@@ -8,8 +8,9 @@ FAULT is <where>:<step>:
     generation:N  the generation thread raises as it starts rollout N (prompt_indices_for_step)
     scoring:N     the trainer raises right after scoring step N (plumbing's check of the scores)
     nan_score:N   the first score of step N is NaN, as if the reward model had given it
-    nan_loss:N    the loss of step N's updates is NaN (the file's loss function, whichever it has)
-    inf_loss:N, -inf_loss:N, inf_score:N, -inf_score:N: the same, +inf or -inf
+    nonfinite_scores:N  the first three scores of step N are NaN, +inf and -inf
+    nan_loss:N    the loss of step N's updates is NaN (the file's loss function, whichever it has); inf_loss:N and
+                  -inf_loss:N: +inf, -inf
     wrong_copy:V  the push of policy version V finds a wrong value planted in its bucket, after the copy of its first
                   run, in the first element of the run's last tensor (a copy from the host snapshot gone wrong)
     stale_run:V   the push of policy version V finds its second run (its only one: its first) never copied into the
@@ -31,13 +32,14 @@ LOSSES = ("dpo_batch_loss", "proximal_rloo_loss", "ppo_policy_loss")
 
 def inject(fault: str, module) -> None:
     """Wrap the function `fault` names so that it fails at its step or push."""
+    import torch
+
     import plumbing.distributed
 
     where, at = fault.split(":")
     at, seen = int(at), {"step": None}  # the training step the trainer is on, from the check of its scores
-    value, (kind, _, what) = float("nan"), where.rpartition("_")
-    if kind in NON_FINITE:  # nan_loss, inf_loss, -inf_loss: one fault with three values
-        value, where = NON_FINITE[kind], f"nan_{what}"
+    value = {"inf_loss": float("inf"), "-inf_loss": float("-inf")}.get(where, float("nan"))
+    where = "nan_loss" if where.endswith("inf_loss") else where
     check_scores = plumbing.distributed.check_scores
 
     def checking_scores(scores, source, step):
@@ -46,7 +48,10 @@ def inject(fault: str, module) -> None:
             raise RuntimeError(f"injected test fault in reward scoring at step {step} (time {time.time():.2f})")
         if where == "nan_score" and step == at:
             scores = scores.clone()
-            scores[0] = value
+            scores[0] = float("nan")
+        if where == "nonfinite_scores" and step == at:
+            scores = scores.clone()
+            scores[:3] = torch.tensor([float("nan"), float("inf"), float("-inf")])
         return check_scores(scores, source, step)
 
     plumbing.distributed.check_scores = checking_scores
@@ -76,9 +81,6 @@ def inject(fault: str, module) -> None:
         import plumbing.weights
 
         plumbing.weights.WeightBucket.fill = faulty_fill(plumbing.weights.WeightBucket.fill, where, at)
-
-
-NON_FINITE = {"nan": float("nan"), "inf": float("inf"), "-inf": float("-inf")}
 
 
 def faulty_fill(fill, fault: str, version: int):
