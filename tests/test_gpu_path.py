@@ -516,3 +516,35 @@ def test_the_push_bucket_takes_whole_layers_and_a_tensor_larger_than_its_least()
     split = [layout[1], layout[3], layout[2]]  # layer 0's up after layer 1's q_proj
     with pytest.raises(RuntimeError, match="the tensors of model.layers.0 are not together"):
         bucket_chunks(split, capacity=768 * mi)
+
+
+def test_a_layer_of_experts_is_one_load_unit_whatever_its_experts_numbers():
+    """A mixture of experts' layer as its checkpoint holds it: each expert's projections carry the expert's number after
+    the layer's (model.layers.1.mlp.experts.3.up_proj.weight), and vLLM fuses all of a layer's experts into one
+    parameter, processed once every one came in a load. The unit is the layer: the bucket holds the largest layer, more
+    than its largest tensor, and a push cuts the snapshot between layers, never between experts: here the embedding (60
+    elements); layer 0 and layer 1 (116 each: q 16, 4 experts x 3 projections of 8, a norm of 4); the norm and the
+    head (56 + 60 = 116, a run that fills the bucket exactly)."""
+    assert load_unit("model.layers.1.mlp.experts.3.up_proj.weight") == "model.layers.1"
+    assert load_unit("model.layers.12.block_sparse_moe.experts.7.w2.weight") == "model.layers.12"
+    sizes = {"model.embed_tokens.weight": 60}
+    for layer in (0, 1):
+        sizes[f"model.layers.{layer}.self_attn.q_proj.weight"] = 16
+        for expert in range(4):
+            for projection in ("gate_proj", "up_proj", "down_proj"):
+                sizes[f"model.layers.{layer}.mlp.experts.{expert}.{projection}.weight"] = 8
+        sizes[f"model.layers.{layer}.input_layernorm.weight"] = 4
+    sizes |= {"model.norm.weight": 56, "lm_head.weight": 60}
+    assert bucket_bytes(sizes, element_size=2, least=1) == 2 * 116
+    layout, offset = [], 0
+    for name, numel in sizes.items():
+        layout.append((name, [numel], offset))
+        offset += numel
+    chunks = bucket_chunks(layout, capacity=116)
+    assert [(chunk.start, chunk.end) for chunk in chunks] == [(0, 60), (60, 176), (176, 292), (292, 408)]
+    assert [{load_unit(name) for name, _, _ in chunk.layout} for chunk in chunks] == [
+        {"model.embed_tokens"},
+        {"model.layers.0"},
+        {"model.layers.1"},
+        {"model.norm", "lm_head"},
+    ]

@@ -186,6 +186,8 @@ def test_snapshots_are_taken_in_the_engine_s_dtype_from_the_trainer_s_weights(to
     others go."""
     from safetensors.torch import save_file
 
+    on_cpu = plumbing.Processes(dpo.Args(local_micro_batch_size=1))  # --dtype and --vllm_dtype auto: float32 on CPUs
+    assert (on_cpu.dtype, on_cpu.engine_dtype) == (torch.float32, torch.float32)
     processes = plumbing.Processes(dpo.Args(dtype="float32", vllm_dtype="bfloat16", local_micro_batch_size=1))
     assert (processes.dtype, processes.engine_dtype) == (torch.float32, torch.bfloat16)
     policy = perturbed_policy(tokenizer, "llama", tied=False, seed=0)
@@ -215,6 +217,26 @@ def test_snapshots_are_taken_in_the_engine_s_dtype_from_the_trainer_s_weights(to
     for name, sums in taken.fingerprint.items():
         assert loaded.fingerprint[name] == pytest.approx(sums, rel=1e-13), name
     assert sorted(snapshots.held) == [1, 2]
+
+
+def test_the_fingerprint_is_of_the_trainer_s_weights_not_of_their_copy(tokenizer, tmp_path, monkeypatch):
+    """A copy into the snapshot gone wrong (snapshot_weights made to plant a wrong value, a fault injected from
+    outside): the fingerprint still says what the trainer's weights are, not what the snapshot holds, so an engine
+    loading that snapshot would not match it."""
+    copy = weights_module.snapshot_weights
+
+    def wrong_copy(pairs, shapes, dtype, place):
+        flat, layout = copy(pairs, shapes, dtype, place)
+        flat[0] += 1.0  # injected test fault: the first element of the first tensor
+        return flat, layout
+
+    monkeypatch.setattr(weights_module, "snapshot_weights", wrong_copy)
+    model = perturbed_policy(tokenizer, "llama", tied=False, seed=0)
+    weights = weights_module.model_snapshot(model, 1, torch.float32, SnapshotPlace(pinned=False, folder=str(tmp_path)))
+    name, copied = views(weights.flat, weights.layout)[0]
+    trainer = exact_fingerprint(model.state_dict()[name], torch.float32)
+    assert weights.fingerprint[name] == pytest.approx(trainer, rel=1e-13)
+    assert exact_fingerprint(copied, torch.float32) != pytest.approx(trainer, rel=1e-6)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -364,6 +386,19 @@ def test_a_resumed_run_may_change_only_the_flags_that_change_nothing_it_computes
     assert {"async_level", "total_episodes", "eval_freq", "num_mini_batches", "seed"} <= set(refused)
     with pytest.raises(plumbing.UsageError, match=r"training processes 1 -> 2 differ"):
         run_folder.checkpoint_to_resume(str(tmp_path), flags, True, 2)
+
+
+def test_a_resumed_run_s_metrics_keep_the_steps_before_its_checkpoint_and_the_evaluations_it_logged(tmp_path):
+    """metrics.jsonl of a run stopped after logging steps 0 to 4 and the evaluations of versions 0, 2 and 4, resumed from
+    its checkpoint of step 3 whose Progress had logged the evaluations of 0 and 2: steps 0 to 2 and those two are kept
+    (steps 3 and 4 and the evaluation of 4 are logged again by the resumed run)."""
+    lines = [{"step": step, "async/lag": 1} for step in range(5)]
+    lines += [{"step": version, "eval/win_rate": 0.5} for version in (0, 2, 4)]
+    metrics = tmp_path / "metrics.jsonl"
+    metrics.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    run_folder.keep_metrics_before(str(metrics), start_step=3, evals_logged={0, 2})
+    kept = [json.loads(line) for line in metrics.read_text().splitlines()]
+    assert kept == lines[:3] + lines[5:7]
 
 
 def test_a_step_s_timings_by_hand(monkeypatch):
