@@ -74,7 +74,8 @@ def inject(fault: str, module) -> None:
             out = loss_function(*args, **kwargs)
             if seen["step"] != at:
                 return out
-            return (out[0] * value, *out[1:]) if isinstance(out, tuple) else out * value
+            # the value itself, in the graph: a finite loss times inf is -inf or NaN where it is negative or 0
+            return (out[0] * 0 + value, *out[1:]) if isinstance(out, tuple) else out * 0 + value
 
         setattr(module, name, nan_loss)
     if where in ("wrong_copy", "stale_run"):

@@ -138,9 +138,10 @@ def test_a_wrong_copy_into_the_push_s_bucket_stops_the_run_naming_the_version_an
         -3000:
     ]
     last = output.strip().splitlines()[-1]
-    assert code not in (0, None) and last.startswith(
+    assert code not in (0, None) and re.match(
         "error: the generation thread failed: RuntimeError: the engine does not hold policy version 2 after its push: "
-        "1 of 15 differ from the trainer's fingerprint, first lm_head.weight: sum"
+        r"1 of \d+ differ from the trainer's fingerprint, first lm_head.weight: sum",
+        last,
     ), output[-3000:]
     train, _ = read_metrics(tmp_path)
     assert [m["step"] for m in train] == [0, 1]  # version 2 was pushed for the rollouts of step 2
