@@ -356,9 +356,11 @@ def test_each_push_loads_exactly_what_a_checkpoint_would(arch, tied, tokenizer, 
     largest layer (2 and 3: a push of several loads, a layer at a time, each layer larger than the bucket's least, a
     layer whose tensors carry an expert's number too), every engine parameter is bit for bit what vLLM's loader makes
     of the same model saved by save_pretrained, and differs from the previous version's; long prompts (the prefix cache
-    was reset) give the new model's greedy tokens and logprobs. vLLM's CPU linear layers repack their weights and leave
-    the parameter empty: those are compared by their fingerprints, read back through their kernels, and through the
-    logprobs, which every weight moves. tests/test_gpu.py does the same by CUDA IPC on a GPU for GPTNeoX and Llama,
+    was reset) give the new model's greedy tokens and logprobs (vLLM's own after loading the saved model, bit for bit;
+    and transformers', but for the mixture of experts, whose forward vLLM's CPU kernels compute otherwise: logprobs
+    0.15 apart with the same weights loaded from the file, whatever the push). vLLM's CPU linear layers repack their
+    weights and leave the parameter empty: those are compared by their fingerprints, read back through their kernels,
+    and through the logprobs, which every weight moves. tests/test_gpu.py does the same by CUDA IPC on a GPU for GPTNeoX and Llama,
     every parameter compared."""
     models = [perturbed_policy(tokenizer, arch, tied, seed) for seed in range(4)]
     models[0].save_pretrained(tmp_path / "v0")
@@ -398,6 +400,7 @@ def test_each_push_loads_exactly_what_a_checkpoint_would(arch, tied, tokenizer, 
             saved = engine_parameters(llm)
             # the repacked weights too: the same values, summed in the same order
             assert llm.collective_rpc("fingerprint", args=(sent,))[0] == pushed_fingerprint
+            assert greedy_with_engine(llm, prompts, 4) == generated  # the same tokens and logprobs, bit for bit
             assert pushed.keys() == saved.keys() == before.keys()
             compared = [name for name in pushed if pushed[name].numel() > 0]
             assert len(compared) >= len(pushed) // 2, compared  # norms, biases, embeddings, the head
@@ -405,6 +408,8 @@ def test_each_push_loads_exactly_what_a_checkpoint_would(arch, tied, tokenizer, 
                 assert torch.equal(pushed[name], saved[name]), (version, name)
                 assert not torch.equal(pushed[name], before[name]), (version, name, "not pushed")
             before = pushed
+            if arch == "qwen3_moe":  # vLLM's mixture of experts on a CPU and transformers' differ whatever the push:
+                continue  # logprobs 0.15 apart with the same weights loaded from the file (measured)
             for prompt, (tokens, logprobs) in zip(prompts, generated):
                 expected_tokens, expected_logprobs = greedy_with_transformers(model, prompt, 4)
                 assert tokens == expected_tokens, version

@@ -144,7 +144,8 @@ def test_a_wrong_copy_into_the_push_s_bucket_stops_the_run_naming_the_version_an
         last,
     ), output[-3000:]
     train, _ = read_metrics(tmp_path)
-    assert [m["step"] for m in train] == [0, 1]  # version 2 was pushed for the rollouts of step 2
+    # async level 1: version 2 is pushed for the rollouts of step 3, after step 2 trained on version 1's
+    assert [m["step"] for m in train] == [0, 1, 2]
     assert not (tmp_path / "policy").exists()
     assert not psutil.wait_procs(children, timeout=10)[1]
 
