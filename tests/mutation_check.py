@@ -727,7 +727,8 @@ class Worker:
         context = multiprocessing.get_context("spawn")
         self.connection, child = context.Pipe()
         arguments = (child, str(self.root), self.threads, self.files, self.deselected)
-        self.process = context.Process(target=worker, args=arguments, daemon=True)
+        # not a daemon: its tests start processes of their own (an engine, a process group), which a daemon cannot
+        self.process = context.Process(target=worker, args=arguments)
         self.process.start()
         self.jobs = 0
 
@@ -736,9 +737,24 @@ class Worker:
             self.connection.send(None)
             self.process.join(timeout=30)
             if self.process.is_alive():
-                self.process.kill()
-                self.process.join()
+                self.kill()
         self.process = None
+
+    def kill(self) -> None:
+        """The worker and every process its tests started (an engine left running by a test cut short)."""
+        import psutil
+
+        try:
+            children = psutil.Process(self.process.pid).children(recursive=True)
+        except psutil.NoSuchProcess:
+            children = []
+        self.process.kill()
+        self.process.join()
+        for child in children:
+            try:
+                child.kill()
+            except psutil.NoSuchProcess:
+                pass
 
     def run(self, sources: dict[str, str], tests: list[str], timeout: float, record: bool = False):
         """(pytest's exit code, failed tests, seconds, calls per test if `record`); exit code None after `timeout`
@@ -753,11 +769,10 @@ class Worker:
             try:
                 return self.connection.recv()
             except EOFError:  # a mutant that crashed the interpreter
-                self.process.join()
+                self.kill()
                 self.process = None
                 return None, ["the worker died"], time.perf_counter() - start, None
-        self.process.kill()
-        self.process.join()
+        self.kill()
         self.process = None
         return None, [], time.perf_counter() - start, None
 

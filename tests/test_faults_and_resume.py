@@ -62,7 +62,7 @@ def test_a_fault_surfaces_promptly_and_shuts_the_engine_down(script, fault, tmp_
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("script, value", zip(SCRIPTS, ["nan", "inf", "-inf"]))
+@pytest.mark.parametrize("script, value", list(zip(SCRIPTS, ["nan", "inf", "-inf"])))
 def test_a_non_finite_loss_stops_the_run_and_keeps_the_last_good_checkpoint(script, value, tmp_path):
     """Each file's loss, made NaN, +inf or -inf at step 5 (the launcher wraps the file's loss function): the run stops
     before the step is logged or checkpointed, naming the last good checkpoint, and its processes are gone."""
