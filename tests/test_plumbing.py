@@ -59,6 +59,32 @@ def test_a_fingerprint_is_the_sum_and_the_sum_of_squares_of_the_values_the_engin
     )
 
 
+class RepackedLinear:
+    """A stand-in for a linear layer whose weight vLLM's CPU backend repacked for its matmul library, leaving the
+    parameter empty: its kernel alone, x W^T. A real one needs vLLM's process group (tests/test_engine.py reads them
+    back in the engine's worker)."""
+
+    def __init__(self, weight: torch.Tensor):
+        self.input_size, self.weight, self.packed = weight.shape[1], torch.empty(0), weight.clone()
+
+    def cpu_linear(self, x, weight, bias):
+        assert weight.numel() == 0 and bias is None
+        return x @ self.packed.T
+
+
+def test_a_repacked_weight_is_read_back_whole_through_its_kernel_a_block_at_a_time(monkeypatch):
+    """repacked_fingerprint multiplies the identity's rows by the layer's kernel: W's columns, exactly; in blocks of
+    FINGERPRINT_CHUNK // inputs rows (5 of the 48 here: 9 blocks and 3 rows), as a layer of 14336 inputs is read (an
+    8B's down projection: blocks of 1170) where the tests' layers are read in one."""
+    torch.manual_seed(0)
+    weight = torch.randn(40, 48)
+    monkeypatch.setattr(weights_module, "FINGERPRINT_CHUNK", 48 * 5)
+    for dtype in (torch.float32, torch.bfloat16):
+        layer = RepackedLinear(weight.to(dtype))
+        read = weights_module.repacked_fingerprint(layer, dtype).tolist()
+        assert read == pytest.approx(exact_fingerprint(weight, dtype), rel=1e-14)
+
+
 def sent(*tensors: tuple[str, list[int], tuple[float, float]], version: int = 7) -> Weights:
     """A snapshot's layout and the trainer's fingerprint, by hand (the values are not needed: flat is empty)."""
     layout, offset = [], 0
