@@ -1,6 +1,8 @@
 """What a weight push costs through one buffer the size of the snapshot and through the fixed-size bucket the scripts
-stream it through (plumbing.weights.WeightBucket), and what of it is the engine's check of what it then holds
-(plumbing.weights.WeightReceiver.holds), measured side by side in one run on the engine the scripts start:
+stream it through (plumbing.weights.WeightBucket), and what of it is the proof of the push: the engine's comparison
+with the bucket (plumbing.weights.WeightReceiver.holds) and the fingerprints, the trainer's of its own weights
+(plumbing.weights.take_snapshot) and the engine's of its parameters (WeightReceiver.fingerprint), measured side by side
+in one run on the engine the scripts start:
 
     python benchmark/push_cost.py                                   # the tiny task's policy, on a CPU
     python benchmark/push_cost.py --model_path models/pythia-1b --dtype bfloat16 --pushes 10     # on a GPU
@@ -8,8 +10,11 @@ stream it through (plumbing.weights.WeightBucket), and what of it is the engine'
 Each of `--pushes` versions differs from the last in every tensor; the push (push_weights: the copies into the
 buffer, the loads, the checks, the prefix cache's reset) is timed through a buffer that holds the whole snapshot (one
 load), then through a bucket of `--bucket_fraction` of the snapshot (or of the largest layer, if larger: several
-loads), then the check alone and an empty check (the round trip to the engine's worker). Prints the medians in
-milliseconds, the bucket's loads per push, and the bucket push's cost over the whole buffer's.
+loads); then the snapshot alone (take_snapshot: the copy and the trainer's fingerprint), the trainer's fingerprint
+alone, the engine's, the comparison with the bucket, and an empty call (the round trip to the engine's worker). Prints
+the medians in milliseconds, the bucket's loads per push, the bucket push's cost over the whole buffer's, and the
+fingerprint's rate on one tensor of `--rate_elements` elements, with what it would take for an 8B policy at that rate
+(an estimate, arithmetic).
 """
 
 import argparse
@@ -31,6 +36,9 @@ def main() -> None:
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     parser.add_argument("--pushes", type=int, default=20)
     parser.add_argument("--bucket_fraction", type=float, default=1 / 8)
+    parser.add_argument(
+        "--rate_elements", type=int, default=2**26, help="the tensor the fingerprint's rate is timed on"
+    )
     options = parser.parse_args()
 
     import torch
@@ -41,13 +49,13 @@ def main() -> None:
     from plumbing.weights import (
         SnapshotPlace,
         WeightBucket,
-        Weights,
         bucket_chunks,
         checkpoint_names,
+        fingerprint,
+        model_snapshot,
         push_weights,
         shared_handle,
         snapshot_bytes,
-        snapshot_weights,
     )
 
     quiet_known_noise()  # as the scripts (plumbing.run)
@@ -61,23 +69,36 @@ def main() -> None:
     llm = make_engine(options.model_path, placement, dtype=options.dtype, max_model_len=64, seed=0)
     folder = tempfile.mkdtemp()
     try:
-        names = checkpoint_names(model)
-        snapshot = snapshot_bytes(model, names, dtype)
+        snapshot = snapshot_bytes(checkpoint_names(model), dtype)
         place = SnapshotPlace(pinned=device is not None, folder=folder)
         whole = WeightBucket(device, folder, least=snapshot)
         bucket = WeightBucket(device, folder, least=int(snapshot * options.bucket_fraction))
-        seconds = {"push, whole buffer": [], "push, bucket": [], "check": [], "round trip": []}
+        names = [
+            "push, whole buffer",
+            "push, bucket",
+            "snapshot",
+            "trainer's fingerprint",
+            "engine's fingerprint",
+            "comparison with the bucket",
+            "round trip",
+        ]
+        seconds = {name: [] for name in names}
         opened = lambda: shared_handle(whole.flat)  # noqa: E731  (allocated at the first push)
+        tensors = list(model.state_dict().values())
         for version in range(1, options.pushes + 1):
             with torch.no_grad():
                 for parameter in model.parameters():
                     parameter.add_(1e-3)
-            weights = Weights(version, *snapshot_weights(model.state_dict(), names, dtype, place))
+            weights = model_snapshot(model, version, dtype, place)
+            sent = [(name, shape) for name, shape, _ in weights.layout]
             for name, call in [
                 ("push, whole buffer", lambda: push_weights(llm, whole, weights)),
                 ("push, bucket", lambda: push_weights(llm, bucket, weights)),
-                ("check", lambda: llm.collective_rpc("holds", args=(version, opened(), weights.layout))),
-                ("round trip", lambda: llm.collective_rpc("holds", args=(version, opened(), []))),
+                ("snapshot", lambda: model_snapshot(model, version, dtype, place)),
+                ("trainer's fingerprint", lambda: torch.stack([fingerprint(t, dtype) for t in tensors]).tolist()),
+                ("engine's fingerprint", lambda: llm.collective_rpc("fingerprint", args=(sent,))),
+                ("comparison with the bucket", lambda: llm.collective_rpc("holds", args=(opened(), weights.layout))),
+                ("round trip", lambda: llm.collective_rpc("holds", args=(opened(), []))),
             ]:
                 start = time.perf_counter()
                 call()
@@ -87,6 +108,17 @@ def main() -> None:
         print(f"snapshot {snapshot / 2**20:.2f} MiB; bucket {bucket.flat.numel() * dtype.itemsize / 2**20:.2f} MiB")
         print(", ".join(f"{name} {1e3 * s:.2f} ms" for name, s in median.items()) + f"; {loads} loads a bucket push")
         print(f"push, bucket / push, whole buffer: {median['push, bucket'] / median['push, whole buffer']:.2f}")
+        big = torch.randn(options.rate_elements, device=device or "cpu")  # fp32, rounded to --dtype as the trainer's
+        times = []
+        for _ in range(5):
+            start = time.perf_counter()
+            fingerprint(big, dtype).tolist()
+            times.append(time.perf_counter() - start)
+        rate = options.rate_elements / statistics.median(times)
+        print(
+            f"fingerprint of {options.rate_elements:,} fp32 elements as {options.dtype}: {rate / 1e6:,.0f} M elements/s;"
+            f" at that rate an 8B policy (8.03e9 parameters) would take {8.03e9 / rate:.1f} s a side (an estimate)"
+        )
     finally:
         llm.llm_engine.engine_core.shutdown()
         shutil.rmtree(folder, ignore_errors=True)

@@ -4,7 +4,7 @@
 2. run_folder.py    the run's folder: resume, args.json, the metrics and their timings, checkpoints
 3. distributed.py   the training processes: accelerate, DeepSpeed, what every process computes together
 4. engine.py        the vLLM engine: its GPU and cores, its processes, the generation thread, the signals
-   weights.py       the weight transport: the policy's snapshots in host memory, the push through a bucket
+   weights.py       the weight push: the policy's snapshots in host memory, a bucket, the proof of each push
 5. watchdog.py      a program of its own that ends the engine's processes if the trainer dies
 
 A package, not one module: each part reads alone, and the watchdog runs as its own program, importing

@@ -180,9 +180,3 @@ def gathered_tensors(accelerator: Accelerator, module, names):
         with deepspeed.zero.GatheredParameters([parameter for _, parameter in group]):
             yield from group
     yield from ((name, buffer) for name, buffer in module.named_buffers() if name in names)
-
-
-def full_shapes(module) -> dict[str, torch.Size]:
-    """The shape of every tensor of a module's state, whole (ZeRO-3 keeps each parameter's in `ds_shape`)."""
-    shapes = {name: getattr(p, "ds_shape", p.shape) for name, p in module.named_parameters()}
-    return shapes | {name: buffer.shape for name, buffer in module.named_buffers()}

@@ -95,7 +95,7 @@ class Engine:
         bf16 = accelerator.mixed_precision == "bf16"
         trained = trained_memory(trained, self.processes.zero_stage, accelerator.num_processes, bf16)
         to_come = {part: trained[part] for part in ("gradients", "optimizer state")}  # the weights are loaded
-        sizes = snapshots.sizes(model)
+        sizes = snapshots.sizes()
         snapshot, bucket = sum(sizes.values()) * dtype.itemsize, bucket_bytes(sizes, dtype.itemsize)
         placement, total = self.placement, 0
         if placement.devices is not None:

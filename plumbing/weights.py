@@ -3,9 +3,10 @@
 Each version theta_v is a snapshot in rank 0's host memory (PolicySnapshots), so that the engine's GPU holds
 none of them. A push streams a snapshot through one fixed bucket on the engine's device (WeightBucket), a run
 of whole layers at a time, which the engine's worker (WeightReceiver, added to vLLM's worker) loads in place
-through the model's own loader and checks against what it was sent (check_loaded): by CUDA IPC on a GPU,
-shared memory on a CPU, the same code but for the device, and never a file. What is pushed and when is the
-algorithm file's (docs/gpus.md)."""
+through the model's own loader: by CUDA IPC on a GPU, shared memory on a CPU, the same code but for the
+device, and never a file. Each push is proven (check_loaded): the engine's parameters after it against a
+fingerprint the trainer took of its own (fingerprint), and the version against the one the bucket held as it
+was loaded. What is pushed and when is the algorithm file's (docs/gpus.md, docs/algorithms.md)."""
 
 import logging
 import math
@@ -20,7 +21,7 @@ import numpy as np
 import torch
 
 from plumbing.command_line import UsageError
-from plumbing.distributed import full_shapes, gathered_tensors
+from plumbing.distributed import gathered_tensors
 from plumbing.run_folder import load_owed_version
 
 
@@ -28,49 +29,51 @@ class Weights(NamedTuple):
     version: int
     flat: torch.Tensor  # every tensor of theta_version, one after the other (snapshot_weights)
     layout: list[tuple[str, list[int], int]]  # (checkpoint name, shape, offset in `flat`)
+    # checkpoint name -> (sum, sum of squares) of the trainer's tensor, not of `flat` (fingerprint)
+    fingerprint: dict[str, tuple[float, float]]
 
 
 class PolicySnapshots:
     """The policy versions for the engine, theta_v: each a copy of the policy's weights in the engine's dtype,
-    under the names its checkpoint has (checkpoint_names), in one buffer of rank 0's host memory
-    (SnapshotPlace), taken between optimizer steps so that the optimizer never writes what the engine reads.
-    Rank 0 holds each until the generator needs it no more (keep); a checkpoint carries the older ones it
-    still owes (owed)."""
+    as its checkpoint holds them (checkpoint_names), in one buffer of rank 0's host memory (SnapshotPlace),
+    with the fingerprint of the parameters it was copied from, taken between optimizer steps so that the
+    optimizer never writes what the engine reads. Rank 0 holds each until the generator needs it no more
+    (keep); a checkpoint carries the older ones it still owes (owed)."""
 
     def __init__(self, processes, policy, prefix: str = ""):
         """The names are read from `policy` before accelerate wraps it; `prefix`: its place in the trained
         model (PPO's `policy.`)."""
-        self.names = {prefix + name: saved for name, saved in checkpoint_names(policy).items()}
+        self.policy, self.prefix, self.saved = policy, prefix, checkpoint_names(policy)
         self.accelerator, self.dtype = processes.accelerator, processes.engine_dtype
         self.place: SnapshotPlace | None = None  # the engine says where, as it starts
         self.held: dict[int, Weights] = {}
 
-    def sizes(self, model) -> dict[str, int]:
-        """The elements of each tensor of a snapshot of the trained `model` (snapshot_sizes)."""
-        return snapshot_sizes(self.accelerator.unwrap_model(model), self.names)
+    def sizes(self) -> dict[str, int]:
+        """The elements of each tensor of a snapshot (snapshot_sizes)."""
+        return snapshot_sizes(self.saved)
 
     def take(self, model, version: int) -> Weights | None:
         """theta_version, rank 0's (None on the other ranks). Copied from the parameters where they are, GPU
         memory on GPUs (accelerate's get_state_dict would copy each to the CPU under DeepSpeed), under ZeRO-3
         gathered a layer at a time, with every process taking part."""
         module = self.accelerator.unwrap_model(model)
-        tensors = gathered_tensors(self.accelerator, module, self.names)
+        tensors = gathered_tensors(self.accelerator, module, {self.prefix + name for name in self.saved})
         if not self.accelerator.is_main_process:
             for _ in tensors:  # the gathers of ZeRO-3 are collective
                 pass
             return None
-        flat, layout = snapshot_weights(tensors, self.names, self.dtype, self.place, full_shapes(module))
-        self.held[version] = Weights(version, flat, layout)
-        return self.held[version]
+        policy_tensors = ((name.removeprefix(self.prefix), tensor) for name, tensor in tensors)
+        weights = take_snapshot(version, policy_tensors, self.saved, self.dtype, self.place, self.policy)
+        self.held[version] = weights
+        return weights
 
     def load(self, checkpoint: str, version: int) -> Weights | None:
         """theta_version as `checkpoint` carries it (owed), rank 0's (None on the other ranks)."""
         if not self.accelerator.is_main_process:
             return None
         tensors = load_owed_version(checkpoint, version)
-        self.held[version] = Weights(
-            version, *snapshot_weights(tensors, {k: k for k in tensors}, self.dtype, self.place)
-        )
+        saved = {name: [(name, list(tensor.shape))] for name, tensor in tensors.items()}
+        self.held[version] = take_snapshot(version, tensors.items(), saved, self.dtype, self.place)
         return self.held[version]
 
     def owed_at_start(
@@ -93,10 +96,12 @@ class PolicySnapshots:
         return {v: views(w.flat, w.layout) for v, w in self.held.items() if v in versions and v < before}
 
 
-def checkpoint_names(model) -> dict[str, str]:
-    """In-memory name -> the name `save_pretrained` writes, for each tensor it writes: transformers renames
-    some when saving (GPTNeoX's `lm_head` is `embed_out` in Pythia's checkpoints) and leaves tied copies out,
-    and the engine loads checkpoint names (vLLM's CUDA GPTNeoX has no `lm_head`)."""
+def checkpoint_names(model) -> dict[str, list[tuple[str, list[int]]]]:
+    """In-memory name -> the tensors `save_pretrained` writes of it, (checkpoint name, shape) each: most under
+    a name of their own, which transformers may change (GPTNeoX's `lm_head` is `embed_out` in Pythia's
+    checkpoints); a mixture of experts' fused experts as one tensor per expert and projection, as on disk
+    (transformers' own conversion splits them: checkpoint_tensors); tied copies left out. The engine loads a
+    checkpoint's tensors (vLLM's CUDA GPTNeoX has no `lm_head`)."""
     from transformers.core_model_loading import revert_weight_conversion
     from transformers.modeling_utils import remove_tied_weights_from_state_dict
 
@@ -107,15 +112,20 @@ def checkpoint_names(model) -> dict[str, str]:
     state = remove_tied_weights_from_state_dict(shadow.state_dict(), shadow)
     for key in model._keys_to_ignore_on_save or []:
         state.pop(key, None)
-    tags = {name: torch.empty(0) for name in state}  # one distinct object per tensor: which gets which name
-    owner = {id(tag): name for name, tag in tags.items()}
-    names = {owner.get(id(tag)): saved for saved, tag in revert_weight_conversion(model, dict(tags)).items()}
-    if None in names or len(names) != len(tags):
+    saved = {}
+    for name, tensor in state.items():
+        converted = revert_weight_conversion(model, {name: tensor})  # on the meta device: shapes only
+        saved[name] = [(written, list(part.shape)) for written, part in converted.items()]
+    written = [written for parts in saved.values() for written, _ in parts]
+    split = [
+        name for name, parts in saved.items() if sum(math.prod(s) for _, s in parts) != state[name].numel()
+    ]
+    if split or len(set(written)) != len(written):
         raise UsageError(
-            f"{type(model).__name__}: transformers converts (not only renames) its weights when saving; the "
-            "weight push cannot"
+            f"{type(model).__name__}: transformers converts (not only renames or splits) its weights when "
+            f"saving, e.g. {(split or written)[0]}; the weight push cannot"
         )
-    return names
+    return saved
 
 
 def views(flat: torch.Tensor, layout: list[tuple[str, list[int], int]]) -> list[tuple[str, torch.Tensor]]:
@@ -123,38 +133,96 @@ def views(flat: torch.Tensor, layout: list[tuple[str, list[int], int]]) -> list[
     return [(name, flat[offset : offset + math.prod(shape)].view(shape)) for name, shape, offset in layout]
 
 
-def snapshot_weights(tensors, names: dict[str, str], dtype: torch.dtype, place: "SnapshotPlace", shapes=None):
-    """A copy of `tensors` (a state dict, or (name, tensor) pairs with their whole `shapes`: under ZeRO-3 they
-    come a layer at a time) in `dtype` under their checkpoint `names`, one after the other in one buffer of
-    `place`. Returns the buffer and its layout, (name, shape, offset) of each tensor."""
-    if isinstance(tensors, dict):
-        tensors, shapes = tensors.items(), {name: tensor.shape for name, tensor in tensors.items()}
-    keys = [key for key in shapes if key in names]
-    offsets = np.cumsum([0] + [math.prod(shapes[key]) for key in keys]).tolist()
-    layout = [(names[key], list(shapes[key]), offset) for key, offset in zip(keys, offsets)]
+def take_snapshot(version: int, tensors, saved: dict, dtype: torch.dtype, place, model=None) -> Weights:
+    """theta_version from `tensors`, (in-memory name, tensor) pairs of `model` (under ZeRO-3 each valid while
+    the iteration is on its layer), as a checkpoint holds them (`saved`: checkpoint_names), in `dtype` in a
+    buffer of `place` (snapshot_weights), with each tensor's fingerprint taken from `tensors` as they pass,
+    not from the copy: what the engine must hold after its push (check_loaded)."""
+    shapes = {written: shape for parts in saved.values() for written, shape in parts}
+    fingerprints = {}
+    pairs = fingerprinted(checkpoint_tensors(tensors, saved, model), dtype, fingerprints)
+    flat, layout = snapshot_weights(pairs, shapes, dtype, place)
+    sums = torch.stack([fingerprints[name] for name, _, _ in layout]).tolist()  # one wait for the device
+    return Weights(version, flat, layout, {name: tuple(s) for (name, _, _), s in zip(layout, sums)})
+
+
+def model_snapshot(model, version: int, dtype: torch.dtype, place) -> Weights:
+    """theta_version, a snapshot (take_snapshot) of all of `model`'s tensors, where they are."""
+    return take_snapshot(version, model.state_dict().items(), checkpoint_names(model), dtype, place, model)
+
+
+def checkpoint_tensors(tensors, saved: dict, model=None):
+    """(checkpoint name, tensor) of each tensor a checkpoint holds, from (in-memory name, tensor) pairs of
+    `model`: the same tensor under its checkpoint name (`saved`: checkpoint_names), or, where transformers
+    splits one when saving, the parts its own conversion makes of it."""
+    for name, tensor in tensors:
+        if (parts := saved.get(name)) is None:
+            continue
+        if len(parts) == 1 and list(tensor.shape) == parts[0][1]:
+            yield parts[0][0], tensor
+        else:
+            from transformers.core_model_loading import revert_weight_conversion
+
+            yield from revert_weight_conversion(model, {name: tensor}).items()
+
+
+# The engine's side differs from the trainer's by float64's rounding of the sums alone: the same values (the
+# engine dtype's) on both sides, summed in another order, about 1e-16 x log2(elements) of a tensor's scale,
+# sqrt(elements x sum of squares). 1e-10 of that scale leaves room, and is still under one element set wrong:
+# Llama 3.1 8B's embedding has a scale of 1e7 (525 M elements of 0.02), 1e-3 of which is 1/20 of an element.
+FINGERPRINT_RTOL = 1e-10
+FINGERPRINT_CHUNK = 2**24  # elements made float64 at once: temporaries of 128 MiB at most
+
+
+def fingerprint(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The sum and the sum of squares of `tensor`'s values as `dtype` rounds them, in float64, on the tensor's
+    device (no wait for it). Sums compose: a parameter vLLM fuses from several of a checkpoint's tensors
+    (q/k/v, gate/up, the experts) holds their sums added, in whatever order of rows it keeps them, so the
+    engine needs no knowledge of its layout; a strided sample would not compose, nor see an element it skips.
+    What sums miss, a tensor's elements in another order, the element-for-element check after each load sees
+    (WeightReceiver.holds)."""
+    flat = tensor.detach().reshape(-1)
+    sums = torch.zeros(2, dtype=torch.float64, device=flat.device)
+    for start in range(0, flat.numel(), FINGERPRINT_CHUNK):
+        part = flat[start : start + FINGERPRINT_CHUNK].to(dtype).double()
+        sums += torch.stack([part.sum(), part.dot(part)])
+    return sums
+
+
+def fingerprinted(pairs, dtype: torch.dtype, into: dict):
+    """The (name, tensor) `pairs`, passed on, each tensor's fingerprint in `dtype` put `into` a dict."""
+    for name, tensor in pairs:
+        into[name] = fingerprint(tensor, dtype)
+        yield name, tensor
+
+
+def snapshot_weights(pairs, shapes: dict[str, list[int]], dtype: torch.dtype, place: "SnapshotPlace"):
+    """A copy of the (name, tensor) `pairs` in `dtype`, one after the other in one buffer of `place`, in the
+    order of `shapes` (name -> shape of each tensor it must hold). Returns the buffer and its layout, (name,
+    shape, offset) of each tensor."""
+    offsets = np.cumsum([0] + [math.prod(shape) for shape in shapes.values()]).tolist()
+    layout = [(name, list(shape), offset) for (name, shape), offset in zip(shapes.items(), offsets)]
     flat = place.buffer(offsets[-1], dtype)
-    unfilled = {key: view for (_, view), key in zip(views(flat, layout), keys)}
-    for key, tensor in tensors:
-        if key in unfilled:
-            unfilled.pop(key).copy_(tensor.detach())
-    if missing := [key for key in names if key not in shapes] + list(unfilled):
+    unfilled = dict(views(flat, layout))
+    for name, tensor in pairs:
+        if name in unfilled:
+            unfilled.pop(name).copy_(tensor.detach())
+    if unfilled:
         raise RuntimeError(
-            f"the weights to push lack {len(missing)} tensor(s) of the policy, e.g. {missing[0]}"
+            f"the weights to push lack {len(unfilled)} tensor(s) of the policy, e.g. {next(iter(unfilled))}"
         )
     return flat, layout
 
 
-def snapshot_sizes(module, names: dict[str, str]) -> dict[str, int]:
-    """The elements of each tensor of one weight snapshot: the tensors `names` of `module`, whole, under their
-    checkpoint names. From the shapes, not from `state_dict()`, whose tensors ZeRO-3 leaves empty (it would
-    count 0)."""
-    shapes = full_shapes(module)
-    return {names[name]: math.prod(shapes[name]) for name in names}
+def snapshot_sizes(saved: dict[str, list[tuple[str, list[int]]]]) -> dict[str, int]:
+    """The elements of each tensor of one weight snapshot (`saved`: checkpoint_names), whole: from the shapes,
+    not from `state_dict()`, whose tensors ZeRO-3 leaves empty (it would count 0)."""
+    return {written: math.prod(shape) for parts in saved.values() for written, shape in parts}
 
 
-def snapshot_bytes(module, names: dict[str, str], dtype: torch.dtype) -> int:
+def snapshot_bytes(saved: dict[str, list[tuple[str, list[int]]]], dtype: torch.dtype) -> int:
     """The bytes of one weight snapshot in `dtype` (snapshot_sizes)."""
-    return sum(snapshot_sizes(module, names).values()) * dtype.itemsize
+    return sum(snapshot_sizes(saved).values()) * dtype.itemsize
 
 
 class SnapshotPlace(NamedTuple):
@@ -183,14 +251,16 @@ BUCKET_BYTES = 2**30
 def push_weights(llm, bucket: "WeightBucket", weights: Weights) -> None:
     """Load theta_v into the running engine `llm`, in place, a bucket at a time: each run of whole layers of
     the host snapshot is copied into the push's bucket on the engine's device, which its worker opens (by CUDA
-    IPC on a GPU, shared memory on a CPU), loads as a checkpoint's and checks against what it holds
-    (WeightReceiver) before the next run overwrites it; the prefix cache holds KV of the old weights: reset
-    it. An engine left with other weights stops the run."""
-    loaded = [
-        llm.collective_rpc("load_shared_weights", args=(weights.version, filled.handle, filled.layout))[0]
-        for filled in bucket.fill(weights.flat, weights.layout)
+    IPC on a GPU, shared memory on a CPU), loads as a checkpoint's and compares with what it holds
+    (WeightReceiver) before the next run overwrites it; then the engine's parameters are fingerprinted and the
+    prefix cache, KV of the old weights, reset. An engine left with other weights stops the run
+    (check_loaded)."""
+    loads = [
+        llm.collective_rpc("load_shared_weights", args=(filled.bucket, filled.header, filled.layout))[0]
+        for filled in bucket.fill(weights)
     ]
-    check_loaded(weights.version, loaded, llm.reset_prefix_cache())
+    held = llm.collective_rpc("fingerprint", args=([(name, shape) for name, shape, _ in weights.layout],))[0]
+    check_loaded(weights, loads, held, llm.reset_prefix_cache())
 
 
 def load_unit(name: str) -> str:
@@ -244,7 +314,8 @@ def bucket_chunks(layout: list, capacity: int) -> list[Chunk]:
 
 
 class Filled(NamedTuple):
-    handle: tuple  # the bucket, for the engine's worker (shared_handle)
+    bucket: tuple  # the bucket, for the engine's worker (shared_handle)
+    header: tuple  # the bucket's header: the version and the run it holds (shared_handle)
     layout: list  # (name, shape, offset in the bucket) of the tensors it holds now
 
 
@@ -254,31 +325,39 @@ class WeightBucket:
     before the next overwrites it. GPU memory of `device`, which CUDA IPC shares; on a CPU (`device` None) one
     more shared-memory file in `folder`, so that CPU runs take the GPU's push path but for the device. Of
     bucket_bytes (`least`: the production's BUCKET_BYTES, the tests' smaller), allocated at the first push and
-    kept: the engine's device holds that, whatever the model's size and the async level."""
+    kept: the engine's device holds that, whatever the model's size and the async level, and beside it a
+    header of two numbers, the version and the run it holds, which the worker reads after each load."""
 
     def __init__(self, device: torch.device | None, folder: str | None, least: int = BUCKET_BYTES):
-        self.device, self.folder, self.least, self.flat = device, folder, least, None
+        self.device, self.folder, self.least, self.flat, self.header = device, folder, least, None, None
 
-    def fill(self, snapshot: torch.Tensor, layout: list):
-        """Yields each run of `snapshot` (SnapshotPlace.buffer; `layout`: its tensors) copied into the bucket,
-        as the handle and layout the worker loads it by; the next run is copied when the caller asks for
-        it."""
+    def fill(self, weights: Weights):
+        """Yields each run of the snapshot `weights` copied into the bucket, as the handles and layout the
+        worker loads it by; the next run is copied when the caller asks for it."""
+        snapshot = weights.flat
         if self.flat is None:
-            sizes = {name: math.prod(shape) for name, shape, _ in layout}
+            sizes = {name: math.prod(shape) for name, shape, _ in weights.layout}
             numel = bucket_bytes(sizes, snapshot.element_size(), self.least) // snapshot.element_size()
-            self.flat = (
-                torch.empty(numel, dtype=snapshot.dtype, device=self.device)
+            self.flat, self.header = (
+                (
+                    torch.empty(numel, dtype=snapshot.dtype, device=self.device),
+                    torch.zeros(2, dtype=torch.int64, device=self.device),
+                )
                 if self.device is not None
-                else shared_memory_buffer(self.folder, "bucket", numel, snapshot.dtype)
+                else (
+                    shared_memory_buffer(self.folder, "bucket", numel, snapshot.dtype),
+                    shared_memory_buffer(self.folder, "header", 2, torch.int64),
+                )
             )
         if self.flat.dtype != snapshot.dtype:
             raise RuntimeError(f"a snapshot of {snapshot.dtype} for a bucket of {self.flat.dtype}")
-        handle = shared_handle(self.flat)
-        for chunk in bucket_chunks(layout, self.flat.numel()):
+        bucket, header = shared_handle(self.flat), shared_handle(self.header)
+        for run, chunk in enumerate(bucket_chunks(weights.layout, self.flat.numel())):
             self.flat[: chunk.end - chunk.start].copy_(snapshot[chunk.start : chunk.end])
+            self.header.copy_(torch.tensor([weights.version, run]))  # once the run is in
             if self.flat.is_cuda:  # the engine's process reads it without our stream
                 torch.cuda.current_stream(self.flat.device).synchronize()
-            yield Filled(handle=handle, layout=chunk.layout)
+            yield Filled(bucket=bucket, header=header, layout=chunk.layout)
 
 
 def shared_memory_buffer(folder: str, kind: str, numel: int, dtype: torch.dtype) -> torch.Tensor:
@@ -318,18 +397,29 @@ def open_shared(handle: tuple) -> torch.Tensor:
     return torch.from_file(path, shared=True, size=numel, dtype=getattr(torch, dtype))
 
 
-def check_loaded(version: int, chunks: list[dict], cache_reset: bool | None) -> None:
-    """Stop the run when the engine does not hold what it was sent (`chunks`: WeightReceiver.holds after each
-    load of the push, in order), or kept its prefix cache, KV computed with the old weights: it would go on
-    generating with a stale policy, silently."""
-    compared = sum(chunk["compared"] for chunk in chunks)
-    differ = [name for chunk in chunks for name in chunk["differ"]]
-    if differ:
-        what = f"{len(differ)} of {compared} tensors compared differ, e.g. {differ[:2]}"
+def check_loaded(weights: Weights, loads: list[dict], held: dict, cache_reset: bool | None) -> None:
+    """Stop the run unless the engine holds `weights` after its push, naming the version and the first
+    parameter that differs: each load read from the bucket the run of this version it was sent and holds it
+    as the bucket does (`loads`: WeightReceiver.load_shared_weights after each, in order); the engine's
+    parameters then match the fingerprint the trainer took of its own (`held`: WeightReceiver.fingerprint;
+    unmatched_fingerprints); its prefix cache, KV computed with the old weights, was reset. Otherwise it would
+    go on generating with another policy, silently."""
+    version = weights.version
+    read = [(load["version"], load["run"]) for load in loads]
+    wrong_run = next((i for i, (v, run) in enumerate(read) if (v, run) != (version, i)), None)
+    differ = [name for load in loads for name in load["differ"]]
+    compared, unmatched = unmatched_fingerprints(weights, held["held"], held["renamed"])
+    if wrong_run is not None:
+        found_version, found_run = read[wrong_run]
+        what = f"its load {wrong_run} read run {found_run} of version {found_version} in the bucket"
+    elif differ:
+        in_bucket = sum(load["compared"] for load in loads)
+        what = f"{len(differ)} of {in_bucket} tensors compared with the bucket differ, e.g. {differ[:2]}"
+    elif unmatched:
+        first = unmatched[0]
+        what = f"{len(unmatched)} of {compared} differ from the trainer's fingerprint, first {first}"
     elif not compared:
-        what = "no tensor could be compared"
-    elif (loaded := chunks[-1]["version"]) != version:
-        what = f"it loaded version {loaded}"
+        what = "none of its parameters could be compared with the trainer's fingerprint"
     elif cache_reset is False:
         what = "its prefix cache was not reset"
     else:
@@ -337,21 +427,73 @@ def check_loaded(version: int, chunks: list[dict], cache_reset: bool | None) -> 
     raise RuntimeError(f"the engine does not hold policy version {version} after its push: {what}")
 
 
+def unmatched_fingerprints(weights: Weights, held: dict, renamed: dict) -> tuple[int, list[str]]:
+    """The engine's parameters (`held`: vLLM's name -> fingerprint) against the trainer's fingerprint of
+    `weights`: each tensor sent against the parameter of its name (`renamed`: vLLM's, where its mapper renames
+    it), or where vLLM fuses several (q/k/v, gate/up, the experts), the fused parameters under the longest
+    prefix of its name that has some, against their parts together. Returns how many were compared and, in
+    the snapshot's order, each that differs."""
+    targets = {name: renamed.get(name, name) for name in weights.fingerprint}
+    claimed = set(targets.values()) & held.keys()
+    fused = [name for name in held if name not in claimed]
+    groups: dict[str, list[str]] = {}  # the parameter or prefix -> the tensors sent into it
+    for name, target in targets.items():
+        if target in claimed:
+            groups.setdefault(target, []).append(name)
+        elif (prefix := fused_prefix(target, fused)) is not None:
+            groups.setdefault(prefix, []).append(name)
+    # a fused parameter belongs to the longest prefix over it
+    members = {group: [group] for group in groups if group in claimed}
+    prefixes = sorted((group for group in groups if group not in claimed), key=len, reverse=True)
+    for name in fused:
+        if (owner := next((prefix for prefix in prefixes if name.startswith(prefix)), None)) is not None:
+            members.setdefault(owner, []).append(name)
+    elements = {name: math.prod(shape) for name, shape, _ in weights.layout}
+    unmatched = []
+    for group, sent in groups.items():
+        trainer = [sum(weights.fingerprint[name][i] for name in sent) for i in (0, 1)]
+        engine = [sum(held[name][i] for name in members.get(group, [])) for i in (0, 1)]
+        scale = math.sqrt(sum(elements[name] for name in sent) * trainer[1])
+        if (
+            abs(engine[0] - trainer[0]) > FINGERPRINT_RTOL * scale
+            or abs(engine[1] - trainer[1]) > FINGERPRINT_RTOL * trainer[1]
+        ):
+            fused_from = f" (and {len(sent) - 1} more)" if len(sent) > 1 else ""
+            into = ", ".join(members.get(group, [])) or "none"
+            unmatched.append(
+                f"{sent[0]}{fused_from}: sum {engine[0]:.9g}, sum of squares {engine[1]:.9g} in the engine's "
+                f"{into}, {trainer[0]:.9g} and {trainer[1]:.9g} in the trainer's"
+            )
+    return len(groups), unmatched
+
+
+def fused_prefix(name: str, fused: list[str]) -> str | None:
+    """The longest prefix of `name`, up to a dot and within its load unit, that some of the `fused`
+    parameters' names start with."""
+    parts = name.split(".")
+    for end in range(len(parts) - 1, len(load_unit(name).split(".")) - 1, -1):
+        prefix = ".".join(parts[:end]) + "."
+        if any(candidate.startswith(prefix) for candidate in fused):
+            return prefix
+    return None
+
+
 class WeightReceiver:
     """Added to vLLM's worker (`worker_extension_cls`): it loads the tensors of a weight snapshot that the
     trainer copied into the push's bucket, GPU memory shared by CUDA IPC on a GPU, shared memory on a CPU
     (WeightBucket), with no file and no further copy, through the model's own loader (which fuses q/k/v and
     gate/up and reorders GPTNeoX's q/k/v as for a checkpoint); the copy is in place, so CUDA graphs see it.
-    Then it compares what it holds with what it was sent. The tests read the engine's parameters and GPU
-    memory through it after a push."""
+    After each load it reads back what the bucket held and compares it with its parameters; after the push it
+    fingerprints them all (check_loaded). The tests read the engine's parameters and GPU memory through it."""
 
-    def load_shared_weights(self, version: int, handle: tuple, layout: list) -> dict:
-        """Load tensors of theta_version from the buffer `handle` names (shared_handle), `layout`: (name,
-        shape, offset) of each tensor in it, whole load units (bucket_chunks): the model's other layers keep
-        what they hold. Returns what `holds` says of it."""
-        flat = open_shared(handle)
+    def load_shared_weights(self, bucket: tuple, header: tuple, layout: list) -> dict:
+        """Load tensors of a policy version from the push's bucket (`bucket`: its shared_handle; `layout`:
+        (name, shape, offset) of each tensor in it, whole load units: bucket_chunks): the model's other layers
+        keep what they hold. Returns what `holds` says of it, with the version and the run the bucket's
+        `header` says it held, read after the load: what this load read, not what it was told."""
+        flat = open_shared(bucket)
         # vLLM warns of every layer a load leaves out, which a push a bucket at a time does by design; holds
-        # checks what was sent instead
+        # and the fingerprint check what was sent instead
         quiet = [
             logging.getLogger(f"vllm.model_executor.model_loader.reload.{name}")
             for name in ("inplace", "layerwise")
@@ -368,7 +510,8 @@ class WeightReceiver:
             torch.cuda.synchronize()  # loaded before the next run of the push overwrites the bucket
         else:
             self.repack_tied_heads()
-        return self.holds(version, handle, layout)
+        version, run = open_shared(header).tolist()
+        return {"version": version, "run": run} | self.holds(bucket, layout)
 
     def repack_tied_heads(self) -> None:
         """Repack each output embedding tied to the input embedding, on a CPU. vLLM's CPU layers keep a packed
@@ -382,13 +525,12 @@ class WeightReceiver:
         for head in (m for m in modules if isinstance(m, ParallelLMHead) and id(m.weight) in inputs):
             head.quant_method.process_weights_after_loading(head)
 
-    def holds(self, version: int, handle: tuple, layout: list) -> dict:
+    def holds(self, handle: tuple, layout: list) -> dict:
         """What the engine holds against the buffer `handle` names: every parameter the loader keeps under a
         sent tensor's name, compared element for element (an embedding padded to a multiple of the vocabulary:
         its first rows). The fused ones (q/k/v, gate/up) are not compared, being concatenations, nor the
-        weights vLLM's CPU layers repack and leave empty: a push that delivered nothing, or another version,
-        shows in the others. Returns the version, how many tensors were compared and the names of those that
-        differ (check_loaded)."""
+        weights vLLM's CPU layers repack and leave empty: the fingerprint covers those. Returns how many
+        tensors were compared and the names of those that differ (check_loaded)."""
         from vllm.model_executor.layers.vocab_parallel_embedding import VocabParallelEmbedding
 
         model, compared, differ = self.model_runner.model, 0, []
@@ -418,7 +560,35 @@ class WeightReceiver:
             compared += 1
             if not torch.equal(parameter.data[: len(tensor)], tensor):
                 differ.append(name)
-        return {"version": version, "compared": compared, "differ": differ}
+        return {"compared": compared, "differ": differ}
+
+    def fingerprint(self, sent: list[tuple[str, list[int]]]) -> dict:
+        """The fingerprint (fingerprint) of every parameter the engine holds, by vLLM's names, and the names
+        vLLM's mapper gives the `sent` tensors ((name, shape) each) where it renames them: check_loaded
+        compares them with the trainer's. An embedding padded to a multiple of the vocabulary: its first rows,
+        the sent ones. A linear layer's weight that vLLM's CPU backend repacked for its matmuls, leaving the
+        parameter empty: read back through the layer's own kernel (repacked_fingerprint)."""
+        from vllm.model_executor.layers.vocab_parallel_embedding import VocabParallelEmbedding
+
+        model = self.model_runner.model
+        renamed = {}
+        if (mapper := getattr(model, "hf_to_vllm_mapper", None)) is not None:
+            rename = getattr(mapper, "map_name", None) or mapper._map_name
+            renamed = {name: rename(name) for name, _ in sent if rename(name) not in (name, None)}
+        rows = {renamed.get(name, name): shape[0] for name, shape in sent if shape}
+        modules = dict(model.named_modules())
+        padded = {f"{name}.weight" for name, m in modules.items() if isinstance(m, VocabParallelEmbedding)}
+        held = {}
+        for name, parameter in model.named_parameters():
+            module = modules[name.rpartition(".")[0]]
+            if parameter.numel() == 0 and hasattr(module, "cpu_linear"):
+                held[name] = repacked_fingerprint(module, parameter.dtype)
+            else:
+                values = parameter.data[: rows[name]] if name in padded and name in rows else parameter.data
+                held[name] = fingerprint(values, values.dtype)
+        names = list(held)
+        sums = torch.stack([held[name] for name in names]).tolist()  # one wait for the device
+        return {"held": dict(zip(names, sums)), "renamed": renamed}
 
     def parameter_copies(self) -> bytes:
         """Every parameter of the engine's model (as vLLM names and fuses them), copied to the CPU, as the
@@ -431,3 +601,19 @@ class WeightReceiver:
 
     def cuda_memory_allocated(self) -> int:
         return torch.cuda.memory_allocated()
+
+
+def repacked_fingerprint(module, dtype: torch.dtype) -> torch.Tensor:
+    """The fingerprint of a linear layer's weight W that vLLM's CPU backend repacked into its matmul library's
+    layout, leaving the parameter empty, read back through the layer's own kernel: x W^T with the identity's
+    rows for x gives W's columns exactly (each output is one weight times one, plus zeros), a block of them at
+    a time."""
+    inputs = getattr(
+        module, "input_size_per_partition", module.input_size
+    )  # a CPU engine: no tensor parallelism
+    block = max(1, FINGERPRINT_CHUNK // inputs)
+    sums = torch.zeros(2, dtype=torch.float64)
+    for start in range(0, inputs, block):
+        identity = torch.eye(inputs, dtype=dtype)[start : start + block]
+        sums += fingerprint(module.cpu_linear(identity, module.weight, None), dtype)
+    return sums

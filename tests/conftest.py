@@ -98,6 +98,13 @@ FAMILIES = {
     "olmo2": ("Olmo2Config", dict(num_key_value_heads=2)),
     "phi3": ("Phi3Config", dict(num_key_value_heads=2)),
     "gpt2": ("GPT2Config", dict(n_inner=128)),
+    # mixtures of experts: 4 experts of which 2 per token; transformers fuses them in memory, one tensor per expert
+    # and projection on disk
+    "qwen3_moe": (
+        "Qwen3MoeConfig",
+        dict(num_key_value_heads=1, head_dim=32, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32),
+    ),
+    "mixtral": ("MixtralConfig", dict(num_key_value_heads=1, head_dim=32, num_local_experts=4, num_experts_per_tok=2)),
 }
 
 

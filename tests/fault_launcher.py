@@ -8,13 +8,20 @@ FAULT is <where>:<step>:
     generation:N  the generation thread raises as it starts rollout N (prompt_indices_for_step)
     scoring:N     the trainer raises right after scoring step N (plumbing's check of the scores)
     nan_score:N   the first score of step N is NaN, as if the reward model had given it
-    nan_loss:N    the loss of step N's updates is NaN (the file's loss function, whichever it has)
+    nonfinite_scores:N  the first three scores of step N are NaN, +inf and -inf
+    nan_loss:N    the loss of step N's updates is NaN (the file's loss function, whichever it has); inf_loss:N and
+                  -inf_loss:N: +inf, -inf
+    wrong_copy:V  the push of policy version V finds a wrong value planted in its bucket, after the copy of its first
+                  run, in the first element of the run's last tensor (a copy from the host snapshot gone wrong)
+    stale_run:V   the push of policy version V finds its second run (its only one: its first) never copied into the
+                  bucket: the bucket still holds what the load before it read, an earlier run or version
     freeze_push:N        the engine's worker is stopped (SIGSTOP) as the weight push of policy version N begins
     freeze_generation:N  the engine's scheduler process is stopped (SIGSTOP) once rollout N's prompts are sent to
                          it, as the generation thread waits for its first step
     kill_generation:N    the engine's worker is killed (SIGKILL) there
 Each raised fault says "injected test fault in ... (time T)", T the time.time() it was raised; a signal to the
-engine says "injected test fault in the engine: SIGSTOP to ... (time T)".
+engine says "injected test fault in the engine: SIGSTOP to ... (time T)"; each planted one says "injected test
+fault: ..." as it plants it.
 """
 
 import contextlib
@@ -34,11 +41,15 @@ LOSSES = ("dpo_batch_loss", "proximal_rloo_loss", "ppo_policy_loss")
 
 
 def inject(fault: str, module) -> None:
-    """Wrap the function `fault` names so that it fails at its step."""
+    """Wrap the function `fault` names so that it fails at its step or push."""
+    import torch
+
     import plumbing.distributed
 
     where, at = fault.split(":")
     at, seen = int(at), {"step": None}  # the training step the trainer is on, from the check of its scores
+    value = {"inf_loss": float("inf"), "-inf_loss": float("-inf")}.get(where, float("nan"))
+    where = "nan_loss" if where.endswith("inf_loss") else where
     check_scores = plumbing.distributed.check_scores
 
     def checking_scores(scores, source, step):
@@ -48,6 +59,9 @@ def inject(fault: str, module) -> None:
         if where == "nan_score" and step == at:
             scores = scores.clone()
             scores[0] = float("nan")
+        if where == "nonfinite_scores" and step == at:
+            scores = scores.clone()
+            scores[:3] = torch.tensor([float("nan"), float("inf"), float("-inf")])
         return check_scores(scores, source, step)
 
     plumbing.distributed.check_scores = checking_scores
@@ -70,7 +84,8 @@ def inject(fault: str, module) -> None:
             out = loss_function(*args, **kwargs)
             if seen["step"] != at:
                 return out
-            return (out[0] * float("nan"), *out[1:]) if isinstance(out, tuple) else out * float("nan")
+            # the value itself, in the graph: a finite loss times inf is -inf or NaN where it is negative or 0
+            return (out[0] * 0 + value, *out[1:]) if isinstance(out, tuple) else out * 0 + value
 
         setattr(module, name, nan_loss)
     if where == "freeze_push":
@@ -105,6 +120,11 @@ def inject(fault: str, module) -> None:
 
         plumbing.engine.Engine.deadline = signalling_deadline
 
+    if where in ("wrong_copy", "stale_run"):
+        import plumbing.weights
+
+        plumbing.weights.WeightBucket.fill = faulty_fill(plumbing.weights.WeightBucket.fill, where, at)
+
 
 def signal_engine(sig: signal.Signals, name: str, when: str) -> None:
     """`sig` to the engine's processes called `name` (SIGSTOP: they stop answering but do not die)."""
@@ -116,6 +136,37 @@ def signal_engine(sig: signal.Signals, name: str, when: str) -> None:
         f"injected test fault in the engine: {sig.name} to {name} (pid {pids}) {when} (time {time.time():.2f})",
         flush=True,
     )
+
+
+def faulty_fill(fill, fault: str, version: int):
+    """WeightBucket.fill, but for the push of policy `version`: a wrong value planted in the bucket after the copy
+    of its first run ("wrong_copy"), or its second run (its only one: its first) never copied ("stale_run"), the
+    bucket and its header left as the load before found them. A fake on purpose: the faults a bug in the copy from
+    the host snapshot would make, which the engine's check after the push must name."""
+
+    import plumbing.weights
+
+    def filled_runs(bucket, weights):
+        runs, run = fill(bucket, weights), 0
+        while True:
+            left = None if bucket.flat is None else (bucket.flat.clone(), bucket.header.clone())
+            try:
+                filled = next(runs)
+            except StopIteration:
+                return
+            count = len(plumbing.weights.bucket_chunks(weights.layout, bucket.flat.numel()))
+            if weights.version == version and fault == "wrong_copy" and run == 0:
+                name, _, offset = filled.layout[-1]
+                bucket.flat[offset] += 1.0
+                print(f"injected test fault: a wrong value planted in {name} of version {version}'s bucket")
+            if weights.version == version and fault == "stale_run" and run == min(1, count - 1):
+                bucket.flat.copy_(left[0])
+                bucket.header.copy_(left[1])
+                print(f"injected test fault: run {run} of version {version} never copied into the bucket")
+            run += 1
+            yield filled
+
+    return filled_runs
 
 
 def main() -> None:

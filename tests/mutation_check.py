@@ -8,6 +8,7 @@ see it run against it; a mutant is killed when they fail. Prints a table, the su
     python tests/mutation_check.py --list                # the mutants, nothing run
 
 A script, not a test module (pytest collects test_*.py only); tests/test_mutation_check.py checks the list itself.
+The same machinery checks the plumbing and the run plan's arithmetic: tests/mutation_check_plumbing.py (a Suite).
 """
 
 import argparse
@@ -30,12 +31,13 @@ ROOT = Path(__file__).resolve().parents[1]
 DPO, RLOO, PPO = "online_dpo_async.py", "rloo_async.py", "ppo_async.py"
 FILES = (DPO, RLOO, PPO)
 SHARED = "shared"  # a function all three files hold, the same text in each (tests/test_shared_code.py)
+MODULE = "<module>"  # a mutant of a file's module-level code (a constant): its fragment occurs once in the whole file
 
 
 class Mutant(NamedTuple):
     id: str
-    file: str  # DPO, RLOO, PPO or SHARED
-    function: str  # the top-level function the fragment lies in
+    file: str  # DPO, RLOO, PPO or SHARED; another suite's: the file's path (plumbing/weights.py)
+    function: str  # the top-level function or class the fragment lies in, or MODULE
     original: str  # occurs exactly once in the function's source
     replacement: str
     note: str  # the bug it stands for
@@ -537,6 +539,7 @@ LEFT_OUT = {
     "tests/test_miniature.py": "the miniature runs' driver and table",
     "tests/test_plan.py": "benchmark/plan.py's run plans",
     "tests/test_vs_trl.py": "the comparison with TRL's driver",
+    "tests/test_plumbing.py": "the plumbing's promises, which reads only the files' Args (mutation_check_plumbing.py)",
 }
 # Of those, the tests that start a script in a subprocess (seconds each): they check the command line, not the method.
 SUBPROCESS_TESTS = (
@@ -565,9 +568,10 @@ def function_source(source: str, name: str) -> str | None:
 
 def mutate(source: str, mutant: Mutant) -> str:
     """The source with the mutant's fragment replaced in its function; ValueError unless it occurs there once."""
-    if mutant.function not in function_spans(source):
+    spans = function_spans(source) | {MODULE: (0, len(source))}
+    if mutant.function not in spans:
         raise ValueError(f"{mutant.id}: no function {mutant.function}")
-    start, end = function_spans(source)[mutant.function]
+    start, end = spans[mutant.function]
     count = source[start:end].count(mutant.original)
     if count != 1:
         raise ValueError(f"{mutant.id}: {mutant.original!r} occurs {count} times in {mutant.function}, not once")
@@ -575,8 +579,11 @@ def mutate(source: str, mutant: Mutant) -> str:
 
 
 def touched_files(mutant: Mutant, sources: dict[str, str]) -> list[str]:
-    """The files a mutant is applied to: its own and every other file holding the same text of the function (shared
-    code is kept identical by tests/test_shared_code.py, so a real change would reach each copy)."""
+    """The files a mutant is applied to: its own and every other algorithm file holding the same text of the function
+    (shared code is kept identical by tests/test_shared_code.py, so a real change would reach each copy); a file of
+    another suite: its own."""
+    if mutant.file not in (*FILES, SHARED):
+        return [mutant.file]
     own = DPO if mutant.file == SHARED else mutant.file
     text = {name: function_source(sources[name], mutant.function) for name in FILES}
     files = [name for name in FILES if name == own or text[name] == text[own]]
@@ -591,6 +598,22 @@ def mutated_sources(mutant: Mutant, sources: dict[str, str]) -> dict[str, str]:
 
 def tests_for(files: list[str]) -> list[str]:
     return [UNIT_TESTS[name] for name in FILES if name in files] + list(SHARED_TESTS)
+
+
+class Suite(NamedTuple):
+    """What a mutation check mutates and runs: the `files` its `mutants` change, the `tests` the first run (without a
+    mutant) runs and records, the ones it leaves out (`deselected`: they start a script in a subprocess), and, for
+    functions that run in another process (the engine's worker), where the recording of calls cannot see them, the
+    tests that call them there (`unrecorded`: (file, function) -> tests)."""
+
+    files: tuple[str, ...]
+    mutants: list[Mutant]
+    tests: list[str]
+    deselected: tuple[str, ...]
+    unrecorded: dict[tuple[str, str], list[str]]
+
+
+METHOD = Suite(FILES, MUTANTS, tests_for(list(FILES)), SUBPROCESS_TESTS, {})
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -608,9 +631,9 @@ class TestReport:
     """A pytest plugin: the tests (or collections) that failed and, when `record` is on, which method functions each
     test calls, in its body, its setup or the setup of any fixture it uses (a module's fixture is set up once)."""
 
-    def __init__(self, root: str, record: bool):
+    def __init__(self, root: str, record: bool, files: tuple[str, ...]):
         self.failed: list[str] = []
-        self.record, self.paths = record, {os.path.join(root, name): name for name in FILES}
+        self.record, self.paths = record, {os.path.join(root, name): name for name in files}
         self.calls: dict[str, set[tuple[str, str]]] = {}  # test id -> (file, function)
         self.fixture_calls: dict[int, set[tuple[str, str]]] = {}
         self.collection: set[tuple[str, str]] = set()  # called while collecting: before any test
@@ -660,10 +683,10 @@ class TestReport:
         return code
 
 
-def worker(connection, root: str, threads: int) -> None:
+def worker(connection, root: str, threads: int, files: tuple[str, ...], deselected: tuple[str, ...]) -> None:
     """Runs pytest in this process for each job it receives, (sources, tests, record), on `root` with those sources
-    written and its modules imported afresh. Answers (exit code, failed test ids, seconds, calls per test if
-    recorded)."""
+    written and its modules imported afresh, less the `deselected` tests; the calls recorded are those into `files`.
+    Answers (exit code, failed test ids, seconds, calls per test if recorded)."""
     os.chdir(root)
     here = str(Path(__file__).resolve().parent)
     sys.path[:] = [root, os.path.join(root, "tests")] + [p for p in sys.path if p not in ("", here)]
@@ -675,7 +698,7 @@ def worker(connection, root: str, threads: int) -> None:
     import transformers  # noqa: F401  (imported once here, not once per mutant)
 
     torch.set_num_threads(threads)
-    originals = {name: Path(root, name).read_text() for name in FILES}
+    originals = {name: Path(root, name).read_text() for name in files}
     while (job := connection.recv()) is not None:
         sources, tests, record = job
         for name, text in sources.items():
@@ -683,9 +706,9 @@ def worker(connection, root: str, threads: int) -> None:
         for name, module in list(sys.modules.items()):
             if (getattr(module, "__file__", None) or "").startswith(root + os.sep):
                 del sys.modules[name]
-        report, start = TestReport(root, record), time.perf_counter()
+        report, start = TestReport(root, record, files), time.perf_counter()
         args = ["-q", "-x", "-m", "not slow", "-p", "no:cacheprovider", "--no-header"]
-        args += [arg for test in SUBPROCESS_TESTS for arg in ("--deselect", test)]
+        args += [arg for test in deselected for arg in ("--deselect", test)]
         code = report.run(args + tests)
         for name in sources:
             Path(root, name).write_text(originals[name])
@@ -698,13 +721,16 @@ class Worker:
 
     RECYCLE = 40
 
-    def __init__(self, root: Path, threads: int):
+    def __init__(self, root: Path, threads: int, suite: Suite):
         self.root, self.threads, self.process, self.jobs = root, threads, None, 0
+        self.files, self.deselected = suite.files, suite.deselected
 
     def start(self) -> None:
         context = multiprocessing.get_context("spawn")
         self.connection, child = context.Pipe()
-        self.process = context.Process(target=worker, args=(child, str(self.root), self.threads), daemon=True)
+        arguments = (child, str(self.root), self.threads, self.files, self.deselected)
+        # not a daemon: its tests start processes of their own (an engine, a process group), which a daemon cannot
+        self.process = context.Process(target=worker, args=arguments)
         self.process.start()
         self.jobs = 0
 
@@ -713,9 +739,24 @@ class Worker:
             self.connection.send(None)
             self.process.join(timeout=30)
             if self.process.is_alive():
-                self.process.kill()
-                self.process.join()
+                self.kill()
         self.process = None
+
+    def kill(self) -> None:
+        """The worker and every process its tests started (an engine left running by a test cut short)."""
+        import psutil
+
+        try:
+            children = psutil.Process(self.process.pid).children(recursive=True)
+        except psutil.NoSuchProcess:
+            children = []
+        self.process.kill()
+        self.process.join()
+        for child in children:
+            try:
+                child.kill()
+            except psutil.NoSuchProcess:
+                pass
 
     def run(self, sources: dict[str, str], tests: list[str], timeout: float, record: bool = False):
         """(pytest's exit code, failed tests, seconds, calls per test if `record`); exit code None after `timeout`
@@ -730,11 +771,10 @@ class Worker:
             try:
                 return self.connection.recv()
             except EOFError:  # a mutant that crashed the interpreter
-                self.process.join()
+                self.kill()
                 self.process = None
                 return None, ["the worker died"], time.perf_counter() - start, None
-        self.process.kill()
-        self.process.join()
+        self.kill()
         self.process = None
         return None, [], time.perf_counter() - start, None
 
@@ -752,17 +792,17 @@ class Result(NamedTuple):
 # ---------------------------------------------------------------------------------------------------------------------
 # The check
 # ---------------------------------------------------------------------------------------------------------------------
-def selected(args) -> list[Mutant]:
-    mutants = MUTANTS
+def selected(args, suite: Suite) -> list[Mutant]:
+    mutants = suite.mutants
     if args.only:
-        unknown = set(args.only) - {m.id for m in MUTANTS}
+        unknown = set(args.only) - {m.id for m in suite.mutants}
         if unknown:
             sys.exit(f"unknown mutant id(s): {', '.join(sorted(unknown))}")
         mutants = [m for m in mutants if m.id in args.only]
     if args.file == SHARED:
         mutants = [m for m in mutants if m.file == SHARED]
     elif args.file:
-        sources = {name: (ROOT / name).read_text() for name in FILES}
+        sources = {name: (ROOT / name).read_text() for name in suite.files}
         mutants = [m for m in mutants if args.file in touched_files(m, sources)]
     return mutants
 
@@ -782,18 +822,18 @@ def short(text: str, width: int) -> str:
 
 
 def print_row(result: Result) -> None:
-    where = SHARED if result.mutant.file == SHARED else ", ".join(f.removesuffix("_async.py") for f in result.files)
+    names = [Path(f).name.removesuffix("_async.py").removesuffix(".py") for f in result.files]
+    where = SHARED if result.mutant.file == SHARED else ", ".join(names)
     status = result.status + (" (equivalent)" if result.mutant.equivalent else "")
     killed_by = result.killed_by.split("::")[-1] if result.killed_by else ""
     line = f"{result.mutant.id:4} {where:10} {result.mutant.function:30} {status:22} {result.tests:5} "
     print(line + f"{result.seconds:6.1f}s  {short(killed_by, 60)}", flush=True)
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter
-    )
-    parser.add_argument("--file", choices=[*FILES, SHARED], help="only the mutants applied to this file (or shared)")
+def main(argv: list[str] | None = None, suite: Suite = METHOD, doc: str = __doc__) -> int:
+    parser = argparse.ArgumentParser(description=doc.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
+    files = [*suite.files, SHARED] if suite is METHOD else list(suite.files)
+    parser.add_argument("--file", choices=files, help="only the mutants applied to this file (or shared)")
     parser.add_argument("--only", nargs="+", metavar="ID", help="only these mutants (ids as in --list)")
     parser.add_argument("--workers", type=int, default=len(os.sched_getaffinity(0)), help="processes (default: cores)")
     parser.add_argument(
@@ -801,7 +841,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--list", action="store_true", help="print the mutants and run nothing")
     args = parser.parse_args(argv)
-    mutants = selected(args)
+    mutants = selected(args, suite)
     if args.list:
         for m in mutants:
             flag = f"  [equivalent: {m.equivalent}]" if m.equivalent else ""
@@ -817,15 +857,15 @@ def main(argv: list[str] | None = None) -> int:
         copy_repository(ROOT, copies[0])  # every worker copies the same snapshot
         for copy in copies[1:]:
             shutil.copytree(copies[0], copy, symlinks=True)
-        sources = {name: (copies[0] / name).read_text() for name in FILES}
+        sources = {name: (copies[0] / name).read_text() for name in suite.files}
         jobs = [(m, mutated_sources(m, sources)) for m in mutants]  # any fragment that no longer matches: fail now
         threads = max(1, len(os.sched_getaffinity(0)) // len(copies))
-        workers = [Worker(copy, threads) for copy in copies]
+        workers = [Worker(copy, threads, suite) for copy in copies]
         for w in workers:
             w.start()
 
         # the baseline: every test passes without a mutant, and which method functions each one calls
-        baseline_tests = tests_for(list(FILES))
+        baseline_tests = suite.tests
         code, failed, baseline, calls = workers[0].run({}, baseline_tests, timeout=3600, record=True)
         if code != 0:
             output = (workers[0].root / "pytest.log").read_text()[-3000:]
@@ -835,7 +875,7 @@ def main(argv: list[str] | None = None) -> int:
             return 2
         timeout = 3 * baseline + 60
         print(f"baseline: {len(calls) - 1} tests pass in {baseline:.0f} s ({' '.join(baseline_tests)}),")
-        print("and which method functions each one calls is recorded")
+        print("and which of the mutated files' functions each one calls is recorded")
         print(f"each mutant runs the tests that call its function, for at most {timeout:.0f} s\n")
         print(f"{'id':4} {'file':10} {'function':30} {'result':22} {'tests':>5} {'time':>7}  killed by")
 
@@ -852,6 +892,8 @@ def main(argv: list[str] | None = None) -> int:
                     return
                 files = list(mutated)
                 tests = calling_tests(calls, files, mutant.function)
+                unrecorded = suite.unrecorded.get((mutant.file, mutant.function), [])
+                tests += [test for test in unrecorded if test not in tests]
                 if not tests:
                     code, failed, seconds = 0, [], 0.0
                 else:
@@ -880,7 +922,7 @@ def main(argv: list[str] | None = None) -> int:
             w.stop()
         shutil.rmtree(scratch, ignore_errors=True)
 
-    order = {m.id: i for i, m in enumerate(MUTANTS)}
+    order = {m.id: i for i, m in enumerate(suite.mutants)}
     results.sort(key=lambda r: order[r.mutant.id])
     scored = [r for r in results if not r.mutant.equivalent]
     killed = [r for r in scored if r.status in ("killed", "timeout")]

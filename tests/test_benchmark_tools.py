@@ -169,6 +169,79 @@ def test_under_zero3_everything_but_the_gold_judge_is_sharded():
     assert "gold judge (rank 0 only)" not in gpus["training ranks 1 ..."]
 
 
+PYTHIA_410M, HIDDEN, LAYERS, VOCAB = 405_334_016, 1024, 24, 50304
+ZERO1 = """compute_environment: LOCAL_MACHINE
+distributed_type: DEEPSPEED
+deepspeed_config:
+  zero_stage: 1
+num_machines: 1
+num_processes: 2
+mixed_precision: bf16
+"""
+
+
+@pytest.mark.parametrize("placement", ["shared GPU", "DDP", "ZeRO-1", "ZeRO-3"])
+def test_the_memory_plan_of_every_placement_by_hand(placement, tmp_path):
+    """Random Pythia-410m online DPO (bf16 on GPUs), micro-batch 4 prompts (8 sequences) of 512 + 53 tokens, no-grad
+    forwards of 16, async level 1, GPUs of 79 GiB, every part by hand from its 405,334,016 parameters (R for its reward
+    model: less the 50304 x 1024 output embedding, plus a 1024 x 1 head): one process sharing its GPU with the engine
+    (0.3 of it), no DeepSpeed; and the engine on a GPU of its own (0.9) beside 2 training processes, without DeepSpeed
+    (fp32 weights and gradients under autocast, 8 bytes of AdamW state, a fp32 reference), under ZeRO-1 (bf16 weights,
+    gradients and reference, 12 bytes of state over the 2) and ZeRO-3 (all of it over the 2). The push's bucket is the
+    bf16 snapshot, 2 P bytes (smaller than 1 GiB); the host holds 3 snapshots, each in a pinned block of 1 GiB."""
+    import memory
+
+    P, gib = PYTHIA_410M, memory.GIB
+    R = P - VOCAB * HIDDEN + HIDDEN
+    (tmp_path / "zero1.yaml").write_text(ZERO1)
+    launch = {
+        "shared GPU": "python",
+        "DDP": "accelerate launch --config_file configs/multi_gpu.yaml --num_processes 2",
+        "ZeRO-1": f"accelerate launch --config_file {tmp_path / 'zero1.yaml'} --num_processes 2",
+        "ZeRO-3": "accelerate launch --config_file configs/deepspeed_zero3.yaml --num_processes 2",
+    }[placement]
+    command = f"{launch} online_dpo_async.py --sft_model_path pythia410m --reward_model_path pythia410m"
+    command += " --max_prompt_length 512 --response_length 53 --local_micro_batch_size 4"
+    command += " --local_rollout_forward_batch_size 16"
+    result = memory.plan(command.split(), 79 * gib, 1 if placement == "shared GPU" else None)
+    weights, gradients, state, reference, reward = {
+        "shared GPU": (4 * P, 4 * P, 8 * P, 4 * P, 2 * R),
+        "DDP": (4 * P, 4 * P, 8 * P, 4 * P, 2 * R),
+        "ZeRO-1": (2 * P, 2 * P, 12 * P // 2, 2 * P, 2 * R),
+        "ZeRO-3": (2 * P // 2, 2 * P // 2, 12 * P // 2, 2 * P // 2, 2 * R // 2),
+    }[placement]
+    s = 565
+    rank = {
+        "trained models' weights": weights,
+        "trained models' gradients": gradients,
+        "trained models' optimizer state": state,
+        "reference policy": reference,
+        "reward model": reward,
+        "activations of a micro-batch": LAYERS * 34 * s * 8 * HIDDEN + 12 * 8 * 54 * VOCAB,
+        "largest no-grad forward": 34 * s * 16 * HIDDEN + 12 * 16 * 54 * VOCAB,
+        "CUDA context": gib,
+    }
+    if placement == "shared GPU":
+        shared = rank | {"engine (vLLM's share)": int(0.3 * 79 * gib), "the weight push's bucket": 2 * P}
+        assert result["gpus"] == {"training rank 0, shared with the engine": shared | {"engine's CUDA context": gib}}
+        assert result["summary"].startswith("online_dpo_async.py: 0.41B policy, 1 training process(es), no ZeRO,")
+    else:
+        engine = {"engine (vLLM's share)": int(0.9 * 79 * gib), "the weight push's bucket": 2 * P}
+        engine |= {"rank 0's CUDA context (it writes the bucket)": gib, "engine's CUDA context": gib}
+        expected = {"training rank 0": rank, "engine's GPU": engine, "training ranks 1 ...": rank}
+        assert result["gpus"] == expected
+        stage = {"DDP": ", no ZeRO,", "ZeRO-1": ", ZeRO-1,", "ZeRO-3": ", ZeRO-3,"}[placement]
+        assert (
+            f"2 training process(es){stage} micro-batch 4 x 565 tokens, async level 1, 3 GPUs of 79 GiB"
+            in (result["summary"])
+        )
+    assert result["host"] == {"weight snapshots, pinned (3)": 3 * gib}
+    text, fits = memory.table(result, 79 * gib)
+    totals = [sum(gpu.values()) for gpu in result["gpus"].values()]
+    assert fits == all(total <= 0.95 * 79 * gib for total in totals) and fits
+    assert "| **total** | " + " | ".join(f"**{t / gib:.1f}**" for t in totals) + " |" in text
+
+
 @pytest.mark.parametrize("bench", ["tldr", "no_robots", "gsm8k"])
 def test_every_benchmark_experiment_fits_and_docs_show_its_plan(bench):
     """Each command the benchmark script prints (DRY_RUN=1) fits its GPUs by the plan, and docs/reproducing.md shows

@@ -15,7 +15,7 @@ import torch
 from conftest import perturbed_policy, read_metrics, run_script
 
 from plumbing.engine import engine_placement, make_engine, visible_gpus
-from plumbing.weights import SnapshotPlace, WeightBucket, Weights, checkpoint_names, push_weights, snapshot_weights
+from plumbing.weights import SnapshotPlace, WeightBucket, model_snapshot, push_weights
 
 # This process may touch CUDA before an engine starts: the engine is spawned (make_engine), never forked.
 pytestmark = pytest.mark.skipif(torch.cuda.device_count() == 0, reason="needs a CUDA GPU")
@@ -109,9 +109,8 @@ def test_each_ipc_push_loads_exactly_what_a_checkpoint_would(arch, tied, eager, 
         for version, model in enumerate(models[1:], start=1):
             trainer.cpu()
             trainer = model.cuda()
-            names = checkpoint_names(trainer)
-            flat, layout = snapshot_weights(trainer.state_dict(), names, torch.bfloat16, place)
-            push_weights(llm, bucket, Weights(version, flat, layout))
+            weights = model_snapshot(trainer, version, torch.bfloat16, place)
+            push_weights(llm, bucket, weights)
             pushed = engine_parameters(llm)
             outputs = llm.generate(prompts, greedy, use_tqdm=False)
             sampled_outputs = llm.generate(prompts, sampled, use_tqdm=False)
@@ -144,7 +143,7 @@ def test_each_ipc_push_loads_exactly_what_a_checkpoint_would(arch, tied, eager, 
                 # keeps 0.05, about its numerics. A missing temperature moves these logprobs by tenths.
                 atol = 0.05 if arch == "gptneox" else 0.025
                 torch.testing.assert_close(engine_logprobs, trainer_logprobs, rtol=0, atol=atol)
-            del flat
+            del weights
             torch.cuda.empty_cache()
         print("GPU memory (trainer, engine) after each push:", memory)
         assert memory[-1][0] <= memory[0][0] and memory[-1][1] <= memory[0][1] + 2**20
@@ -271,11 +270,8 @@ def test_snapshots_freed_over_six_pushes_leave_gpu_memory_as_after_the_second(to
         for version, model in enumerate(models[1:], start=1):
             trainer.cpu()
             trainer = model.cuda()
-            names = checkpoint_names(trainer)
-            flat, layout = snapshot_weights(trainer.state_dict(), names, torch.bfloat16, place)
-            assert flat.is_pinned() and not flat.is_cuda
-            alive[version] = Weights(version, flat, layout)
-            del flat
+            alive[version] = model_snapshot(trainer, version, torch.bfloat16, place)
+            assert alive[version].flat.is_pinned() and not alive[version].flat.is_cuda
             push_weights(llm, bucket, alive[version])
             llm.generate(prompts, sampled, use_tqdm=False)
             alive.pop(version - 2, None)  # loaded, and owed nothing any more
@@ -283,7 +279,8 @@ def test_snapshots_freed_over_six_pushes_leave_gpu_memory_as_after_the_second(to
         print("GPU memory (trainer, engine) after each push:", memory)
         assert sorted(alive) == [5, 6]
         assert memory[1:] == [memory[1]] * 5, memory
-        assert memory[0][0] - before == pytest.approx(bucket.flat.numel() * 2, abs=512)  # the bucket, bf16
+        # the bucket, bf16, and its header of 16 bytes (a block of 512)
+        assert memory[0][0] - before == pytest.approx(bucket.flat.numel() * 2 + 512, abs=512)
     finally:
         llm.llm_engine.engine_core.shutdown()
 

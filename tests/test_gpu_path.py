@@ -7,6 +7,7 @@ test_gpu.py."""
 
 import importlib
 import json
+import math
 import sys
 import tempfile
 
@@ -22,7 +23,9 @@ from plumbing.weights import (
     bucket_bytes,
     bucket_chunks,
     checkpoint_names,
-    snapshot_weights,
+    load_unit,
+    model_snapshot,
+    take_snapshot,
     views,
 )
 
@@ -213,13 +216,15 @@ def test_trained_memory_by_zero_stage_by_hand():
 # ---------------------------------------------------------------------------------------------
 # The weight push: checkpoint names, the snapshot
 # ---------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("arch", ["llama", "gptneox"])
+@pytest.mark.parametrize("arch", ["llama", "gptneox", "qwen3_moe"])
 @pytest.mark.parametrize("tied", [False, True])
 @pytest.mark.parametrize("loaded", [False, True])
 def test_pushed_names_are_those_save_pretrained_writes(tokenizer, tmp_path, arch, tied, loaded):
-    """The engine loads checkpoint names: GPTNeoX's in-memory `lm_head` is `embed_out` on disk, and a tied output
-    embedding is not written. A model built from its config and one loaded from a checkpoint (which carries
-    transformers' load-time renames) must both give the saved file's keys."""
+    """The engine loads checkpoint names: GPTNeoX's in-memory `lm_head` is `embed_out` on disk, a tied output
+    embedding is not written, and a mixture of experts' fused experts (one tensor of every expert's gate and up
+    projections, one of their down projections) are one tensor per expert and projection, of the shapes on disk. A
+    model built from its config and one loaded from a checkpoint (which carries transformers' load-time renames) must
+    both give the saved file's keys and shapes."""
     from safetensors import safe_open
     from transformers import AutoModelForCausalLM
 
@@ -229,35 +234,58 @@ def test_pushed_names_are_those_save_pretrained_writes(tokenizer, tmp_path, arch
         model = AutoModelForCausalLM.from_pretrained(tmp_path / "saved")
         model.save_pretrained(tmp_path / "resaved")
     with safe_open(str(tmp_path / ("resaved" if loaded else "saved") / "model.safetensors"), "pt") as f:
-        saved = set(f.keys())
+        saved = {key: f.get_slice(key).get_shape() for key in f.keys()}
     names = checkpoint_names(model)
-    assert set(names.values()) == saved
+    assert {name: shape for parts in names.values() for name, shape in parts} == saved
     assert set(names) <= set(model.state_dict())
     if arch == "gptneox" and not tied:
-        assert names["lm_head.weight"] == "embed_out.weight"
+        assert names["lm_head.weight"] == [("embed_out.weight", [len(tokenizer), 64])]
+    if arch == "qwen3_moe":  # 4 experts of 32 x 64, gate and up fused: 4 gate and 4 up projections of 32 x 64
+        parts = names["model.layers.1.mlp.experts.gate_up_proj"]
+        assert [name for name, _ in parts] == [
+            f"model.layers.1.mlp.experts.{e}.{projection}.weight"
+            for projection in ("gate_proj", "up_proj")
+            for e in range(4)
+        ]
+        assert all(shape == [32, 64] for _, shape in parts)
 
 
-def test_snapshot_is_a_copy_in_the_engine_dtype_under_checkpoint_names(tokenizer):
-    from transformers import AutoModelForCausalLM
+@pytest.mark.parametrize("arch", ["gptneox", "qwen3_moe"])
+def test_snapshot_is_a_copy_in_the_engine_dtype_under_checkpoint_names(tokenizer, arch):
+    """A snapshot holds every tensor of the checkpoint, in the engine's dtype (a model's fp32 values rounded to bf16 as
+    the engine holds them), under its name on disk (a mixture of experts' split per expert as save_pretrained splits
+    them), with the fingerprint of the model's own tensors: the sum and the sum of squares of the values as the dtype
+    rounds them, here summed exactly (math.fsum) by hand."""
+    from safetensors.torch import load_file
 
-    model = AutoModelForCausalLM.from_config(small_config(tokenizer, "gptneox"))
-    state = model.state_dict()
-    names = checkpoint_names(model)
+    model = perturbed_policy(tokenizer, arch, tied=False, seed=0)
+    with tempfile.TemporaryDirectory() as folder:
+        model.save_pretrained(folder)
+        on_disk = load_file(f"{folder}/model.safetensors")
     for dtype in (torch.float32, torch.bfloat16):
-        flat, layout = snapshot_weights(state, names, dtype, CPU_PLACE)
-        assert flat.dtype == dtype and flat.numel() == sum(state[k].numel() for k in names)
-        pushed = dict(views(flat, layout))
-        assert set(pushed) == set(names.values())
-        for key, name in names.items():
-            assert torch.equal(pushed[name], state[key].to(dtype)), name
+        weights = model_snapshot(model, 3, dtype, CPU_PLACE)
+        assert weights.version == 3 and weights.flat.dtype == dtype
+        assert weights.flat.numel() == sum(p.numel() for p in model.parameters())
+        pushed = dict(views(weights.flat, weights.layout))
+        assert pushed.keys() == on_disk.keys() == weights.fingerprint.keys()
+        for name, tensor in on_disk.items():
+            assert torch.equal(pushed[name], tensor.to(dtype)), name
+            values = tensor.to(dtype).double().flatten().tolist()
+            exact = (math.fsum(values), math.fsum(v * v for v in values))
+            assert weights.fingerprint[name] == pytest.approx(exact, rel=1e-13, abs=1e-13), name
     # a copy: the optimizer writing the parameters afterwards does not reach what the engine reads
-    before = pushed["embed_out.weight"].clone()
+    head = "embed_out.weight" if arch == "gptneox" else "lm_head.weight"
+    before = pushed[head].clone()
     with torch.no_grad():
-        model.lm_head.weight.add_(1.0)  # in memory; embed_out.weight in the checkpoint
-    assert torch.equal(pushed["embed_out.weight"], before)
-    # the layout's offsets tile the buffer without gaps or overlaps
+        model.lm_head.weight.add_(1.0)  # in memory; embed_out.weight in GPTNeoX's checkpoint
+    assert torch.equal(pushed[head], before)
+    # the layout's offsets tile the buffer without gaps or overlaps, a layer's tensors together
+    layout = weights.layout
     ends = [offset + torch.Size(shape).numel() for _, shape, offset in layout]
-    assert [offset for _, _, offset in layout] == [0, *ends[:-1]] and ends[-1] == flat.numel()
+    assert [offset for _, _, offset in layout] == [0, *ends[:-1]] and ends[-1] == weights.flat.numel()
+    units = [load_unit(name) for name, _, _ in layout]
+    starts = [unit for i, unit in enumerate(units) if i == 0 or units[i - 1] != unit]
+    assert len(starts) == len(set(starts)) == len(set(units))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -343,13 +371,10 @@ def test_a_snapshot_missing_a_tensor_of_the_policy_is_refused(tokenizer):
     model = AutoModelForCausalLM.from_config(small_config(tokenizer, "llama"))
     state = model.state_dict()
     names = checkpoint_names(model)
-    shapes = {name: tensor.shape for name, tensor in state.items()}
     del state["model.norm.weight"]
+    # (name, tensor) pairs, as ZeRO-3 gathers them, that never reach a tensor of the checkpoint
     with pytest.raises(RuntimeError, match="lack 1 tensor.*model.norm.weight"):
-        snapshot_weights(state, names, torch.float32, CPU_PLACE)
-    # (name, tensor) pairs, as ZeRO-3 gathers them, that never reach a tensor the shapes list
-    with pytest.raises(RuntimeError, match="lack 1 tensor.*model.norm.weight"):
-        snapshot_weights(iter(state.items()), names, torch.float32, CPU_PLACE, shapes)
+        take_snapshot(1, iter(state.items()), names, torch.float32, CPU_PLACE)
 
 
 ZERO3_PROBE = """import sys, tempfile, torch
@@ -357,7 +382,7 @@ sys.path.insert(0, {root!r})
 from transformers import AutoModelForCausalLM
 from safetensors.torch import save_file
 import plumbing
-from plumbing.weights import SnapshotPlace, checkpoint_names, snapshot_weights, views
+from plumbing.weights import SnapshotPlace, model_snapshot, views
 import {module} as algo
 
 processes = plumbing.Processes(algo.Args(dtype="float32", local_micro_batch_size=1))
@@ -373,9 +398,10 @@ module = accelerator.unwrap_model(model)
 place = snapshots.place = SnapshotPlace(pinned=False, folder=tempfile.gettempdir())
 assert all(p.numel() == 0 for p in module.parameters()), "not sharded"
 sharded = snapshots.take(model, 1)
-plain = snapshot_weights(whole.state_dict(), checkpoint_names(whole), torch.float32, place)
+plain = model_snapshot(whole, 1, torch.float32, place)
+assert sharded.fingerprint == plain.fingerprint, "the fingerprint of the gathered parameters"
 save_file(dict(views(sharded.flat, sharded.layout)), {out!r} + "/zero3.safetensors")
-save_file(dict(views(*plain)), {out!r} + "/plain.safetensors")
+save_file(dict(views(plain.flat, plain.layout)), {out!r} + "/plain.safetensors")
 """
 
 # PPO's push under ZeRO-3: the policy and the value model are one prepared module; the push gathers the policy's
@@ -385,7 +411,7 @@ ZERO3_PPO_PROBE = """import json, sys, tempfile, torch, deepspeed
 sys.path.insert(0, {root!r})
 from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 import plumbing
-from plumbing.weights import SnapshotPlace, checkpoint_names, snapshot_weights, views
+from plumbing.weights import SnapshotPlace, model_snapshot, views
 import ppo_async as algo
 
 gathered, Gather = [], deepspeed.zero.GatheredParameters
@@ -407,11 +433,11 @@ module = accelerator.unwrap_model(model)
 place = snapshots.place = SnapshotPlace(pinned=False, folder=tempfile.gettempdir())
 gathered.clear()  # loading sharded models gathers too: only the push's gathers count
 sharded = snapshots.take(model, 1)
-plain = snapshot_weights(whole.state_dict(), checkpoint_names(whole), torch.float32, place)
+plain = model_snapshot(whole, 1, torch.float32, place)
 ids = {{id(p): name for name, p in module.named_parameters()}}
-pairs = zip(views(sharded.flat, sharded.layout), views(*plain))
+pairs = zip(views(sharded.flat, sharded.layout), views(plain.flat, plain.layout))
 print(json.dumps({{"gathered": sorted(ids[i] for i in set(gathered)), "parameters": sorted(ids.values()),
-    "equal": all(torch.equal(a, b) for (_, a), (_, b) in pairs)}}))
+    "equal": all(torch.equal(a, b) for (_, a), (_, b) in pairs) and sharded.fingerprint == plain.fingerprint}}))
 """
 
 
@@ -490,3 +516,35 @@ def test_the_push_bucket_takes_whole_layers_and_a_tensor_larger_than_its_least()
     split = [layout[1], layout[3], layout[2]]  # layer 0's up after layer 1's q_proj
     with pytest.raises(RuntimeError, match="the tensors of model.layers.0 are not together"):
         bucket_chunks(split, capacity=768 * mi)
+
+
+def test_a_layer_of_experts_is_one_load_unit_whatever_its_experts_numbers():
+    """A mixture of experts' layer as its checkpoint holds it: each expert's projections carry the expert's number after
+    the layer's (model.layers.1.mlp.experts.3.up_proj.weight), and vLLM fuses all of a layer's experts into one
+    parameter, processed once every one came in a load. The unit is the layer: the bucket holds the largest layer, more
+    than its largest tensor, and a push cuts the snapshot between layers, never between experts: here the embedding (60
+    elements); layer 0 and layer 1 (116 each: q 16, 4 experts x 3 projections of 8, a norm of 4); the norm and the
+    head (56 + 60 = 116, a run that fills the bucket exactly)."""
+    assert load_unit("model.layers.1.mlp.experts.3.up_proj.weight") == "model.layers.1"
+    assert load_unit("model.layers.12.block_sparse_moe.experts.7.w2.weight") == "model.layers.12"
+    sizes = {"model.embed_tokens.weight": 60}
+    for layer in (0, 1):
+        sizes[f"model.layers.{layer}.self_attn.q_proj.weight"] = 16
+        for expert in range(4):
+            for projection in ("gate_proj", "up_proj", "down_proj"):
+                sizes[f"model.layers.{layer}.mlp.experts.{expert}.{projection}.weight"] = 8
+        sizes[f"model.layers.{layer}.input_layernorm.weight"] = 4
+    sizes |= {"model.norm.weight": 56, "lm_head.weight": 60}
+    assert bucket_bytes(sizes, element_size=2, least=1) == 2 * 116
+    layout, offset = [], 0
+    for name, numel in sizes.items():
+        layout.append((name, [numel], offset))
+        offset += numel
+    chunks = bucket_chunks(layout, capacity=116)
+    assert [(chunk.start, chunk.end) for chunk in chunks] == [(0, 60), (60, 176), (176, 292), (292, 408)]
+    assert [{load_unit(name) for name, _, _ in chunk.layout} for chunk in chunks] == [
+        {"model.embed_tokens"},
+        {"model.layers.0"},
+        {"model.layers.1"},
+        {"model.norm", "lm_head"},
+    ]

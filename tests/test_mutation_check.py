@@ -1,13 +1,17 @@
-"""The mutation check's list against the current files (docs/tests.md#mutation-check): every mutant still applies, so
-the list cannot rot silently. No mutant is run here."""
+"""The mutation checks' lists against the current files (docs/tests.md#mutation-check): every mutant still applies, so
+the lists cannot rot silently; the method's (tests/mutation_check.py) and the plumbing's
+(tests/mutation_check_plumbing.py). No mutant is run here."""
 
 import ast
 
+import pytest
 from conftest import ROOT
 
 import mutation_check as mc
+import mutation_check_plumbing as mcp
 
 SOURCES = {name: (ROOT / name).read_text() for name in mc.FILES}
+PLUMBING_SOURCES = {name: (ROOT / name).read_text() for name in mcp.FILES}
 
 
 def test_every_mutant_applies_once_to_its_function_and_the_result_compiles():
@@ -57,3 +61,36 @@ def test_every_test_module_of_the_algorithm_files_is_run_or_left_out_with_its_re
         if any(name.removesuffix(".py") in path.read_text() for name in mc.FILES)
     }
     assert not importing - run - set(mc.LEFT_OUT), "add them to SHARED_TESTS or LEFT_OUT in tests/mutation_check.py"
+
+
+def test_every_plumbing_mutant_applies_once_to_its_function_and_the_result_compiles():
+    problems = []
+    for mutant in mcp.MUTANTS:
+        assert mutant.file in mcp.FILES and mutant.note and mutant.original != mutant.replacement, mutant.id
+        assert mc.touched_files(mutant, PLUMBING_SOURCES) == [mutant.file], mutant.id
+        try:
+            mutated = mc.mutated_sources(mutant, PLUMBING_SOURCES)
+        except ValueError as error:
+            problems.append(str(error))
+            continue
+        ast.parse(mutated[mutant.file], filename=f"{mutant.file} with {mutant.id}")
+    assert not problems, "\n".join(problems)
+    assert len({m.id for m in mcp.MUTANTS}) == len(mcp.MUTANTS) >= 35
+    # every file of the plumbing the issue names, and the two plans, has mutants
+    assert {m.file for m in mcp.MUTANTS} == set(mcp.FILES)
+
+
+def test_the_plumbing_suite_s_tests_exist():
+    for test in [*mcp.TESTS, *(t.split("::")[0] for t in mcp.DESELECTED)]:
+        assert (ROOT / test).is_file(), test
+    for (file, function), tests in mcp.UNRECORDED.items():
+        assert function in mc.function_spans(PLUMBING_SOURCES[file]), function
+        for test in tests:
+            path, name = test.split("::")
+            assert f"def {name}(" in (ROOT / path).read_text(), test
+
+
+@pytest.mark.parametrize("mutant", [m for m in mcp.MUTANTS if m.function == mc.MODULE], ids=lambda m: m.id)
+def test_a_module_level_mutant_changes_code_outside_every_function(mutant):
+    start = PLUMBING_SOURCES[mutant.file].index(mutant.original)
+    assert not any(a <= start < b for a, b in mc.function_spans(PLUMBING_SOURCES[mutant.file]).values()), mutant.id

@@ -99,6 +99,28 @@ def test_left_out_the_share_is_what_the_run_would_give_the_engine(async_level):
     )
 
 
+def test_on_a_shared_gpu_the_share_left_out_leaves_room_for_the_push_s_bucket():
+    """Pythia-410m online DPO alone on a 16 GiB GPU (no DeepSpeed, bf16 autocast), the share left out: rank 0's GPU
+    holds fp32 policy and reference (4 + 4 bytes a parameter), the bf16 reward model and a CUDA context once the models
+    are loaded; the gradients and AdamW state to come (4 + 8 bytes), the push's bucket (the bf16 snapshot, 2 bytes a
+    parameter: smaller than 1 GiB), two CUDA contexts and 5 % of the GPU must fit beside the engine:
+    int(100 x (free - needed - 0.05 x total) / total) / 100 = 0.2 (0.24 without the bucket)."""
+    P = 405_334_016
+    R = P - 50304 * 1024 + 1024
+    total = 16 * GIB
+    free = total - (4 * P + 4 * P + 2 * R + GIB)
+    needed = 12 * P + 2 * P + 2 * GIB
+    assert int(100 * (free - needed - 0.05 * total) / total) / 100 == 0.2
+    assert int(100 * (free - needed + 2 * P - 0.05 * total) / total) / 100 == 0.24  # had the bucket been forgotten
+    command = "python online_dpo_async.py --sft_model_path pythia410m --reward_model_path pythia410m"
+    command += " --max_prompt_length 512 --response_length 53 --local_micro_batch_size 4"
+    p = plan.make_plan(command.split(), H100._replace(gpu_bytes=total), 1)
+    assert p.shared and (p.share, p.share_source) == (
+        0.2,
+        "left out: the largest the run leaves, plumbing.engine.engine_share",
+    )
+
+
 def test_no_robots_8b_at_the_scripts_share_holds_the_step_and_generation_still_bounds_it():
     """no_robots.sh's 0.91, the largest the memory plan fits beside the 1 GiB bucket: int(0.91 x 79 GiB) =
     77,191,299,727 bytes less 16,060,522,496 of weights and the 2 GiB reserve leave 58,983,293,583 bytes of KV cache,

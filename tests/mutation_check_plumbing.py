@@ -1,0 +1,197 @@
+"""Mutation check of the plumbing and of the run plan's arithmetic (docs/tests.md#mutation-check): realistic bugs in
+plumbing/ (the weight push and its proof, the engine's memory, the run folder, the processes' collectives, the command
+line's checks) and in benchmark/plan.py and benchmark/memory.py, each applied in turn to a scratch copy of the
+repository, and the fast tier's tests that call the mutated function run against it; a mutant is killed when they
+fail. The machinery is tests/mutation_check.py's (its Suite); this file holds the list.
+
+    python tests/mutation_check_plumbing.py                              # every mutant, one worker per core
+    python tests/mutation_check_plumbing.py --file plumbing/weights.py   # the mutants of one file
+    python tests/mutation_check_plumbing.py --only W07 M03               # a few, by id
+    python tests/mutation_check_plumbing.py --list                       # the mutants, nothing run
+
+tests/test_mutation_check.py checks that every fragment still applies once to its function.
+"""
+
+import sys
+
+from mutation_check import MODULE, Mutant, Suite, main
+
+WEIGHTS, ENGINE, RUN_FOLDER = "plumbing/weights.py", "plumbing/engine.py", "plumbing/run_folder.py"
+DISTRIBUTED, COMMAND_LINE = "plumbing/distributed.py", "plumbing/command_line.py"
+PLAN, MEMORY = "benchmark/plan.py", "benchmark/memory.py"
+FILES = (WEIGHTS, ENGINE, RUN_FOLDER, DISTRIBUTED, COMMAND_LINE, PLAN, MEMORY)
+
+# A table, one mutant to a line or two: left as laid out (the formatter would spread each over eight lines).
+# fmt: off
+MUTANTS = [
+    # -------- plumbing/weights.py: the push and its proof
+    Mutant("W01", WEIGHTS, "load_unit", "parts[: numbered[0] + 1]", "parts[: numbered[-1] + 1]",
+           "a layer of experts cut at its last number: each expert a load unit of its own, the layer split"),
+    Mutant("W02", WEIGHTS, "bucket_bytes", "max(least // element_size, *units.values())",
+           "max(least // element_size, *sizes.values())", "the bucket sized by the largest tensor, not layer"),
+    Mutant("W03", WEIGHTS, "bucket_bytes", "min(sum(sizes.values()), max(least // element_size, *units.values()))",
+           "max(least // element_size, *units.values())", "a bucket larger than the whole snapshot it streams"),
+    Mutant("W04", WEIGHTS, "bucket_chunks", "end - chunks[-1].start <= capacity", "end - chunks[-1].start < capacity",
+           "< vs <=: a run that fills the bucket exactly is loaded in two"),
+    Mutant("W05", WEIGHTS, "bucket_chunks", "(name, shape, offset - chunk.start)", "(name, shape, offset)",
+           "a run's offsets counted from the snapshot's start, not the bucket's"),
+    Mutant("W06", WEIGHTS, "WeightBucket", "torch.tensor([weights.version, run])", "torch.tensor([weights.version, 0])",
+           "the bucket's header says run 0 whatever run it holds"),
+    Mutant("W07", WEIGHTS, "WeightBucket", "copy_(snapshot[chunk.start : chunk.end])",
+           "copy_(snapshot[: chunk.end - chunk.start])",
+           "every run copied from the snapshot's start: the copy into the bucket wrong, the bucket and the engine "
+           "agreeing on it (the hole the engine-against-bucket check left)"),
+    Mutant("W08", WEIGHTS, "check_loaded", "if (v, run) != (version, i)", "if v != version",
+           "the run a load read not checked: a stale earlier run of the same version passes"),
+    Mutant("W09", WEIGHTS, "check_loaded", "elif cache_reset is False:", "elif not cache_reset:",
+           "an engine that does not say whether it reset its prefix cache stops the run"),
+    Mutant("W10", WEIGHTS, "check_loaded", "    elif unmatched:\n", "    elif False:\n",
+           "the trainer's fingerprint not checked: the engine proven against the bucket only"),
+    Mutant("W11", WEIGHTS, "unmatched_fingerprints", "abs(engine[0] - trainer[0]) > FINGERPRINT_RTOL * scale",
+           "abs(engine[0] - trainer[0]) > FINGERPRINT_RTOL * abs(trainer[0])",
+           "the sum's tolerance relative to the sum, which cancels to near 0, not to the tensor's scale"),
+    Mutant("W12", WEIGHTS, "unmatched_fingerprints", "sum(weights.fingerprint[name][i] for name in sent)",
+           "weights.fingerprint[sent[0]][i]", "a fused parameter compared with its first part alone"),
+    Mutant("W13", WEIGHTS, "fingerprint", "part = flat[start : start + FINGERPRINT_CHUNK].to(dtype).double()",
+           "part = flat[start : start + FINGERPRINT_CHUNK].double()",
+           "the trainer's values fingerprinted unrounded, not as the engine's dtype holds them"),
+    Mutant("W14", WEIGHTS, "fingerprint", "flat[start : start + FINGERPRINT_CHUNK]",
+           "flat[start : start + FINGERPRINT_CHUNK - 1]", "off by one: each chunk's last element not summed"),
+    Mutant("W15", WEIGHTS, "take_snapshot", "torch.stack([fingerprints[name] for name, _, _ in layout])",
+           "torch.stack([fingerprint(view, dtype) for _, view in views(flat, layout)])",
+           "the fingerprint taken of the snapshot's copy, not of the trainer's weights: the copy proven against "
+           "itself"),
+    Mutant("W16", WEIGHTS, "checkpoint_names", "remove_tied_weights_from_state_dict(shadow.state_dict(), shadow)",
+           "shadow.state_dict()", "a tied output embedding pushed as a tensor of its own"),
+    Mutant("W17", WEIGHTS, "WeightReceiver", "if parameter.numel() == 0 and hasattr(module, \"cpu_linear\"):",
+           "if False:", "the linear weights vLLM's CPU layers repack fingerprinted as the empty parameters they left"),
+    Mutant("W18", WEIGHTS, "repacked_fingerprint", "torch.eye(inputs, dtype=dtype)[start : start + block]",
+           "torch.eye(inputs, dtype=dtype)[start : start + block - 1]",
+           "off by one: a repacked weight's last column of each block not read back"),
+    Mutant("W19", WEIGHTS, "WeightReceiver",
+           "parameter.data[: rows[name]] if name in padded and name in rows else parameter.data",
+           "parameter.data", "a padded embedding's padding rows summed too",
+           equivalent="vLLM's loader fills the padding rows with zeros (VocabParallelEmbedding.weight_loader): they add "
+           "nothing to either sum"),
+    # -------- plumbing/engine.py: the engine's GPU memory
+    Mutant("E01", ENGINE, "trained_memory", "(2, 2, 12) if zero_stage and bf16 else (4, 4, 8)",
+           "(2, 2, 12) if bf16 else (4, 4, 8)", "DeepSpeed's bf16 bytes for a run without DeepSpeed (fp32 weights)"),
+    Mutant("E02", ENGINE, "trained_memory", '"optimizer state": shard(state, 1)', '"optimizer state": shard(state, 2)',
+           "ZeRO-1 counted as not sharding the optimizer state"),
+    Mutant("E03", ENGINE, "engine_share", "(bucket + 2 * CUDA_CONTEXT if placement.shared else 0)",
+           "(2 * CUDA_CONTEXT if placement.shared else 0)", "the push's bucket left out of a shared GPU"),
+    Mutant("E04", ENGINE, "engine_share", "(free - bucket - 2 * CUDA_CONTEXT - 0.05 * total)",
+           "(free - 2 * CUDA_CONTEXT - 0.05 * total)", "the push's bucket left out of the engine's own GPU"),
+    Mutant("E05", ENGINE, "engine_share", 'DEFAULT_SHARE["shared" if placement.shared else "separate"]',
+           'DEFAULT_SHARE["separate" if placement.shared else "shared"]', "the two placements' default shares swapped"),
+    Mutant("E06", ENGINE, "snapshot_memory", "(async_level + 2)", "(async_level + 1)",
+           "one snapshot fewer than can be alive at once"),
+    Mutant("E07", ENGINE, "engine_placement", "separate = len(visible) > local", "separate = len(visible) >= local",
+           "> vs >=: the engine given a GPU a training process uses"),
+    # -------- plumbing/run_folder.py: checkpoints, resuming, timings
+    Mutant("R01", RUN_FOLDER, "pipeline_metrics", "training_start = laps.start + next(iter(laps.seconds.values()))",
+           "training_start = laps.start", "the step's training timed with its wait for rollouts"),
+    Mutant("R02", RUN_FOLDER, "pipeline_metrics", '"throughput/episodes_per_second": episodes / step',
+           '"throughput/episodes_per_second": episodes / seconds["training"]',
+           "the throughput over the training time, not the step"),
+    Mutant("R03", RUN_FOLDER, "save_checkpoint",
+           'shutil.rmtree(path, ignore_errors=True)\n        os.replace(f"{path}.tmp", path)',
+           'shutil.copytree(f"{path}.tmp", path, dirs_exist_ok=True)',
+           "the checkpoint copied into place, not renamed: a crash leaves half of one that --resume reads"),
+    Mutant("R04", RUN_FOLDER, "save_checkpoint", "checkpoints_in(output_dir)[:-keep]",
+           "checkpoints_in(output_dir)[: -keep - 1]", "off by one: a checkpoint more than --keep_checkpoints kept"),
+    Mutant("R05", RUN_FOLDER, MODULE, '"num_sample_completions", "collective_timeout_minutes"}',
+           '"num_sample_completions", "collective_timeout_minutes", "eval_freq"}',
+           "a flag that changes the schedule (--eval_freq: the versions owed) accepted on --resume"),
+    Mutant("R06", RUN_FOLDER, "checkpoint_to_resume", 'if previous.get("world_size") != world_size:', "if False:",
+           "a run resumed on another number of training processes (its shards and shuffles no longer match)"),
+    Mutant("R07", RUN_FOLDER, "write_atomically", 'Path(f"{path}.tmp").write_text(text)\n    os.replace(f"{path}.tmp", path)',
+           "Path(path).write_text(text)", "args.json written in place: a crash leaves half of it"),
+    Mutant("R08", RUN_FOLDER, "keep_metrics_before", '(logged["step"] < start_step)', '(logged["step"] <= start_step)',
+           "< vs <=: the step a resumed run trains again kept in metrics.jsonl, logged twice"),
+    Mutant("R09", RUN_FOLDER, "forward_flops", "tied = head is not None and head.weight is embedding", "tied = False",
+           "a tied head's parameters left out of the body twice"),
+    # -------- plumbing/distributed.py: what the processes compute together
+    Mutant("D01", DISTRIBUTED, "Processes", 'torch.stack(list(stats.values())), "mean")',
+           'torch.stack(list(stats.values())), "sum")', "the statistics summed over the processes, not averaged"),
+    Mutant("D02", DISTRIBUTED, "Processes", 'if not np.isfinite(reduced["loss"]):', 'if np.isnan(reduced["loss"]):',
+           "an infinite loss passes the check, and reaches a checkpoint"),
+    Mutant("D03", DISTRIBUTED, "Processes", "check_scores(self.accelerator.gather(scores), source, step)",
+           "check_scores(scores, source, step)",
+           "each process checks its own scores: one stops, the others wait in the next collective"),
+    Mutant("D04", DISTRIBUTED, "check_scores", "(~torch.isfinite(scores))", "torch.isnan(scores)",
+           "an infinite score passes the check"),
+    Mutant("D05", DISTRIBUTED, "Processes", "self.engine_dtype = dtypes[args.vllm_dtype]",
+           "self.engine_dtype = self.dtype", "--vllm_dtype ignored: the snapshots in the trainer's dtype"),
+    Mutant("D06", DISTRIBUTED, "Processes", 'bf16 = args.dtype == "bfloat16" or (args.dtype == "auto" and self.on_gpu)',
+           'bf16 = args.dtype in ("bfloat16", "auto")', "--dtype auto is bf16 on a CPU too"),
+    # -------- plumbing/command_line.py: the checks of the flags
+    Mutant("C01", COMMAND_LINE, "check_domains", 'value > float(bound) if op == ">" else value >= float(bound)',
+           'value >= float(bound) if op == ">" else value > float(bound)',
+           "> vs >=: each bound refused where it is allowed and let in where it is not"),
+    Mutant("C02", COMMAND_LINE, "check_domains", '(low <= value if domain[3] == "[" else low < value)',
+           "(low <= value)", "an open interval's bound let in: --vllm_gpu_memory_utilization 0"),
+    Mutant("C03", COMMAND_LINE, "check_domains", "if not (inside and np.isfinite(value)):", "if not inside:",
+           "an infinite value let in: --learning_rate inf"),
+    Mutant("C04", COMMAND_LINE, "encode_text", "add_special_tokens=not has_bos", "add_special_tokens=True",
+           "a second BOS before a chat-templated prompt"),
+    # -------- benchmark/plan.py: the run plan
+    Mutant("P01", PLAN, "predict", "- weights - hardware.engine_reserve", "- weights + hardware.engine_reserve",
+           "flipped sign: the engine's reserve added to its KV cache"),
+    Mutant("P02", PLAN, "predict", "waves = -(-completions // in_flight)", "waves = completions // in_flight",
+           "the waves rounded down: a last partial wave not generated"),
+    Mutant("P03", PLAN, "predict", "blocks = -(-(P + R) // hardware.block_size)",
+           "blocks = (P + R) // hardware.block_size", "a sequence's KV blocks rounded down"),
+    Mutant("P04", PLAN, "kv_per_token", "model.head_dim * 2 * dtype_bytes", "model.head_dim * dtype_bytes",
+           "the keys' cache counted, not the values'"),
+    Mutant("P05", PLAN, "engine_share", "to_come, bucket=bucket)", "to_come, bucket=0)",
+           "the push's bucket left out of the share the run plan gives the engine"),
+    Mutant("P06", PLAN, "predict", "mean_context = P + R / 2", "mean_context = P + R",
+           "each decoding step reads the whole response's KV, not its mean"),
+    # -------- benchmark/memory.py: the memory plan
+    Mutant("M01", MEMORY, "memory_plan", "(2 if stage and bf16 else 4) // shard", "(2 if bf16 else 4) // shard",
+           "the reference in bf16 without DeepSpeed, where it keeps fp32 weights"),
+    Mutant("M02", MEMORY, "memory_plan", "shard = processes if stage == 3 else 1",
+           "shard = processes if stage >= 2 else 1", "the frozen models sharded under ZeRO-2"),
+    Mutant("M03", MEMORY, "memory_plan", "if gpus > processes:", "if gpus >= processes:",
+           "> vs >=: the engine given a GPU of its own where it shares rank 0's"),
+    Mutant("M04", MEMORY, "memory_plan", '0.3) * gpu_bytes), BUCKET: bucket}', "0.3) * gpu_bytes)}",
+           "the push's bucket left out of a shared GPU"),
+    Mutant("M05", MEMORY, "memory_plan", '"online_dpo_async.py": 2 * micro', '"online_dpo_async.py": micro',
+           "a micro-batch of pairs counted as one sequence a pair"),
+    Mutant("M06", MEMORY, "memory_plan", "if processes > 1:", "if processes > 0:",
+           "a column for ranks 1 ... of a one-process run"),
+]
+# fmt: on
+
+# The fast tier's tests that can see the plumbing, the plan and the memory plan (the recording of calls picks, for
+# each mutant, those that call its function): the plumbing's own, the GPU path's logic, the plans, the command line's
+# checks, the task loaders (encode_text), the faults' unit checks, and the engine's (a real engine, started once per
+# mutant that needs it).
+TESTS = [
+    "tests/test_plumbing.py",
+    "tests/test_gpu_path.py",
+    "tests/test_plan.py",
+    "tests/test_benchmark_tools.py",
+    "tests/test_bad_input.py",
+    "tests/test_tasks.py",
+    "tests/test_faults_and_resume.py",
+    "tests/test_engine.py",
+]
+# Of those, the tests that start a script or a tool in a subprocess, seconds each, and check what in-process tests of
+# the same functions check (the command line's one line, the tools' printout).
+DESELECTED = (
+    "tests/test_bad_input.py::test_the_command_line_prints_one_line_and_writes_nothing",
+    "tests/test_bad_input.py::test_an_sft_policy_as_reward_model_or_gold_judge_is_refused_in_one_line",
+    "tests/test_bad_input.py::test_an_output_dir_that_is_a_file_and_an_exp_name_that_is_a_path_are_refused",
+    "tests/test_tasks.py::test_a_gold_reward_model_for_gsm8k_is_refused_in_one_line_before_any_model_loads",
+    "tests/test_plan.py::test_docs_show_every_benchmark_experiments_run_plan",
+    "tests/test_benchmark_tools.py::test_every_benchmark_experiment_fits_and_docs_show_its_plan",
+)
+# The engine's worker runs in its own process, where the recording cannot see: the test that pushes and checks
+ENGINE_PUSH = "tests/test_engine.py::test_an_engine_holding_other_weights_than_it_was_sent_stops_the_run"
+UNRECORDED = {(WEIGHTS, "WeightReceiver"): [ENGINE_PUSH], (WEIGHTS, "repacked_fingerprint"): [ENGINE_PUSH]}
+PLUMBING = Suite(FILES, MUTANTS, TESTS, DESELECTED, UNRECORDED)
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:], PLUMBING, __doc__))
