@@ -288,12 +288,12 @@ def test_our_runs_go_through_the_wrapper(tmp_path):
 
 # FAKE per-step timings: (episodes per step, [step wall times], generation, weight sync, trainer, scoring, wait)
 FAKE = {
-    "trl_online_dpo": (128, [2.0] * 6, 0.9, 0.1, 1.0, 0.2, 1.0),
-    "ours_online_dpo_async0": (128, [1.6, 1.6, 1.2, 1.2, 2.4, 1.6], 0.5, 0.05, 1.0, 0.2, 0.55),
-    "ours_online_dpo_async1": (128, [1.0, 3.0, 1.0, 1.0, 1.0, 1.0], 0.5, 0.05, 0.9, 0.2, 0.05),
-    "trl_rloo": (128, [4.0] * 6, 2.0, 0.1, 1.9, 0.3, 2.1),
-    "ours_rloo_async0": (128, [2.0] * 6, 0.8, 0.05, 1.1, 0.3, 0.85),
-    "ours_rloo_async1": (128, [1.6] * 6, 0.8, 0.05, 1.5, 0.3, 0.05),
+    "trl_online_dpo": (128, [2.0] * 8, 0.9, 0.1, 1.0, 0.2, 1.0),
+    "ours_online_dpo_async0": (128, [1.6, 1.6, 5.0, 1.2, 1.2, 2.4, 1.6, 1.6], 0.5, 0.05, 1.0, 0.2, 0.55),
+    "ours_online_dpo_async1": (128, [1.0, 3.0, 3.0, 1.0, 1.0, 1.0, 1.0, 1.0], 0.5, 0.05, 0.9, 0.2, 0.05),
+    "trl_rloo": (128, [4.0] * 8, 2.0, 0.1, 1.9, 0.3, 2.1),
+    "ours_rloo_async0": (128, [2.0] * 8, 0.8, 0.05, 1.1, 0.3, 0.85),
+    "ours_rloo_async1": (128, [1.6] * 8, 0.8, 0.05, 1.5, 0.3, 0.05),
 }
 
 
@@ -331,7 +331,8 @@ def fake_results(tmp_path: Path, seeds=(1,)) -> list[dict]:
 
 def test_results_table_and_chart_on_fake_timings(tmp_path):
     results = fake_results(tmp_path)
-    # timed steps: 2 .. 4 (two warm-up steps, the last has no next start); episodes/s = 128 / mean step time
+    # timed steps: 3 .. 6 (two warm-up steps, step 2 after the evaluation of step 0, the last has no next start);
+    # episodes/s = 128 / mean step time
     by_hand = {
         "trl_online_dpo": 64.0,
         "ours_online_dpo_async0": 80.0,
@@ -351,9 +352,9 @@ def test_results_table_and_chart_on_fake_timings(tmp_path):
     assert {r["config"]: r["episodes_per_s"] for r in results} == pytest.approx(by_hand)
     rows = vs_trl.configs(results)
     assert vs_trl.speedups(rows) == pytest.approx(ratios)
-    # the median step: 1.2 s for ours async 0 (steps of 1.2, 1.2, 2.4 s) against TRL's 2.0 s; the mean elsewhere
+    # the median step: 1.4 s for ours async 0 (steps of 1.2, 1.2, 2.4, 1.6 s) against TRL's 2.0 s; the mean elsewhere
     assert vs_trl.speedups(rows, "episodes_per_s_median") == pytest.approx(
-        ratios | {"ours_online_dpo_async0": 2.0 / 1.2}
+        ratios | {"ours_online_dpo_async0": 2.0 / 1.4}
     )
     table = vs_trl.summary_table(rows, win_rate=True)
     cells = {
@@ -380,7 +381,7 @@ def test_results_table_and_chart_on_fake_timings(tmp_path):
     ]
     assert cells["TRL RLOO"][:5] == ["TRL: HF generate", "1 of 1", "1.00", "1.00", "32.0"]
     assert cells["ours RLOO, async 1"][2:5] == ["2.50", "2.50", "80.0"]
-    assert cells["ours online DPO, async 0"][2:8] == ["1.25", "1.67", "80.0", "1.600", "1.200", "0.500"]
+    assert cells["ours online DPO, async 0"][2:8] == ["1.25", "1.43", "80.0", "1.600", "1.400", "0.500"]
     assert "win rate" not in vs_trl.summary_table(rows, win_rate=False)
     bars = vs_trl.plot(rows, str(tmp_path / "vs_trl.png"), "FAKE timings")
     assert [(h, a) for _, h, a in bars] == [
@@ -400,7 +401,7 @@ def test_seeds_are_averaged_and_a_failed_run_is_a_row(tmp_path):
     dpo = rows["ours_online_dpo_async0"]
     assert (dpo["seeds"], dpo["runs"]) == ([1, 2], 2)
     assert (dpo["win_rate"], *dpo["win_rate_range"]) == pytest.approx((0.54, 0.51, 0.57))
-    assert dpo["curve"][0] == (0, 0.4, 0.4, 0.4) and dpo["curve"][1] == pytest.approx((768, 0.54, 0.51, 0.57))
+    assert dpo["curve"][0] == (0, 0.4, 0.4, 0.4) and dpo["curve"][1] == pytest.approx((1024, 0.54, 0.51, 0.57))
     rloo = rows["ours_rloo_async1"]
     assert (rloo["seeds"], rloo["win_rate"], rloo["episodes_per_s"]) == ([1], 0.55, pytest.approx(80.0))
     for r in results:
@@ -412,25 +413,26 @@ def test_seeds_are_averaged_and_a_failed_run_is_a_row(tmp_path):
     assert "| ours RLOO, async 1 | 2 | - | - | exit 1: RuntimeError: \\| boom |" in every
     assert "| TRL online DPO | 2 | 64.0 | 0.560 | - |" in every
     curves = vs_trl.curve_table(vs_trl.configs(results))
-    assert curves.splitlines()[0] == "| run | 0 | 768 |" and "| ours online DPO, async 0 | 0.400 | 0.540 |" in curves
+    assert curves.splitlines()[0] == "| run | 0 | 1024 |" and "| ours online DPO, async 0 | 0.400 | 0.540 |" in curves
     drawn = vs_trl.plot_curves(vs_trl.configs(results), str(tmp_path / "curves.png"), "FAKE")
-    assert drawn["ours online DPO, async 0"] == [(0, 0.4), (768, pytest.approx(0.54))]
+    assert drawn["ours online DPO, async 0"] == [(0, 0.4), (1024, pytest.approx(0.54))]
     assert (tmp_path / "curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 def test_timing_leaves_out_the_steps_an_evaluation_slows(tmp_path):
-    """Our runs evaluate in the run: the timing leaves out the three steps from each evaluated step on (not 0 or the
-    end), in every run alike. 9 steps, an evaluation at step 3: steps 2 and 6, 7 are timed (8 is the last)."""
-    lines = [{"step": i, "async/lag": 0, "timeline/step_start": float(i * i)} for i in range(9)]
+    """Our runs evaluate in the run: the timing leaves out the three steps from each evaluated step on, in every run
+    alike. 10 steps, evaluations at 0, 3 and the end: steps 6, 7 and 8 are timed (9 is the last)."""
+    lines = [{"step": i, "async/lag": 0, "timeline/step_start": float(i * i)} for i in range(10)]
     for m in lines:
         m |= {"time/generation": 0.1, "time/weight_sync": 0.0, "time/training": 0.2, "time/wait_for_rollouts": 0.1}
-    lines += [{"step": s, "episode": s, "eval/win_rate": 0.5} for s in (0, 3, 9)]
-    assert vs_trl.shadowed_steps(lines) == {3, 4, 5}
+    lines += [{"step": s, "episode": s, "eval/win_rate": 0.5} for s in (0, 3, 10)]
+    assert vs_trl.shadowed_steps(lines) == {0, 1, 2, 3, 4, 5, 10, 11, 12}
     path = tmp_path / "metrics.jsonl"
     path.write_text("".join(json.dumps(m) + "\n" for m in lines))
     summary = timing.summarize(str(path), leave_out=vs_trl.shadowed_steps(lines))
-    assert summary["steps"] == 3 and summary["step"] == pytest.approx((5 + 13 + 15) / 3)  # (i+1)^2 - i^2 = 2i + 1
-    assert timing.summarize(str(path))["step"] == pytest.approx(sum(2 * i + 1 for i in range(2, 8)) / 6)
+    assert summary["steps"] == 3 and summary["step"] == pytest.approx((13 + 15 + 17) / 3)  # (i+1)^2 - i^2 = 2i + 1
+    assert summary["step_median"] == 15
+    assert timing.summarize(str(path))["step"] == pytest.approx(sum(2 * i + 1 for i in range(2, 9)) / 7)
 
 
 def test_report_is_a_function_of_its_json(tmp_path):
@@ -516,8 +518,7 @@ def test_executor_pins_reuses_and_survives_a_failure(tmp_path):
 def test_a_short_trl_run_on_the_cpu(tmp_path):
     """TRL's online DPO through the driver on the HF-generate path, 8 steps, on our schedule, started by vs_trl.py on
     the worker's core: the step timings and the learning rates our scripts would log, the policy of steps 0, 4 and 8
-    evaluated by our engine on all 512 eval prompts, step 0 exactly as our run of seed 1 evaluated it; started again,
-    the finished run is reused."""
+    evaluated by our engine on all 512 eval prompts, step 0 exactly as our run of seed 1 evaluated it."""
     pytest.importorskip("trl", reason="TRL is not installed (pip install --no-deps -r requirements-trl.txt)")
     out = tmp_path / "out"
     command = [sys.executable, "benchmark/vs_trl.py", "--model_size", "tiny", "--out_dir", str(out)]
@@ -539,6 +540,4 @@ def test_a_short_trl_run_on_the_cpu(tmp_path):
     assert run_args["cores"] == sorted(os.sched_getaffinity(0)) and run_args["torch_threads"] == len(run_args["cores"])
     data = json.loads((out / "vs_trl.json").read_text())
     assert [r["name"] for r in data["runs"]] == ["trl_online_dpo_lr_ours_s1"] and data["runs"][0]["error"] is None
-    assert data["runs"][0]["steps_timed"] == 2  # steps 2 and 3: 4 to 6 follow an evaluation, 7 is the last
-    again = run_script(command, timeout=120)
-    assert "[trl_online_dpo_lr_ours_s1] finished before: reused" in again.stdout
+    assert data["runs"][0]["steps_timed"] == 1  # step 3: 0-2 and 4-6 from an evaluation on, 7 is the last
