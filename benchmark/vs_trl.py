@@ -261,9 +261,13 @@ def seeds_of(args: argparse.Namespace) -> list[int]:
     return [int(seed) for seed in args.seeds.split(",")]
 
 
-def make_plan(args: argparse.Namespace, setup: Setup) -> list[Run]:
+def make_plan(args: argparse.Namespace, setup: Setup | None = None) -> list[Run]:
     """For each seed and method: TRL's trainer (one run per --trl_lr_schedules), then ours at --async_level 0 and 1,
-    the same work, every flag spelled out."""
+    the same work, every flag spelled out. `setup`: the machine's (None: this one's, setup_for)."""
+    if setup is None:
+        import torch
+
+        setup = setup_for(args, torch.cuda.is_available(), sorted(os.sched_getaffinity(0)))
     out, work, models = Path(args.out_dir).resolve(), work_for(args), models_folder(args)
     paths = dict(sft_model_path=models / "sft", reward_model_path=models / "reward", dataset_name=models / "data")
     runs = []
@@ -340,15 +344,17 @@ def make_plan(args: argparse.Namespace, setup: Setup) -> list[Run]:
 
 
 def select(plan: list[Run], patterns: str | None) -> list[Run]:
-    """The runs --runs names (comma-separated names or shell patterns: `trl_*_s2`)."""
+    """The runs --runs names: comma-separated run names (`trl_rloo_s2`), settings (`trl_rloo`: every seed's) or shell
+    patterns of either (`trl_*_s2`)."""
     if patterns is None:
         return plan
-    unknown = [p for p in patterns.split(",") if not fnmatch.filter([run.name for run in plan], p)]
+    named = lambda run, p: fnmatch.fnmatchcase(run.name, p) or fnmatch.fnmatchcase(run.config, p)  # noqa: E731
+    unknown = [p for p in patterns.split(",") if not any(named(run, p) for run in plan)]
     if unknown:
         raise SystemExit(
             f"--runs: no run named {', '.join(unknown)}; the runs are {', '.join(run.name for run in plan)}"
         )
-    return [run for run in plan if any(fnmatch.fnmatchcase(run.name, p) for p in patterns.split(","))]
+    return [run for run in plan if any(named(run, p) for p in patterns.split(","))]
 
 
 def differences_table(methods=tuple(SCRIPTS)) -> str:
@@ -681,7 +687,7 @@ def count(n: int, word: str) -> str:
 def cores_line(data: dict) -> str:
     """What each run got of the machine, TRL's threads as its runs recorded them."""
     cores = data["setup"]["cores"]
-    threads = sorted({r["torch_threads"] for r in data["runs"] if r["side"] == "trl" and r["torch_threads"]})
+    threads = sorted({r["torch_threads"] for r in data["results"] if r["side"] == "trl" and r["torch_threads"]})
     trl = (
         count(threads[0], "torch thread")
         if len(threads) == 1
@@ -718,7 +724,7 @@ def report(data: dict) -> str:
     ]
     if win_rate:
         parts += ["\nWin rate at each evaluation (episodes), the mean over seeds:\n", curve_table(rows)]
-    parts += ["\nEvery run:\n", runs_table(data["runs"], win_rate)]
+    parts += ["\nEvery run:\n", runs_table(data["results"], win_rate)]
     parts += ["\nSettings that differ from TRL's:\n", differences_table()]
     return "\n".join(parts) + "\n"
 
@@ -872,7 +878,7 @@ def main(argv: list[str]) -> None:
         "model_size": args.model_size,
         "work": work_for(args),
         "setup": setup._asdict(),
-        "runs": results,
+        "results": results,
         "configs": configs(results),
     }
     write_atomically(out / "vs_trl.json", json.dumps(data, indent=1) + "\n")

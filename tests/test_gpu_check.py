@@ -149,7 +149,7 @@ def test_every_command_parses_as_its_program_reads_it_and_names_files_that_exist
             assert Path(own.out_dir) == out / name and own.model_size in ("tiny", "pythia-1b")
             if own.model_size != "tiny":  # the stage's models/ is the one OUT_DIR/models the script links there
                 assert vs_trl.models_folder(own).parent == out / name / "models"
-            plan = vs_trl.make_plan(own, vs_trl.setup_for(own, cuda=True, allowed=[0]))  # on the GPU machine
+            plan = vs_trl.make_plan(own)
             assert len(plan) == 6
             for run in plan:
                 check_files(run.argv[1:], out)

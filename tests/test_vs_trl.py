@@ -142,6 +142,7 @@ def test_plan_over_seeds_and_schedules():
     schedules = {r.name: trl_driver.parse_args(r.argv[2:]).lr_schedule for r in plan if r.side == "trl"}
     assert schedules["trl_rloo_s1"] == "trl" and schedules["trl_rloo_lr_ours_s1"] == "ours"
     assert {trl_driver.parse_args(r.argv[2:]).generation for r in plan if r.side == "trl"} == {"hf"}
+    assert [r.name for r in vs_trl.select(plan, "ours_rloo_async0")] == ["ours_rloo_async0_s1", "ours_rloo_async0_s3"]
     assert [r.name for r in vs_trl.select(plan, "trl_*_s3,ours_rloo_async1_s1")] == [  # in the plan's order
         "ours_rloo_async1_s1",
         "trl_online_dpo_s3",
@@ -443,7 +444,7 @@ def test_report_is_a_function_of_its_json(tmp_path):
         "model_size": "tiny",
         "work": vs_trl.work_for(vs_trl.parse(["--out_dir", "x", "--model_size", "tiny"])),
         "setup": CPU._asdict(),
-        "runs": results,
+        "results": results,
         "configs": vs_trl.configs(results),
     }
     text = vs_trl.report(data)
@@ -548,5 +549,5 @@ def test_a_short_trl_run_on_the_cpu(tmp_path):
     run_args = json.loads((folder / "args.json").read_text())
     assert run_args["cores"] == sorted(os.sched_getaffinity(0)) and run_args["torch_threads"] == len(run_args["cores"])
     data = json.loads((out / "vs_trl.json").read_text())
-    assert [r["name"] for r in data["runs"]] == ["trl_online_dpo_lr_ours_s1"] and data["runs"][0]["error"] is None
-    assert data["runs"][0]["steps_timed"] == 1  # step 3: 0-2 and 4-6 from an evaluation on, 7 is the last
+    assert [r["name"] for r in data["results"]] == ["trl_online_dpo_lr_ours_s1"] and not data["results"][0]["error"]
+    assert data["results"][0]["steps_timed"] == 1  # step 3: 0-2 and 4-6 from an evaluation on, 7 is the last
