@@ -440,15 +440,19 @@ def execute(run: Run, folder: Path, cores: list[int], timeout: float, interval: 
             start_new_session=True,
             preexec_fn=lambda: os.sched_setaffinity(0, cores),
         )
-        while proc.poll() is None:
-            time.sleep(interval)
-            if time.monotonic() > deadline:
-                stop_group(proc)
-                raise RunFailed(f"still running after {timeout:.0f} s (--run_timeout_minutes); stopped")
-            if before is not None and (used := gpu_memory_used()) is not None:
-                peak = max(peak, used)
+        try:
+            while proc.poll() is None:
+                time.sleep(interval)
+                if time.monotonic() > deadline:
+                    raise RunFailed(f"still running after {timeout:.0f} s (--run_timeout_minutes); stopped")
+                if before is not None and (used := gpu_memory_used()) is not None:
+                    peak = max(peak, used)
+        except BaseException:  # the deadline, or Ctrl-C, which reaches no process of another session
+            stop_group(proc)
+            raise
     if proc.returncode:
-        stop_group(proc, grace=5.0)  # what it started and left behind
+        with suppress(ProcessLookupError, PermissionError):  # what it started and left behind
+            os.killpg(proc.pid, signal.SIGKILL)
         raise RunFailed(f"exit {proc.returncode}: {error_line(folder / 'run.log')}")
     return None if before is None else (peak - before) / 1024
 
