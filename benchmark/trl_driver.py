@@ -11,6 +11,7 @@ named by $PEAK_MEMORY_FILE.
 """
 
 import argparse
+import itertools
 import json
 import os
 import shutil
@@ -128,7 +129,7 @@ def our_engine(args: argparse.Namespace, policy, dtype):
 
     visible = visible_gpus()
     placement = engine_placement("shared" if visible else "auto", visible, 1, args.vllm_gpu_memory_utilization)
-    if not visible:  # after training, on a CPU: no engine processes of our own, a start 15 s faster (docs/tests.md)
+    if not visible:  # after training, on a CPU: the engine in this process starts 15 s sooner than in its own two
         first_core = str(sorted(os.sched_getaffinity(0))[0])
         os.environ.update(VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_CPU_OMP_THREADS_BIND=first_core)
     llm = make_engine(
@@ -142,11 +143,10 @@ def our_engine(args: argparse.Namespace, policy, dtype):
     folder = tempfile.mkdtemp(prefix="trl-eval-weights-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
     device = torch.device("cuda", int(placement.engine_gpu)) if placement.devices is not None else None
     bucket, place, names = WeightBucket(device, folder), SnapshotPlace(visible != [], folder), checkpoint_names(policy)
-    pushed = []
+    pushes = itertools.count(1)
 
     def load(state: dict) -> None:
-        pushed.append(len(pushed) + 1)
-        push_weights(llm, bucket, Weights(pushed[-1], *snapshot_weights(state, names, dtype, place)))
+        push_weights(llm, bucket, Weights(next(pushes), *snapshot_weights(state, names, dtype, place)))
 
     def close() -> None:
         llm.llm_engine.engine_core.shutdown()
