@@ -18,6 +18,7 @@ over the phase's time and that peak.
 import json
 import sys
 from statistics import fmean as mean
+from statistics import median
 
 WARMUP = 2
 # the trainer's phases, in the scripts' order
@@ -31,18 +32,21 @@ def read_lines(path: str) -> list[dict]:
         raise SystemExit(f"{path}: cannot read metrics ({exc})")
 
 
-def summarize(path: str) -> dict:
+def summarize(path: str, leave_out: frozenset[int] = frozenset()) -> dict:
     """Means per step of: G = engine time per batch (generation + weight push), T = trainer time
     (`time/training`), its phases, the trainer's wait for rollouts, the rest of the step
-    (logging between steps) and the step's wall time; efficiency = max(G, T) / step."""
+    (logging between steps) and the step's wall time; efficiency = max(G, T) / step. `leave_out`: steps
+    (their `step`) not counted either."""
     train = [m for m in read_lines(path) if "async/lag" in m]
     timeline = all("timeline/step_start" in m for m in train)
-    steps = train[WARMUP:-1] if timeline else train[WARMUP:]
+    counted = range(WARMUP, len(train) - 1 if timeline else len(train))
+    counted = [i for i in counted if train[i]["step"] not in leave_out]
+    steps = [train[i] for i in counted]
     if not steps:
         raise SystemExit(f"{path}: {len(train)} training steps; timing needs at least {WARMUP + 1 + timeline}")
     if timeline:
         starts = [m["timeline/step_start"] for m in train]
-        step_times = [starts[i + 1] - starts[i] for i in range(WARMUP, WARMUP + len(steps))]
+        step_times = [starts[i + 1] - starts[i] for i in counted]
     else:
         step_times = [m["time/step"] for m in steps]
     phases = {key: mean(m[key] for m in steps) for key in PHASES if key in steps[0]}
@@ -58,6 +62,7 @@ def summarize(path: str) -> dict:
         "flops": flops,
         "wait": mean(m["time/wait_for_rollouts"] for m in steps),
         "step": mean(step_times),
+        "step_median": median(step_times),
     }
     r["G"] = r["generation"] + r["push"]
     r["snapshot and rest"] = r["T"] - sum(phases.values())
