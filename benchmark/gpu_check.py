@@ -886,9 +886,16 @@ def vs_trl_numbers(work: Path, stage: Stage) -> tuple[str, str | None]:
     if not path.exists():
         return "no vs_trl.json", "vs_trl.py wrote no results"
     results = json.loads(path.read_text())["results"]
-    trl = {r["method"]: r["episodes_per_s"] for r in results if r["side"] == "trl"}
+    finished = [r for r in results if r.get("episodes_per_s") is not None]
+    trl = {}  # method -> TRL's episodes per second, the mean over its seeds
+    for method in {r["method"] for r in finished if r["side"] == "trl"}:
+        speeds = [r["episodes_per_s"] for r in finished if r["side"] == "trl" and r["method"] == method]
+        trl[method] = sum(speeds) / len(speeds)
     parts = []
     for r in results:
+        if r.get("episodes_per_s") is None:
+            parts.append(f"{r['name']} failed: {r.get('error') or 'no timing'}")
+            continue
         ratio = (
             f" ({r['episodes_per_s'] / trl[r['method']]:.2f}x TRL's)"
             if r["side"] == "ours" and r["method"] in trl
@@ -896,7 +903,9 @@ def vs_trl_numbers(work: Path, stage: Stage) -> tuple[str, str | None]:
         )
         peak = f", GPU peak {r['gpu_peak_gib']:.1f} GiB" if r.get("gpu_peak_gib") is not None else ""
         parts.append(f"{r['name']} {r['episodes_per_s']:.1f} episodes/s{ratio}{peak}")
-    return "; ".join(parts + [f"{stage.name}/vs_trl.md"]), None
+    failed = [r["name"] for r in results if r.get("episodes_per_s") is None]
+    problem = f"run(s) {', '.join(failed)} failed" if failed else None
+    return "; ".join(parts + [f"{stage.name}/vs_trl.md"]), problem
 
 
 KEY_NUMBERS = {

@@ -196,7 +196,7 @@ def test_every_command_parses_as_its_program_reads_it_and_every_gpu_test_is_in_a
                 if own.model_size != "tiny":  # the stage's models/ is the part's
                     assert vs_trl.models_folder(own).parent == work / stage.name / "models" and stage.models
                 plan = vs_trl.make_plan(own)
-                plan = [run for run in plan if own.runs is None or run.name in own.runs.split(",")]
+                plan = vs_trl.select(plan, own.runs)
                 assert len(plan) == (3 if own.runs else 6)
                 for run in plan:
                     check_files(run.argv[1:], work)
@@ -451,6 +451,11 @@ def test_key_numbers_of_a_cut_speed_run_of_skipped_tests_and_of_vs_trl(tmp_path)
         "ours_rloo_async1 15.0 episodes/s (1.50x TRL's), GPU peak 40.0 GiB; vs/vs_trl.md",
         None,
     )
+    failed = {**result, "name": "ours_rloo_async2", "episodes_per_s": None, "error": "the engine died"}
+    (tmp_path / "vs" / "vs_trl.json").write_text(json.dumps({"work": {}, "results": [*results, failed]}))
+    numbers, problem = gpu_check.vs_trl_numbers(tmp_path, stage._replace(name="vs", kind="vs_trl"))
+    assert "; ours_rloo_async2 failed: the engine died; vs/vs_trl.md" in numbers
+    assert problem == "run(s) ours_rloo_async2 failed"
 
 
 def tempfile_prefix(number: int) -> str:
