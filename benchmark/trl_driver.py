@@ -11,6 +11,7 @@ named by $PEAK_MEMORY_FILE.
 """
 
 import argparse
+import dataclasses
 import itertools
 import json
 import os
@@ -125,7 +126,7 @@ def our_engine(args: argparse.Namespace, policy, dtype):
     import torch
 
     from plumbing.engine import engine_placement, make_engine, visible_gpus
-    from plumbing.weights import SnapshotPlace, WeightBucket, Weights, checkpoint_names, push_weights, snapshot_weights
+    from plumbing.weights import SnapshotPlace, WeightBucket, checkpoint_names, push_weights, take_snapshot
 
     visible = visible_gpus()
     placement = engine_placement("shared" if visible else "auto", visible, 1, args.vllm_gpu_memory_utilization)
@@ -146,7 +147,7 @@ def our_engine(args: argparse.Namespace, policy, dtype):
     pushes = itertools.count(1)
 
     def load(state: dict) -> None:
-        push_weights(llm, bucket, Weights(next(pushes), *snapshot_weights(state, names, dtype, place)))
+        push_weights(llm, bucket, take_snapshot(next(pushes), state.items(), names, dtype, place, policy))
 
     def close() -> None:
         llm.llm_engine.engine_core.shutdown()
@@ -393,7 +394,8 @@ def main(args: argparse.Namespace) -> None:
     # TRL evaluates nothing during training: the policy versions our runs evaluate, after training, as our scripts
     # evaluate them (the same eval prompts, the same engine's sampling with the same per-prompt seeds and temperature,
     # the tiny task's gold judge against the references). HF-generate runs get our scripts' engine for it.
-    evaluation = ours.load_prompts(ours_args, "test", tokenizer, limit=args.num_eval_prompts)
+    eval_args = dataclasses.replace(ours_args, num_eval_prompts=args.num_eval_prompts)
+    evaluation = ours.load_prompts(eval_args, "test", tokenizer, evaluation=True)
     evaluate = partial(
         evaluate_versions, versions, evaluation=evaluation, args=args, episodes_per_step=episodes_per_step, out=out
     )

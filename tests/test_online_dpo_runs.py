@@ -145,11 +145,13 @@ def test_the_engine_dying_surfaces_in_the_trainer(long_run):
     output, _ = proc.communicate(timeout=120)
     print(f"trainer exited {time.time() - killed_at:.1f} s after the engine died")
     assert proc.returncode not in (0, None), output[-4000:]
-    # the trainer notices first (it watches the processes), or the generation thread does (its engine call fails)
+    # the trainer sees the process it killed die, whether it noticed first (it watches the processes) or the
+    # generation thread did (vLLM's EngineDeadError), and stops with the checkpoint of the step it stopped before
     last = output.strip().splitlines()[-1]
-    assert re.fullmatch(
-        r"error: the generation engine's process\(es\) \[[\d, ]+\] died \(.*\)", last
-    ) or last.startswith("error: the generation thread failed: "), output[-4000:]
+    died = re.match(r"error: the engine died: its process (.+?) ended \(.*\); resume from ", last)
+    assert died, output[-4000:]
+    assert any(f"VLLM::EngineCore (pid {engine.pid})" in died[1] for engine in engines), last
+    assert re.search(r"checkpoints/step_\d{6} with --resume$", last), last
     assert not psutil.wait_procs(children, timeout=10)[1]
 
 
