@@ -24,7 +24,7 @@ DIFFERENT = {
 # The plumbing names an algorithm file may use at most (plumbing/__init__.py exports them), and the line budgets:
 # a file, and its main(), that grow past them have taken in plumbing or lost their reading order.
 MOST_PLUMBING_NAMES = 15
-LINES = {"online_dpo_async.py": 900, "rloo_async.py": 950, "ppo_async.py": 1100}
+LINES = {"online_dpo_async.py": 900, "rloo_async.py": 1000, "ppo_async.py": 1100}
 MAIN_LINES = 120
 
 
