@@ -576,8 +576,9 @@ def prime_rl_step_by_hand(policy, batch, targets, args, lr: float) -> list[torch
 
 def test_prime_rl_divides_by_the_batchs_tokens_across_micro_batches_and_processes(tokenizer, tmp_path):
     """PRIME-RL's J (its docs/async.md): the sum over all 15 tokens of the long and the short completions, divided by 15, whoever holds a
-    token. One process, two micro-batches accumulated into one optimizer step (plain SGD, lr 1) that hold different
-    numbers of tokens: dividing each by its own would weigh the short ones' tokens more. Then two training processes
+    token. One process, two micro-batches accumulated into one optimizer step (plain SGD, lr 1), the short completions
+    (3 tokens) and the long ones (12): dividing each by its own would weigh the short ones' tokens four times as much
+    as the long ones'. Then two training processes
     (gloo), one prompt each, rank 0 the long completions (12 tokens), rank 1 the short ones (3): PRIME-RL's code
     divides by each process's own tokens (src/prime_rl/trainer/rl/train.py:255-259 at 443c657), which would weigh
     rank 1's tokens four times as much as rank 0's. Both updates are the hand computation's."""
@@ -593,9 +594,9 @@ def test_prime_rl_divides_by_the_batchs_tokens_across_micro_batches_and_processe
     accelerator = Accelerator(cpu=True, gradient_accumulation_steps=2)
     model, optimizer = accelerator.prepare(policy, torch.optim.SGD(policy.parameters(), lr=1.0))
     sizes = rloo.compute_sizes(args, world_size=1)
-    stats, _ = rloo.rloo_update(model, optimizer, accelerator, batch, targets, args, sizes, np.random.default_rng(0))
-    lengths = batch.response_mask.sum(1)[np.random.default_rng(0).permutation(4)]
-    assert lengths[:2].sum() != lengths[2:].sum()  # the two micro-batches' tokens
+    stats, _ = rloo.rloo_update(model, optimizer, accelerator, batch, targets, args, sizes, np.random.default_rng(2))
+    lengths = batch.response_mask.sum(1)[np.random.default_rng(2).permutation(4)]
+    assert (lengths[:2].sum(), lengths[2:].sum()) == (3, 12)  # the two micro-batches: the short ones, the long ones
     assert 0 < stats["clipfrac"] < 1  # the capped token
     for got, old, new in zip(model.parameters(), before, expected):
         torch.testing.assert_close(got.detach() - old, new - old, rtol=1e-4, atol=1e-7)
