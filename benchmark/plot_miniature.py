@@ -211,6 +211,22 @@ def staleness_table(rows: list[dict], use_perplexity: bool) -> str:
     return "\n".join(lines) + "\n"
 
 
+def staleness_summary(rows: list[dict], use_perplexity: bool) -> str:
+    """The async level sweep in a line per method (the README's): the final win rate and, in brackets, the KL proxy at
+    each k, seeds averaged."""
+    sweep = staleness_rows(rows)
+    levels = sorted({r["async_level"] for r in sweep})
+    kl = "ref. perplexity" if use_perplexity else "mean objective/kl"
+    lines = [
+        f"| final win rate ({kl}) | " + " | ".join(f"k = {k}" for k in levels) + " |",
+        "|---" * (len(levels) + 1) + "|",
+    ]
+    for method in (m for m in METHOD_LABELS if any(r["method"] == m for r in sweep)):
+        cells = {r["async_level"]: f"{r['win_rate']:.3f} ({r['kl']:.2f})" for r in sweep if r["method"] == method}
+        lines.append(f"| {METHOD_LABELS[method]} | " + " | ".join(cells.get(k, "") for k in levels) + " |")
+    return "\n".join(lines) + "\n"
+
+
 def results_text(rows: list[dict], use_perplexity: bool) -> str:
     """results.md: the paper's comparisons, then the staleness sweep's table if there are its runs."""
     text = table(rows, use_perplexity)

@@ -518,6 +518,13 @@ def test_async_level_sweep_table_and_figure_against_hand_computation(tmp_path):
         ["RLOO, PRIME-RL's loss", "0", "2", "0.520", "0.500 - 0.540", "1.550", "1.500 - 1.600", "2.5"],
         ["RLOO, PRIME-RL's loss", "4", "1", "0.450", "0.450 - 0.450", "1.700", "1.700 - 1.700", "2.5"],
     ]
+    # the README's summary: win rate (perplexity) per k, an empty cell where a method has no run
+    assert table_rows(
+        plot_miniature.staleness_summary(*plot_miniature.summarise(plot_miniature.read_runs(runs_dir)))
+    ) == [
+        ["online DPO", "0.650 (1.35)", "0.580 (1.33)", "0.550 (1.45)"],
+        ["RLOO, PRIME-RL's loss", "0.520 (1.55)", "", "0.450 (1.70)"],
+    ]
     data = (out / "win_rate_vs_async_level.png").read_bytes()
     assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 10_000
 
@@ -589,8 +596,10 @@ def test_committed_results_are_the_table_of_the_committed_runs():
     readme, reproducing = (ROOT / "README.md").read_text(), (ROOT / "docs" / "reproducing.md").read_text()
     assert readme.split("<!-- miniature-results -->\n", 1)[1].startswith(plot_miniature.table(rows, use_perplexity))
     staleness = plot_miniature.staleness_table(rows, use_perplexity)
-    for page in (readme, reproducing):
-        assert page.split("<!-- staleness-results -->\n", 1)[1].startswith(staleness)
+    assert reproducing.split("<!-- staleness-results -->\n", 1)[1].startswith(staleness)
+    assert readme.split("<!-- staleness-results -->\n", 1)[1].startswith(
+        plot_miniature.staleness_summary(rows, use_perplexity)
+    )
     plan = by_name(miniature.make_plan(**PLAN_ARGS))
     records = {f.name: json.loads((f / "miniature.json").read_text()) for f in (results / "runs").iterdir()}
     assert sorted(records) == sorted(plan)
