@@ -357,32 +357,32 @@ def plot_curves(rows: list[dict], path: Path) -> None:
 
 
 def plot_staleness(rows: list[dict], use_perplexity: bool, path: Path) -> None:
-    """The async level sweep: final win rate (left) and KL proxy (right) against k, one line per method, k evenly
-    spaced; bars span the seeds' range."""
+    """The async level sweep against k (evenly spaced), one line per method, seeds averaged, bars spanning the seeds'
+    range: the final win rate; the same, close up on the runs that did not fall more than 0.03 below the lowest
+    synchronous run (one that diverged leaves the axis); the KL proxy, on a log scale for the same reason."""
     import matplotlib.pyplot as plt
 
     sweep = staleness_rows(rows)
     levels = sorted({r["async_level"] for r in sweep})
-    fig, axes = plt.subplots(1, 2, figsize=(10, 3.8), squeeze=False, layout="constrained")
+    fig, axes = plt.subplots(1, 3, figsize=(15, 3.8), squeeze=False, layout="constrained")
     colors = dict(zip(METHOD_LABELS, plt.cm.tab10.colors))
     for method in (m for m in METHOD_LABELS if any(r["method"] == m for r in sweep)):
         line = sorted((r for r in sweep if r["method"] == method), key=lambda r: r["async_level"])
         x = [levels.index(r["async_level"]) for r in line]
-        for ax, key in zip(axes[0], ("win_rate", "kl")):
+        for ax, key in zip(axes[0], ("win_rate", "win_rate", "kl")):
             err = [[r[key] - r[f"{key}_min"] for r in line], [r[f"{key}_max"] - r[key] for r in line]]
             y = [r[key] for r in line]
             ax.errorbar(x, y, yerr=err, fmt="-o", color=colors[method], capsize=2, label=METHOD_LABELS[method])
-    for ax, label in zip(
-        axes[0],
-        (
-            "final gold win rate",
-            "reference perplexity (final eval)" if use_perplexity else "mean objective/kl, last quarter of steps",
-        ),
-    ):
+    kl_label = "reference perplexity (final eval)" if use_perplexity else "mean objective/kl, last quarter of steps"
+    labels = ("final gold win rate", "final gold win rate, close up", kl_label)
+    for ax, label in zip(axes[0], labels):
         ax.set_xticks(range(len(levels)), [str(k) for k in levels])
         ax.set_xlabel("async level k (policy versions a batch is behind)")
         ax.set_ylabel(label)
         ax.grid(alpha=0.3)
+    synchronous = [r["win_rate_min"] for r in sweep if r["async_level"] == 0] or [r["win_rate_min"] for r in sweep]
+    axes[0][1].set_ylim(min(synchronous) - 0.03, max(r["win_rate_max"] for r in sweep) + 0.01)
+    axes[0][2].set_yscale("log")
     axes[0][0].legend(fontsize=8)
     fig.suptitle(
         "Staleness (N = 1): final win rate and KL proxy against the async level, seeds averaged, bars: seed range"
