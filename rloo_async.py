@@ -94,10 +94,21 @@ class Args(plumbing.RunArgs):  # and the plumbing's flags: run, engine, checkpoi
     temperature: float = 0.7
 
     # RLOO
+    # the policy loss. proximal_rloo: the paper's (appendix B), a clipped ratio of sequence probabilities;
+    # prime_rl: PRIME-RL's objective (its docs/async.md), min(pi / mu, token_ratio_cap) x advantage per token
+    # over the batch's tokens, mu the engine's logprobs, no KL term: needs --old_logprobs engine, --kl_coef 0
+    loss_type: Literal["proximal_rloo", "prime_rl"] = "proximal_rloo"
     # beta of the sequence reward: score - kl_coef * sum_t (log pi - log pi_ref) (0: no KL penalty)
     kl_coef: float = 0.05
+    # a completion's advantage from its prompt's rloo_k rewards R, in the forms PRIME-RL's code offers (its
+    # names in brackets): leave_one_out (rloo): R - the mean of the other k - 1; group_mean (drgrpo, its
+    # default): R - the group's mean; group_mean_positive (drgrpo-negclipped): that, negatives set to 0;
+    # length_weighted_mean (opo): R - the mean weighted by the completions' lengths
+    advantage: Literal["leave_one_out", "group_mean", "group_mean_positive", "length_weighted_mean"] = (
+        "leave_one_out"
+    )
     cliprange: float = 0.2  # epsilon of Proximal RLOO: the sequence probability ratio is clipped to 1 +- eps
-    normalize_advantage: bool = False  # whiten the leave-one-out advantages over the batch (mean 0, std 1)
+    normalize_advantage: bool = False  # whiten the advantages over the batch (mean 0, std 1)
     # pi_old of the ratio. trainer: theta_n, the trainer's weights at the top of step n, as the paper's code
     # computes it; at N = T = 1 the ratio is then exactly 1 and nothing corrects for a batch that theta_(n-k)
     # generated. engine: also weight each sequence by min(pi_old / pi_engine, tis_cap), pi_engine the policy
@@ -105,6 +116,8 @@ class Args(plumbing.RunArgs):  # and the plumbing's flags: run, engine, checkpoi
     old_logprobs: Literal["trainer", "engine"] = "trainer"
     # `--old_logprobs engine`: cap of the per-sequence importance weight exp(trainer_old - engine)
     tis_cap: float = 2.0
+    # `--loss_type prime_rl`: delta, the cap of each token's ratio pi / mu (PRIME-RL's default: 8)
+    token_ratio_cap: float = 8.0
     missing_eos_penalty: float = -3.0  # score of a completion without EOS (not gsm8k: its table 10 has none)
 
     # evaluation
@@ -119,6 +132,7 @@ ALGORITHM_DOMAINS = {
     "kl_coef": (">= 0", "< 0 would reward moving away from the reference"),
     "cliprange": ("> 0", "the ratio is clipped to [1 - eps, 1 + eps]"),
     "tis_cap": (">= 1", "a sequence of the trainer's own policy has weight 1"),
+    "token_ratio_cap": (">= 1", "a token of the engine's own policy has ratio 1"),
 }
 
 
@@ -655,8 +669,18 @@ def generation_thread(engine, channels: Channels, schedule: list[Event], inputs:
         channels.rollouts.put(Rollout(event.index, version, indices, responses, logprobs, timings))
 
 
-# == RLOO with the Proximal RLOO loss (paper appendix B): advantages, the loss, the update ===================
+# == RLOO: advantages, the losses (Proximal RLOO, paper appendix B; PRIME-RL's), the update =================
 ROLLOUT_LOGPROBS = True  # the engine's logprobs: compared with the trainer's; --old_logprobs engine's weights
+
+
+def check_loss_flags(args: Args) -> None:
+    """PRIME-RL's objective weighs each token by pi / mu, mu the policy that sampled it, and has no KL term:
+    the flags that would make it something else are refused before any model loads."""
+    if args.loss_type == "prime_rl" and args.old_logprobs != "engine":
+        raise UsageError("--loss_type prime_rl's mu is the engine's logprobs: add --old_logprobs engine")
+    if args.loss_type == "prime_rl" and args.kl_coef != 0:
+        what = f"has no KL term (PRIME-RL leaves AIPO's out): pass --kl_coef 0, not {args.kl_coef}"
+        raise UsageError(f"--loss_type prime_rl {what}")
 
 
 def pad_logprobs(logprobs: list[list[float]], batch: Batch) -> torch.Tensor:
@@ -683,6 +707,22 @@ def rloo_advantages(rewards: torch.Tensor) -> torch.Tensor:
     return rewards - baseline
 
 
+# PRIME-RL's code is cited at PrimeIntellect-ai/prime-rl 443c657 (2025-09-23), whose docs/async.md is quoted
+def group_advantages(rewards: torch.Tensor, lengths: torch.Tensor, form: str) -> torch.Tensor:
+    """rewards and response lengths (prompts, k) -> each completion's advantage within its prompt's group, in
+    the forms of PRIME-RL's code (src/prime_rl/orchestrator/advantage.py:10-57; its default, drgrpo, is
+    group_mean: src/prime_rl/orchestrator/config.py:449-454)."""
+    if form == "leave_one_out":  # its rloo, (R - mean) k / (k - 1): the same number
+        return rloo_advantages(rewards)
+    centred = rewards - rewards.mean(1, keepdim=True)
+    if form == "group_mean":
+        return centred
+    if form == "group_mean_positive":
+        return centred.clamp(min=0)
+    weights = lengths.to(rewards.dtype)  # length_weighted_mean: the tokens of the completion, EOS included
+    return rewards - (rewards * weights).sum(1, keepdim=True) / weights.sum(1, keepdim=True)
+
+
 def whiten(values: torch.Tensor, eps: float = 1e-8) -> torch.Tensor:
     return (values - values.mean()) / (values.std() + eps)
 
@@ -705,26 +745,42 @@ def proximal_rloo_loss(logps, old_logps, advantages, cliprange: float, is_weight
     return -objective.mean(), ratio.detach(), (clipped < unclipped).detach()
 
 
-class Targets(NamedTuple):
-    """What the update fits, one value per completion."""
+def prime_rl_loss(logprobs, engine_logprobs, advantages, mask, delta: float, tokens):
+    """PRIME-RL's objective (docs/async.md: token-level AIPO without its KL and entropy terms): -sum_t
+    min(pi(y_t) / mu(y_t), delta) A / tokens over the real response tokens, each with its completion's
+    advantage A, mu the engine's (behaviour) policy, `tokens` the count of the whole batch (not of this
+    micro-batch). As its code computes it (src/prime_rl/trainer/rl/loss.py:98-104): the ratio clamped at
+    delta, so that a capped token gives no gradient, whatever A's sign. Returns the loss, the real tokens'
+    ratios and which were capped."""
+    ratio = torch.exp(logprobs - engine_logprobs)
+    objective = ratio.clamp(max=delta) * advantages[:, None] * mask
+    real = mask.bool()
+    return -objective.sum() / tokens, ratio[real].detach(), (ratio[real] > delta).detach()
 
-    old_logps: torch.Tensor  # log pi_old(y), the ratio's denominator
+
+class Targets(NamedTuple):
+    """What the update fits: per completion, and for PRIME-RL's objective the engine's per-token logprobs."""
+
+    old_logps: torch.Tensor  # log pi_old(y), Proximal RLOO's ratio's denominator
     advantages: torch.Tensor
-    is_weights: torch.Tensor | None  # --old_logprobs engine
+    is_weights: torch.Tensor | None  # Proximal RLOO with --old_logprobs engine
+    engine_logprobs: torch.Tensor | None  # mu(y_t) of --loss_type prime_rl, 0 after the first EOS
 
 
 def rloo_targets(scores, batch: Batch, old_logprobs, ref_logprobs, engine_logprobs, args: Args):
-    """Sequence rewards, leave-one-out advantages (whitened with --normalize_advantage) and the truncated IS
-    weights of --old_logprobs engine; also the statistics logged of them."""
+    """Sequence rewards, the group's advantages (whitened with --normalize_advantage), and what the loss needs
+    besides: Proximal RLOO's truncated IS weights with --old_logprobs engine, PRIME-RL's engine logprobs; also
+    the statistics logged of them."""
     mask = batch.response_mask
     rlhf_reward, kl = sequence_rewards(scores, old_logprobs, ref_logprobs, mask, args.kl_coef)
-    advantages = rloo_advantages(rlhf_reward.view(-1, args.rloo_k)).flatten()  # a prompt's k are together
+    groups = rlhf_reward.view(-1, args.rloo_k), mask.sum(1).view(-1, args.rloo_k)  # a prompt's k are together
+    advantages = group_advantages(*groups, args.advantage).flatten()
     if args.normalize_advantage:
         advantages = whiten(advantages)
     old_logps, engine_logps, is_weights = old_logprobs.sum(1), engine_logprobs.sum(1), None
     # --old_logprobs engine: the engine's policy (version step - lag) is the behaviour policy; the clipped
     # ratio stays anchored at theta_step and a truncated importance weight corrects from one to the other.
-    if args.old_logprobs == "engine":
+    if args.old_logprobs == "engine" and args.loss_type == "proximal_rloo":
         is_weights = truncated_is_weights(old_logps, engine_logps, args.tis_cap)
     tokens, diff = mask.sum().clamp(min=1), (engine_logprobs - old_logprobs) * mask
     stats = {"kl": kl.mean(), "entropy": -old_logps.mean(), "engine_abs_diff": diff.abs().sum() / tokens}
@@ -732,28 +788,44 @@ def rloo_targets(scores, batch: Batch, old_logprobs, ref_logprobs, engine_logpro
     if is_weights is not None:
         capped = (old_logps - engine_logps).exp() > args.tis_cap
         stats |= {"tis_weight_mean": is_weights.mean(), "tis_capped_frac": capped.float().mean()}
-    return Targets(old_logps, advantages, is_weights), stats
+    mu = engine_logprobs if args.loss_type == "prime_rl" else None
+    return Targets(old_logps, advantages, is_weights, mu), stats
 
 
 def rloo_update(model, optimizer, accelerator, batch: Batch, targets: Targets, args: Args, sizes, shuffle):
     """T epochs over the completions, each epoch N mini-batches, each accumulated from micro-batches. Sizes
     count prompts; each completion has its own advantage, so completions (not prompts) are shuffled. Returns
-    the step's statistics and the largest and smallest ratio over all processes."""
+    the step's statistics and the largest and smallest ratio over all processes (of sequences for Proximal
+    RLOO, of tokens for PRIME-RL's objective)."""
     n, K = len(targets.old_logps), args.rloo_k
     mini, micro = sizes.local_mini_batch_size * K, args.local_micro_batch_size * K
     stats, ratios = {k: [] for k in ("loss", "approxkl", "clipfrac")}, []
+    # accelerate divides each micro-batch's loss by the accumulation steps and the processes average their
+    # gradients: PRIME-RL's sum over a mini-batch's tokens, divided by its tokens on every process over that
+    # share, is divided by exactly those tokens (PRIME-RL's docs: 1 / sum |y|) once all are in
+    share = accelerator.gradient_accumulation_steps * accelerator.num_processes
     model.train()
     for _ in range(args.num_ppo_epochs):
         order = torch.as_tensor(shuffle.permutation(n), device=accelerator.device)
+        tokens = accelerator.reduce(batch.response_mask.sum(1)[order].view(-1, mini).sum(1), "sum") / share
         for mini_start in range(0, n, mini):
             for micro_start in range(mini_start, mini_start + mini, micro):
                 idx = order[micro_start : micro_start + micro]
                 old_logps, advantages = targets.old_logps[idx], targets.advantages[idx]
-                is_weights = None if targets.is_weights is None else targets.is_weights[idx]
+                weights = None if targets.is_weights is None else targets.is_weights[idx]
                 with accelerator.accumulate(model):
-                    logps = response_logprobs(model, batch.rows(idx), args.temperature).sum(1)
-                    clip = args.cliprange
-                    loss, ratio, clipped = proximal_rloo_loss(logps, old_logps, advantages, clip, is_weights)
+                    logprobs = response_logprobs(model, batch.rows(idx), args.temperature)
+                    if args.loss_type == "prime_rl":
+                        mask, mu = batch.response_mask[idx], targets.engine_logprobs[idx]
+                        delta, count = args.token_ratio_cap, tokens[mini_start // mini]
+                        loss, ratio, clipped = prime_rl_loss(logprobs, mu, advantages, mask, delta, count)
+                        # per token, against the behaviour policy the ratio is taken of
+                        approxkl = 0.5 * ((logprobs.detach() - mu) ** 2 * mask).sum() / mask.sum()
+                    else:
+                        logps, clip = logprobs.sum(1), args.cliprange
+                        loss, ratio, clipped = proximal_rloo_loss(logps, old_logps, advantages, clip, weights)
+                        # on summed sequence logprobs, the quantity the ratio is taken of
+                        approxkl = 0.5 * ((logps.detach() - old_logps) ** 2).mean()
                     accelerator.backward(loss)
                     if accelerator.sync_gradients and args.max_grad_norm is not None:
                         accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm)
@@ -761,8 +833,7 @@ def rloo_update(model, optimizer, accelerator, batch: Batch, targets: Targets, a
                     optimizer.zero_grad()
                 with torch.no_grad():
                     stats["loss"].append(loss.detach())
-                    # on summed sequence logprobs, the quantity the ratio is taken of
-                    stats["approxkl"].append(0.5 * ((logps.detach() - old_logps) ** 2).mean())
+                    stats["approxkl"].append(approxkl)
                     stats["clipfrac"].append(clipped.float().mean())
                     ratios.append(ratio)
     ratios = torch.cat(ratios)
@@ -816,6 +887,7 @@ def main(args: Args) -> None:
     processes = plumbing.Processes(args)  # accelerate's processes, the dtypes (bf16 autocast on GPUs)
     accelerator, device = processes.accelerator, processes.accelerator.device
     sizes = compute_sizes(args, accelerator.num_processes)
+    check_loss_flags(args)
     folder = plumbing.RunFolder(args, processes)  # locked, and the checkpoint --resume continues from
     engine = plumbing.Engine(args, processes, folder)  # its GPU and cores, the stop signals, the deadlines
     inputs = load_inputs(args, sizes)

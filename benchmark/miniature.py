@@ -1,5 +1,5 @@
-"""The paper's comparisons in miniature: every algorithm file on the tiny task, on a CPU, planned to
-finish within 90 minutes on 2 cores, then the plots and the results table (`plot_miniature.py`).
+"""The paper's comparisons in miniature, and how much staleness each objective tolerates: every algorithm
+file on the tiny task, on a CPU, then the plots and the results tables (`plot_miniature.py`).
 
     python benchmark/miniature.py --out_dir runs/miniature --dry_run   # the plan and its estimated time
     python benchmark/miniature.py --out_dir runs/miniature             # run it (finished runs are skipped)
@@ -12,7 +12,11 @@ The comparisons (paper sections 3-5):
   - sync vs async, figure 1: each algorithm file at N = 1 with `--async_level 0` and 1 (the
     sweep's N = 1 run is the synchronous one);
   - K = 2 vs 4, figure 8: asynchronous online DPO with best/worst of 4 samples, the learning rate
-    halved and half the steps (the same episodes: an episode is one of K completions).
+    halved and half the steps (the same episodes: an episode is one of K completions);
+  - staleness, which the paper does not vary: the async level k = 0, 1, 2, 4, 8 at N = 1 for online
+    DPO, RLOO (Proximal RLOO), RLOO with PRIME-RL's objective (`--loss_type prime_rl`) and
+    PPO (PRIME-RL's default k is 2, open-instruct's 8); k = 0 and 1 of the first three files are the
+    runs above.
 Figure 7's T (PPO epochs) sweep is not part of the miniature. Each run has 6144 episodes (the
 files' default is 12800) and 2 seeds, evaluated on all 512 eval prompts at step 0 and 3 more times.
 Every run lives in `<out_dir>/<name>/` (the script's `--output_dir`; its `args.json` holds the git
@@ -109,6 +113,36 @@ METHODS = {
             "2.0",
             "--missing_eos_penalty",
             "-3.0",
+            "--loss_type",
+            "proximal_rloo",
+            "--advantage",
+            "leave_one_out",
+            "--token_ratio_cap",
+            "8.0",
+        ],
+    ),
+    # PRIME-RL's objective: mu the engine's logprobs, no KL term; delta its code's default
+    "prime_rl": (
+        "rloo_async.py",
+        2,
+        [
+            "--kl_coef",
+            "0.0",
+            "--cliprange",
+            "0.2",
+            "--no_normalize_advantage",
+            "--old_logprobs",
+            "engine",
+            "--tis_cap",
+            "2.0",
+            "--missing_eos_penalty",
+            "-3.0",
+            "--loss_type",
+            "prime_rl",
+            "--advantage",
+            "leave_one_out",
+            "--token_ratio_cap",
+            "8.0",
         ],
     ),
     "ppo": (
@@ -143,8 +177,16 @@ METHODS = {
     ),
 }
 NS = (1, 2, 4, 8, 16)  # figure 4's mini-batches per generated batch
-ASYNC_METHODS = ("dpo", "rloo", "ppo")  # one per algorithm file: Best-of-2 shares online DPO's file
+N_SWEEP_METHODS = ("dpo", "bo2", "rloo", "ppo")  # the paper's figure 4
+ASYNC_LEVELS = (1, 2, 4, 8)  # k > 0 at N = 1; k = 0 is the N sweep's (or PRIME-RL's objective's own) N = 1 run
+ASYNC_METHODS = ("dpo", "rloo", "prime_rl", "ppo")  # Best-of-2 shares online DPO's file
 SAMPLES_FLAG = {"online_dpo_async.py": "--num_samples", "rloo_async.py": "--rloo_k"}  # PPO: one completion per prompt
+# Flags a file gained after the committed runs were recorded, each with the value that runs what those runs ran: a
+# record without them is the same run (RLOO's loss was Proximal RLOO with the leave-one-out advantage before
+# --loss_type; --token_ratio_cap is PRIME-RL's alone).
+ADDED_FLAGS = {
+    "rloo_async.py": {"--loss_type": "proximal_rloo", "--advantage": "leave_one_out", "--token_ratio_cap": "8.0"}
+}
 
 # Estimated seconds per run on 2 quiet CPU cores. Measured on real runs of each file (tiny task,
 # --total_episodes 4096, sync, N = 1 and 16, 5 evaluations of 512 prompts) while other work shared
@@ -201,9 +243,8 @@ def make_run(
     episodes every N makes the same number of optimizer updates (and the same linear lr decay)."""
     script, default_samples, algorithm = METHODS[method]
     k = num_samples or default_samples
-    name = (
-        f"{method}_n{n}_{'async' if async_level else 'sync'}" + (f"_k{k}" if k != default_samples else "") + f"_s{seed}"
-    )
+    mode = "sync" if async_level == 0 else "async" if async_level == 1 else f"async{async_level}"
+    name = f"{method}_n{n}_{mode}" + (f"_k{k}" if k != default_samples else "") + f"_s{seed}"
     per_step = micro_batch * n * k
     if episodes % per_step:
         raise SystemExit(
@@ -246,8 +287,8 @@ def make_run(
 def make_plan(
     seeds: list[int], episodes: int, learning_rate: float, micro_batch: int, num_evals: int, eval_prompts: int
 ) -> list[Run]:
-    """Seed by seed (an interrupted reproduction has whole seeds): per method the N sweep (sync), the
-    async N = 1 run, and for online DPO the K = 4 run of figure 8."""
+    """Seed by seed (an interrupted reproduction has whole seeds): per method the N sweep (sync; PRIME-RL's
+    objective N = 1 only), the async N = 1 runs at k = 1, 2, 4, 8, and for online DPO the K = 4 run of figure 8."""
     per_step = math.lcm(*(micro_batch * n * k for _, k, _ in METHODS.values() for n in NS), micro_batch * 4)
     if episodes % per_step:
         raise SystemExit(
@@ -257,9 +298,10 @@ def make_plan(
     plan = []
     for seed in seeds:
         for method in METHODS:
-            plan += [make_run(method, n, 0, seed, learning_rate=learning_rate, **common) for n in NS]
+            ns = NS if method in N_SWEEP_METHODS else (1,)
+            plan += [make_run(method, n, 0, seed, learning_rate=learning_rate, **common) for n in ns]
             if method in ASYNC_METHODS:
-                plan.append(make_run(method, 1, 1, seed, learning_rate=learning_rate, **common))
+                plan += [make_run(method, 1, k, seed, learning_rate=learning_rate, **common) for k in ASYNC_LEVELS]
         # figure 8: K = 4, lr / 2, half the steps (same episodes, twice the completions per prompt), async
         plan.append(make_run("dpo", 1, 1, seed, learning_rate=learning_rate / 2, num_samples=4, **common))
     return plan
@@ -273,13 +315,24 @@ def estimate_s(run: Run, num_evals: int) -> float:
 
 
 # ---------------------------------------------------------------------------------------------
+def same_flags(recorded: list[str], run: Run) -> bool:
+    """The recorded run's flags are the run's, or the run's less ADDED_FLAGS at their values (a run recorded before
+    its file gained them)."""
+    older, added = list(run.flags), ADDED_FLAGS.get(run.script, {})
+    for flag, value in added.items():
+        at = older.index(flag) if flag in older else None
+        if at is not None and older[at + 1] == value:
+            del older[at : at + 2]
+    return recorded in (run.flags, older)
+
+
 def is_finished(run: Run, out_dir: Path) -> bool:
     """A run with the driver's marker is done; one made with other flags is an error, not a skip."""
     marker = out_dir / run.name / "miniature.json"
     if not marker.exists():
         return False
     recorded = json.loads(marker.read_text())
-    if recorded["flags"] != run.flags:
+    if not same_flags(recorded["flags"], run):
         raise SystemExit(
             f"error: --out_dir {out_dir} holds run {run.name} made with other flags (see {marker}); choose another --out_dir"
         )

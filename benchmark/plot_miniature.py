@@ -9,9 +9,11 @@ well) and `metrics.jsonl`, and writes into `--out`:
     bars spanning the seeds' range;
   - win_rate_vs_time.png: win rate vs training wall time, sync vs async per algorithm file
     (figures 1, 8), with K = 4 on the online DPO panel;
-  - learning_curves.png: win rate vs episode of every run group (figure 3 left);
-  - results.md: per group (method, N, K, async) the final win rate (mean and range over seeds), the
-    KL proxy and the training wall time;
+  - learning_curves.png: win rate vs episode of every run group at async level 0 or 1 (figure 3 left);
+  - win_rate_vs_async_level.png: the staleness sweep, final win rate and KL proxy against the async
+    level k at N = 1 per method, seeds averaged, bars spanning the seeds' range;
+  - results.md: per group (method, N, K, async level 0 or 1) the final win rate (mean and range over
+    seeds), the KL proxy and the training wall time; then the staleness sweep's table, per method and k;
   - with --copy_runs, runs/<run>/: each run's metrics.jsonl and miniature.json (less its command
     line, which names local paths), the data the table is computed from, so that
     `plot_miniature.py <out>/runs --out <out>` recomputes it.
@@ -30,9 +32,20 @@ from pathlib import Path
 
 import numpy as np
 
-METHOD_LABELS = {"dpo": "online DPO", "bo2": "Best-of-2", "rloo": "RLOO", "ppo": "PPO"}
-ASYNC_FILES = {"dpo": "online_dpo_async.py", "rloo": "rloo_async.py", "ppo": "ppo_async.py"}
-DEFAULT_K = {"dpo": 2, "bo2": 2, "rloo": 2, "ppo": 1}
+METHOD_LABELS = {
+    "dpo": "online DPO",
+    "bo2": "Best-of-2",
+    "rloo": "RLOO",
+    "prime_rl": "RLOO, PRIME-RL's loss",
+    "ppo": "PPO",
+}
+ASYNC_FILES = {
+    "dpo": "online_dpo_async.py",
+    "rloo": "rloo_async.py",
+    "prime_rl": "rloo_async.py",
+    "ppo": "ppo_async.py",
+}
+DEFAULT_K = {"dpo": 2, "bo2": 2, "rloo": 2, "prime_rl": 2, "ppo": 1}
 PERPLEXITY_KEYS = ("eval/ref_perplexity", "eval/ref_ppl")  # the newer name first
 KL_FALLBACK_LABEL = "KL proxy: mean objective/kl over the last quarter of training steps (reference perplexity not logged, under one name, by every run)"
 
@@ -155,19 +168,71 @@ def label(row: dict) -> str:
     return " ".join(parts)
 
 
+def paper_rows(rows: list[dict]) -> list[dict]:
+    """The paper's comparisons: its methods, synchronous or one step asynchronous."""
+    return [r for r in rows if r["method"] != "prime_rl" and r["async_level"] <= 1]
+
+
+def staleness_rows(rows: list[dict]) -> list[dict]:
+    """The async level sweep: every method with runs at N = 1 and K default beyond async level 1, all its k."""
+    swept = {r["method"] for r in rows if r["async_level"] > 1}
+    return [r for r in rows if r["method"] in swept and r["n"] == 1 and r["k"] == DEFAULT_K[r["method"]]]
+
+
 def table(rows: list[dict], use_perplexity: bool) -> str:
     kl_head = "ref. perplexity (final eval)" if use_perplexity else "mean objective/kl, last quarter of steps"
     lines = [
         f"| method | N | K | async level | seeds | final win rate (mean) | range over seeds | {kl_head} | training wall time (s, engine start excluded) |",
         "|---|---|---|---|---|---|---|---|---|",
     ]
-    for r in rows:
+    for r in paper_rows(rows):
         lines.append(
             f"| {METHOD_LABELS.get(r['method'], r['method'])} | {r['n']} | {r['k']} | {r['async_level']} | {len(r['seeds'])} | "
             f"{r['win_rate']:.3f} | {r['win_rate_min']:.3f} - {r['win_rate_max']:.3f} | {r['kl']:.3f} | {r['train_s']:.1f} |"
         )
     text = "\n".join(lines) + "\n"
     return text if use_perplexity else text + f"\n{KL_FALLBACK_LABEL}.\n"
+
+
+def staleness_table(rows: list[dict], use_perplexity: bool) -> str:
+    """The async level sweep: per method and k, the final win rate and the KL proxy, each with its seeds' range."""
+    kl_head = "ref. perplexity (final eval)" if use_perplexity else "mean objective/kl, last quarter of steps"
+    lines = [
+        f"| method | async level k | seeds | final win rate (mean) | range over seeds | {kl_head} | range over seeds | training wall time (s) |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    order = {m: i for i, m in enumerate(METHOD_LABELS)}
+    for r in sorted(staleness_rows(rows), key=lambda r: (order.get(r["method"], len(order)), r["async_level"])):
+        lines.append(
+            f"| {METHOD_LABELS.get(r['method'], r['method'])} | {r['async_level']} | {len(r['seeds'])} | "
+            f"{r['win_rate']:.3f} | {r['win_rate_min']:.3f} - {r['win_rate_max']:.3f} | {r['kl']:.3f} | "
+            f"{r['kl_min']:.3f} - {r['kl_max']:.3f} | {r['train_s']:.1f} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def staleness_summary(rows: list[dict], use_perplexity: bool) -> str:
+    """The async level sweep in a line per method (the README's): the final win rate and, in brackets, the KL proxy at
+    each k, seeds averaged."""
+    sweep = staleness_rows(rows)
+    levels = sorted({r["async_level"] for r in sweep})
+    kl = "ref. perplexity" if use_perplexity else "mean objective/kl"
+    lines = [
+        f"| final win rate ({kl}) | " + " | ".join(f"k = {k}" for k in levels) + " |",
+        "|---" * (len(levels) + 1) + "|",
+    ]
+    for method in (m for m in METHOD_LABELS if any(r["method"] == m for r in sweep)):
+        cells = {r["async_level"]: f"{r['win_rate']:.3f} ({r['kl']:.2f})" for r in sweep if r["method"] == method}
+        lines.append(f"| {METHOD_LABELS[method]} | " + " | ".join(cells.get(k, "") for k in levels) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def results_text(rows: list[dict], use_perplexity: bool) -> str:
+    """results.md: the paper's comparisons, then the staleness sweep's table if there are its runs."""
+    text = table(rows, use_perplexity)
+    if staleness_rows(rows):
+        text += "\nThe async level sweep (N = 1):\n\n" + staleness_table(rows, use_perplexity)
+    return text
 
 
 # ---------------------------------------------------------------------------------------------
@@ -186,7 +251,7 @@ def plot_kl(rows: list[dict], use_perplexity: bool, path: Path) -> None:
         m: [r for r in rows if r["method"] == m and r["async_level"] == 0 and r["k"] == DEFAULT_K[m]]
         for m in METHOD_LABELS
     }
-    sweeps = {m: sorted(s, key=lambda r: r["n"]) for m, s in sweeps.items() if s}
+    sweeps = {m: sorted(s, key=lambda r: r["n"]) for m, s in sweeps.items() if len(s) > 1}
     fig, axes = plt.subplots(
         1, len(sweeps) + 1, figsize=(4 * (len(sweeps) + 1), 3.8), sharey=True, squeeze=False, layout="constrained"
     )
@@ -228,7 +293,7 @@ def plot_time(rows: list[dict], path: Path) -> None:
     """Figures 1 and 8: win rate against training wall time, sync vs async at N = 1, per algorithm file."""
     import matplotlib.pyplot as plt
 
-    panels = {m: [r for r in rows if r["method"] == m and r["n"] == 1] for m in ASYNC_FILES}
+    panels = {m: [r for r in rows if r["method"] == m and r["n"] == 1 and r["async_level"] <= 1] for m in ASYNC_FILES}
     panels = {m: sorted(p, key=lambda r: (r["async_level"], r["k"])) for m, p in panels.items() if p}
     fig, axes = plt.subplots(
         1,
@@ -266,7 +331,7 @@ def plot_curves(rows: list[dict], path: Path) -> None:
         layout="constrained",
     )
     for ax, method in zip(axes[0], methods):
-        group = [r for r in rows if r["method"] == method]
+        group = [r for r in rows if r["method"] == method and r["async_level"] <= 1]
         sync = sorted((r for r in group if r["async_level"] == 0), key=lambda r: r["n"])
         shades = plt.cm.viridis(np.linspace(0, 0.9, max(len(sync), 1)))
         for r, color in zip(sync, shades):
@@ -291,6 +356,41 @@ def plot_curves(rows: list[dict], path: Path) -> None:
     plt.close(fig)
 
 
+def plot_staleness(rows: list[dict], use_perplexity: bool, path: Path) -> None:
+    """The async level sweep against k (evenly spaced), one line per method, seeds averaged, bars spanning the seeds'
+    range: the final win rate; the same, close up on the runs that did not fall more than 0.03 below the lowest
+    synchronous run (one that diverged leaves the axis); the KL proxy, on a log scale for the same reason."""
+    import matplotlib.pyplot as plt
+
+    sweep = staleness_rows(rows)
+    levels = sorted({r["async_level"] for r in sweep})
+    fig, axes = plt.subplots(1, 3, figsize=(15, 3.8), squeeze=False, layout="constrained")
+    colors = dict(zip(METHOD_LABELS, plt.cm.tab10.colors))
+    for method in (m for m in METHOD_LABELS if any(r["method"] == m for r in sweep)):
+        line = sorted((r for r in sweep if r["method"] == method), key=lambda r: r["async_level"])
+        x = [levels.index(r["async_level"]) for r in line]
+        for ax, key in zip(axes[0], ("win_rate", "win_rate", "kl")):
+            err = [[r[key] - r[f"{key}_min"] for r in line], [r[f"{key}_max"] - r[key] for r in line]]
+            y = [r[key] for r in line]
+            ax.errorbar(x, y, yerr=err, fmt="-o", color=colors[method], capsize=2, label=METHOD_LABELS[method])
+    kl_label = "reference perplexity (final eval)" if use_perplexity else "mean objective/kl, last quarter of steps"
+    labels = ("final gold win rate", "final gold win rate, close up", kl_label)
+    for ax, label in zip(axes[0], labels):
+        ax.set_xticks(range(len(levels)), [str(k) for k in levels])
+        ax.set_xlabel("async level k (policy versions a batch is behind)")
+        ax.set_ylabel(label)
+        ax.grid(alpha=0.3)
+    synchronous = [r["win_rate_min"] for r in sweep if r["async_level"] == 0] or [r["win_rate_min"] for r in sweep]
+    axes[0][1].set_ylim(min(synchronous) - 0.03, max(r["win_rate_max"] for r in sweep) + 0.01)
+    axes[0][2].set_yscale("log")
+    axes[0][0].legend(fontsize=8)
+    fig.suptitle(
+        "Staleness (N = 1): final win rate and KL proxy against the async level, seeds averaged, bars: seed range"
+    )
+    save(fig, path)
+    plt.close(fig)
+
+
 def main(argv: list[str]) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("runs_dir", help="the driver's --out_dir: one folder per run")
@@ -311,14 +411,16 @@ def main(argv: list[str]) -> None:
     plot_kl(rows, use_perplexity, out / "win_rate_vs_kl.png")
     plot_time(rows, out / "win_rate_vs_time.png")
     plot_curves(rows, out / "learning_curves.png")
-    text = table(rows, use_perplexity)
+    pngs = ["win_rate_vs_kl.png", "win_rate_vs_time.png", "learning_curves.png"]
+    if staleness_rows(rows):
+        plot_staleness(rows, use_perplexity, out / "win_rate_vs_async_level.png")
+        pngs.append("win_rate_vs_async_level.png")
+    text = results_text(rows, use_perplexity)
     write_atomically(out / "results.md", text.encode())
     if args.copy_runs:
         copy_runs(runs_dir, out / "runs")
     print(text)
-    print(
-        f"wrote {', '.join(str(out / n) for n in ('win_rate_vs_kl.png', 'win_rate_vs_time.png', 'learning_curves.png', 'results.md'))}"
-    )
+    print(f"wrote {', '.join(str(out / n) for n in [*pngs, 'results.md'])}")
 
 
 if __name__ == "__main__":

@@ -16,9 +16,12 @@
 #   epochs     figure 7: async online DPO with T = 1, 2, 3 passes ("ppo epochs") over each batch
 #   k4         figure 8: async online DPO on the best and worst of K = 4 samples, half the learning
 #              rate and half the steps (same episodes: 128 steps of 512 prompts x 4 instead of 256 x 2)
+#   staleness  not in the paper: async level k = 0, 1, 2, 4, 8 at N = 1, 410m, for online DPO, RLOO
+#              (Proximal RLOO), RLOO with PRIME-RL's objective and PPO (PRIME-RL's default k is 2,
+#              open-instruct's 8); the miniature's sweep at TLDR's scale
 set -euo pipefail
 BENCH=tldr
-EXPERIMENTS=(offpolicy scaling async epochs k4)
+EXPERIMENTS=(offpolicy scaling async epochs k4 staleness)
 source "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
 select_experiments "$@"
 
@@ -62,9 +65,9 @@ TINY_SWAP=(--task tiny --dataset_name benchmark/tiny_task/data --dataset_eval_sp
     --max_prompt_length 12 --response_length 12)
 
 # tldr METHOD POLICY RM N T K ASYNC_LEVEL LR: one run per seed.
-#   METHOD online_dpo | best_of_2 | rloo | ppo; POLICY, RM: 410m | 1b | 2.8b; N mini-batches per
-#   generated batch (section 3.2); T passes over each batch (section 4.1); K samples per prompt
-#   (section 4.2); ASYNC_LEVEL 0 (synchronous) or 1 (the paper's one-step asynchronous); LR peak
+#   METHOD online_dpo | best_of_2 | rloo | prime_rl | ppo; POLICY, RM: 410m | 1b | 2.8b; N mini-batches
+#   per generated batch (section 3.2); T passes over each batch (section 4.1); K samples per prompt
+#   (section 4.2); ASYNC_LEVEL 0 (synchronous), 1 (the paper's one-step asynchronous) or more; LR peak
 #   learning rate.
 tldr() {
     local method=$1 policy=$2 rm=$3 n=$4 t=$5 k=$6 async=$7 lr=$8
@@ -76,7 +79,7 @@ tldr() {
     local prompts=512 episodes=131072
     case $method in
         online_dpo | best_of_2) episodes=262144 ;;
-        rloo) prompts=256 ;;
+        rloo | prime_rl) prompts=256 ;;
     esac
     local per_gpu accum steps eval_freq
     per_gpu=$(exact_div $prompts "$TRAIN_GPUS" "prompts per mini-batch over TRAIN_GPUS")
@@ -102,6 +105,12 @@ tldr() {
                 run "$name" rloo_async.py "$ACCELERATE_CONFIG" "$TRAIN_GPUS" "${TLDR[@]}" "${model[@]}" "${sizes[@]}" \
                     --learning_rate "$lr" --async_level "$async" --rloo_k "$k" \
                     --kl_coef 0.05 --cliprange 0.2 --no_normalize_advantage --old_logprobs trainer --seed "$seed" ;;
+            prime_rl)  # RLOO's batch and learning rate with PRIME-RL's objective (its docs/async.md, code at
+                # 443c657): min(pi / mu, 8) A per token over the batch's tokens, mu the engine's logprobs, no KL term
+                run "$name" rloo_async.py "$ACCELERATE_CONFIG" "$TRAIN_GPUS" "${TLDR[@]}" "${model[@]}" "${sizes[@]}" \
+                    --learning_rate "$lr" --async_level "$async" --rloo_k "$k" --loss_type prime_rl \
+                    --old_logprobs engine --kl_coef 0.0 --advantage leave_one_out --token_ratio_cap 8.0 \
+                    --no_normalize_advantage --seed "$seed" ;;
             ppo)  # KL 0.05 (table 4); the value model starts from the reward model; Huang et al. (2024)'s PPO settings
                 run "$name" ppo_async.py "$ACCELERATE_CONFIG" "$TRAIN_GPUS" "${TLDR[@]}" "${model[@]}" "${sizes[@]}" \
                     --learning_rate "$lr" --async_level "$async" \
@@ -112,14 +121,17 @@ tldr() {
 }
 
 # The sweeps. With TINY=1 a sweep runs one of its values (the tiny task has one model size, so the
-# scales collapse to one run and repeated commands run once), and `async` none: its sync point is
-# offpolicy's online DPO command at N = 1 and its async point epochs' at T = 1, both of which run
-# in tiny mode at other values (every run costs its start-up; the tests run this mode).
+# scales collapse to one run and repeated commands run once), and `async` and `staleness` none:
+# async's sync point is offpolicy's online DPO command at N = 1 and its async point epochs' at T = 1,
+# both of which run in tiny mode at other values; staleness's commands are offpolicy's at N = 1 with
+# another --async_level, or RLOO's with PRIME-RL's loss, whose run the miniature's smoke test makes on
+# the tiny task (every run costs its start-up; the tests run this mode).
 NS=(1 2 4 8 16 32 64)  # figure 5 sweeps 1..64, figure 3 (PPO) goes to 64: 8 and 4 steps at N = 32, 64
 TS=(1 2 3)
 SCALES=(410m 1b 2.8b)
 ASYNC_LEVELS=(0 1)
-if [[ "$TINY" == 1 ]]; then NS=(2) TS=(2) SCALES=(410m) ASYNC_LEVELS=(); fi
+STALENESS=(0 1 2 4 8)  # every k leaves 256 steps: a step's batch comes from policy max(0, n - k)
+if [[ "$TINY" == 1 ]]; then NS=(2) TS=(2) SCALES=(410m) ASYNC_LEVELS=() STALENESS=(); fi
 
 if wants offpolicy; then  # figures 3 and 4
     for n in "${NS[@]}"; do
@@ -154,5 +166,13 @@ fi
 if wants k4; then  # figure 8: learning rate halved, 3e-6 -> 1.5e-6; steps halved by K = 4 at equal episodes
     for size in "${SCALES[@]}"; do
         tldr online_dpo "$size" "$size" 1 1 4 1 1.5e-6
+    done
+fi
+if wants staleness; then  # k = 0 of online DPO, RLOO and PPO is offpolicy's N = 1 run, online DPO's k = 1 epochs' T = 1
+    for async in "${STALENESS[@]}"; do
+        tldr online_dpo 410m 410m 1 1 2 "$async" 3e-6
+        tldr rloo 410m 410m 1 1 2 "$async" 3e-6
+        tldr prime_rl 410m 410m 1 1 2 "$async" 3e-6
+        tldr ppo 410m 410m 1 1 1 "$async" 3e-6
     done
 fi

@@ -209,10 +209,10 @@ def test_an_output_dir_holding_a_run_needs_resume_with_the_same_flags(script, tm
             ["--beta", "-1"],
             "--beta must be > 0 (0 learns nothing, < 0 learns to prefer the rejected completion), got -1.0",
         ),
-        (
+        (  # PRIME-RL's objective without the engine's logprobs (its mu): refused right after the sizes are checked
             "rloo_async.py",
-            ["--sft_model_path", "/nowhere/policy"],
-            "--sft_model_path /nowhere/policy: no such file or folder",
+            ["--loss_type", "prime_rl", "--sft_model_path", "/nowhere/policy"],
+            "--loss_type prime_rl's mu is the engine's logprobs: add --old_logprobs engine",
         ),
         (
             "ppo_async.py",

@@ -109,7 +109,7 @@ def test_tldr_commands_are_table_4_and_the_figures_sweeps():
     for c in commands:
         a, s = c.args, c.sizes
         if c.script == "rloo_async.py":
-            method, k = "rloo", a.rloo_k
+            method, k = {"proximal_rloo": "rloo", "prime_rl": "prime_rl"}[a.loss_type], a.rloo_k
         elif c.script == "ppo_async.py":
             method, k = "ppo", 1
         else:
@@ -132,7 +132,7 @@ def test_tldr_commands_are_table_4_and_the_figures_sweeps():
         # a mini-batch, also at K = 4), RLOO completions (256 prompts x 2), PPO 512 prompts x 1; our episodes count
         # completions: 256 steps x 512 x 2 for online DPO and Best-of-2, 256 x 512 for RLOO and PPO
         assert a.total_episodes == (262144 if method in ("online_dpo", "best_of_2") else 131072)
-        assert s.world_size == 4 and s.mini_batch_size == (256 if method == "rloo" else 512)
+        assert s.world_size == 4 and s.mini_batch_size == (256 if method in ("rloo", "prime_rl") else 512)
         assert (
             s.mini_batch_size % 4 == 0
             and s.local_mini_batch_size == a.local_micro_batch_size * a.gradient_accumulation_steps
@@ -143,10 +143,20 @@ def test_tldr_commands_are_table_4_and_the_figures_sweeps():
             256 if k <= 2 else 128
         )  # 256 updates; K = 4: half the steps (figure 8)
         assert a.local_micro_batch_size == {"410m": 16, "1b": 8, "2.8b": 4}[policy]
-        lr = {"online_dpo": 3e-6, "best_of_2": 1e-6, "rloo": 3e-6, "ppo": 3e-6}[method] / (2 if k == 4 else 1)
-        assert a.learning_rate == pytest.approx(lr)
+        lr = {"online_dpo": 3e-6, "best_of_2": 1e-6, "rloo": 3e-6, "prime_rl": 3e-6, "ppo": 3e-6}[method]
+        assert a.learning_rate == pytest.approx(lr / (2 if k == 4 else 1))
         if method in ("online_dpo", "best_of_2"):
             assert a.beta == 0.1 and a.num_samples in (2, 4)
+        elif method == "prime_rl":  # PRIME-RL's objective: mu the engine's, no KL term, its code's delta
+            assert (a.old_logprobs, a.kl_coef, a.token_ratio_cap, a.advantage, a.rloo_k) == (
+                "engine",
+                0.0,
+                8.0,
+                "leave_one_out",
+                2,
+            )
+            module = importlib.import_module("rloo_async")
+            module.check_loss_flags(a)  # the run would not stop at its start
         else:
             assert a.kl_coef == 0.05 and (method == "ppo" or a.rloo_k == 2)
         runs[(method, policy, rm, a.num_mini_batches, a.num_ppo_epochs, k, a.async_level)] = a
@@ -160,11 +170,15 @@ def test_tldr_commands_are_table_4_and_the_figures_sweeps():
         assert {
             (size, async_level)
             for (m, p, r, n, t, k, async_level) in runs
-            if (m, p, r, n, t, k) == ("online_dpo", size, size, 1, 1, 2)
+            if (m, p, r, n, t, k) == ("online_dpo", size, size, 1, 1, 2) and async_level <= 1
         } == {(size, 0), (size, 1)}  # figure 1
         assert all(("online_dpo", size, size, 1, t, 2, 1) in runs for t in (1, 2, 3))  # figure 7
         assert ("online_dpo", size, size, 1, 1, 4, 1) in runs  # figure 8
-    assert len(runs) == len(commands) == 70  # 8 runs a sweep point, 14 more for figures 1, 7 and 8
+    for async_level in (0, 1, 2, 4, 8):  # staleness, 410m, N = 1
+        for method, k in (("online_dpo", 2), ("rloo", 2), ("prime_rl", 2), ("ppo", 1)):
+            assert (method, "410m", "410m", 1, 1, k, async_level) in runs
+    # 8 runs a sweep point, 14 more for figures 1, 7 and 8, 16 for staleness (4 of its 20 are the others')
+    assert len(runs) == len(commands) == 86
 
 
 def test_no_robots_commands_are_table_7():
@@ -243,7 +257,7 @@ def test_experiments_are_chosen_by_name_and_bad_sizes_are_refused():
     proc = bash("tldr", "offpolicy", "nonsense", DRY_RUN="1")
     assert (
         proc.returncode == 2
-        and "unknown experiment 'nonsense'; tldr has: offpolicy scaling async epochs k4" in proc.stderr
+        and "unknown experiment 'nonsense'; tldr has: offpolicy scaling async epochs k4 staleness" in proc.stderr
     )
     proc = bash("tldr", DRY_RUN="1", TRAIN_GPUS="3")  # 256 prompts do not divide over 3 training GPUs
     assert proc.returncode == 2 and "512 does not divide by 3" in proc.stderr and proc.stdout == ""

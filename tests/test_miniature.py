@@ -1,7 +1,7 @@
-"""benchmark/miniature.py and benchmark/plot_miniature.py: the plan against the paper's design, written
-out by hand; the results table against hand computation on hand-written metrics.jsonl files; the
-PNGs; skipping finished runs and starting unfinished ones over; and a few runs of the smoke mode end
-to end."""
+"""benchmark/miniature.py and benchmark/plot_miniature.py: the plan against the paper's design and the
+async level sweep, written out by hand; the results tables against hand computation on hand-written
+metrics.jsonl files; the PNGs; skipping finished runs and starting unfinished ones over; and a few runs
+of the smoke mode end to end."""
 
 import dataclasses
 import json
@@ -41,19 +41,21 @@ def by_name(plan) -> dict:
 # ---------------------------------------------------------------------------------------------
 # The plan
 # ---------------------------------------------------------------------------------------------
-def test_plan_runs_are_the_papers_comparisons():
+def test_plan_runs_are_the_papers_comparisons_and_the_async_level_sweep():
     """Per seed: the N = 1..16 sweep (sync) for the four methods (figure 4), async N = 1 for the three
-    algorithm files (figure 1), K = 4 async online DPO (figure 8); 24 runs, seed 1's before seed 2's."""
+    algorithm files (figure 1), K = 4 async online DPO (figure 8); and the async level sweep, k = 1, 2, 4, 8
+    at N = 1 for online DPO, RLOO, RLOO with PRIME-RL's loss (and its k = 0) and PPO; 38 runs, seed 1's
+    before seed 2's."""
     plan = miniature.make_plan(**PLAN_ARGS)
     expected = []
     for seed in (1, 2):
-        for method in ("dpo", "bo2", "rloo", "ppo"):
-            expected += [f"{method}_n{n}_sync_s{seed}" for n in (1, 2, 4, 8, 16)]
+        for method in ("dpo", "bo2", "rloo", "prime_rl", "ppo"):
+            expected += [f"{method}_n{n}_sync_s{seed}" for n in ((1,) if method == "prime_rl" else (1, 2, 4, 8, 16))]
             if method != "bo2":
-                expected.append(f"{method}_n1_async_s{seed}")
+                expected += [f"{method}_n1_async_s{seed}"] + [f"{method}_n1_async{k}_s{seed}" for k in (2, 4, 8)]
         expected.append(f"dpo_n1_async_k4_s{seed}")
     assert [run.name for run in plan] == expected
-    assert len(plan) == 48
+    assert len(plan) == 76
 
 
 def test_plan_flags_by_hand():
@@ -157,6 +159,12 @@ def test_plan_flags_by_hand():
         "ppo_n1_sync_s1": ("ppo_async.py", 1, None, 0, "0.0001", 192, 64, ("kl_coef", "0.05")),
         "ppo_n16_sync_s1": ("ppo_async.py", 16, None, 0, "0.0001", 12, 4, ("kl_coef", "0.05")),
         "ppo_n1_async_s2": ("ppo_async.py", 1, None, 1, "0.0001", 192, 64, ("kl_coef", "0.05")),
+        # the async level sweep: N = 1, the same steps at every k
+        "dpo_n1_async8_s1": ("online_dpo_async.py", 1, ("num_samples", "2"), 8, "0.0001", 96, 32, ("beta", "0.1")),
+        "rloo_n1_async4_s2": ("rloo_async.py", 1, ("rloo_k", "2"), 4, "0.0001", 96, 32, ("loss_type", "proximal_rloo")),
+        "prime_rl_n1_sync_s1": ("rloo_async.py", 1, ("rloo_k", "2"), 0, "0.0001", 96, 32, ("loss_type", "prime_rl")),
+        "prime_rl_n1_async2_s2": ("rloo_async.py", 1, ("rloo_k", "2"), 2, "0.0001", 96, 32, ("kl_coef", "0.0")),
+        "ppo_n1_async8_s1": ("ppo_async.py", 1, None, 8, "0.0001", 192, 64, ("kl_coef", "0.05")),
     }
     for name, (script, n, samples, async_level, lr, steps, eval_freq, (algo_flag, algo_value)) in expected.items():
         run, flags = runs[name], flag_dict(runs[name].flags)
@@ -174,6 +182,19 @@ def test_plan_flags_by_hand():
             assert flags[samples[0]] == samples[1], name
         assert run.num_steps == steps, name
         assert "output_dir" not in flags and run.argv(Path("/out"))[-2:] == ["--output_dir", f"/out/{name}"]
+        if name.startswith("prime_rl"):  # PRIME-RL's objective: mu the engine's logprobs, no KL term, delta 8
+            assert (flags["loss_type"], flags["old_logprobs"], flags["kl_coef"], flags["token_ratio_cap"]) == (
+                "prime_rl",
+                "engine",
+                "0.0",
+                "8.0",
+            )
+        elif name.startswith("rloo"):
+            assert (flags["loss_type"], flags["old_logprobs"], flags["advantage"]) == (
+                "proximal_rloo",
+                "trainer",
+                "leave_one_out",
+            )
 
 
 def test_plan_keeps_optimizer_updates_fixed_across_n_and_halves_them_for_k4():
@@ -188,8 +209,11 @@ def test_plan_keeps_optimizer_updates_fixed_across_n_and_halves_them_for_k4():
     k2, k4 = runs["dpo_n1_async_s1"], runs["dpo_n1_async_k4_s1"]
     assert k4.num_steps * 2 == k2.num_steps and k4.learning_rate * 2 == k2.learning_rate
     assert k4.total_episodes == k2.total_episodes and k4.async_level == k2.async_level == 1
+    for method, updates in (("dpo", 96), ("rloo", 96), ("prime_rl", 96), ("ppo", 192)):  # the async level sweep
+        for k in ("sync", "async", "async2", "async4", "async8"):
+            assert runs[f"{method}_n1_{k}_s1"].num_steps == updates
     # the two seeds differ only in seed and name
-    for run in miniature.make_plan(**PLAN_ARGS)[:24]:
+    for run in miniature.make_plan(**PLAN_ARGS)[:38]:
         twin = runs[run.name[:-1] + "2"]
         diff = {k for k, v in flag_dict(run.flags).items() if flag_dict(twin.flags)[k] != v}
         assert diff == {"seed", "exp_name"}, run.name
@@ -215,26 +239,34 @@ def test_plan_spells_out_every_flag_that_defines_a_run(script):
     # added after the reproduction ran too: the evaluation prompts of a file of their own; the tiny task's folder
     # has its test split, and left out (None) is what the runs used
     later = {"dataset_eval_file"}
-    run = next(r for r in miniature.make_plan(**PLAN_ARGS) if r.script == script)
-    given = {k.removeprefix("no_") for k in flag_dict(run.flags)}
-    assert given == {f.name for f in dataclasses.fields(module.Args)} - not_defining - gpu_flags - later
-    parsed, default = vars(tyro.cli(module.Args, args=run.flags)), vars(module.Args())
-    for path in (
-        "dataset_name",
-        "sft_model_path",
-        "reward_model_path",
-    ):  # relative to the repository root, where runs start
-        parsed[path] = str(ROOT / parsed[path])
-    on_purpose = {
-        "exp_name",
-        "total_episodes",
-        "async_level",
-        "eval_freq",
-        "num_eval_prompts",
-    }  # seed 1, N = 1, lr 1e-4: the defaults
-    # spelled out as the reproduction ran, where the defaults now say auto (float32 on a CPU) and None (unused on a CPU)
-    resolved_on_cpu = {"vllm_dtype", "vllm_gpu_memory_utilization"}
-    assert {k for k in default if parsed[k] != default[k]} - resolved_on_cpu == on_purpose
+    # the file's methods (Best-of-2 is online DPO's with another loss); PRIME-RL's objective sets its loss, its mu and
+    # its KL term on purpose too
+    methods = {"online_dpo_async.py": ["dpo"], "rloo_async.py": ["rloo", "prime_rl"], "ppo_async.py": ["ppo"]}
+    for method in methods[script]:
+        run = next(r for r in miniature.make_plan(**PLAN_ARGS) if r.method == method)
+        given = {k.removeprefix("no_") for k in flag_dict(run.flags)}
+        assert given == {f.name for f in dataclasses.fields(module.Args)} - not_defining - gpu_flags - later
+        parsed, default = vars(tyro.cli(module.Args, args=run.flags)), vars(module.Args())
+        for path in (
+            "dataset_name",
+            "sft_model_path",
+            "reward_model_path",
+        ):  # relative to the repository root, where runs start
+            parsed[path] = str(ROOT / parsed[path])
+        on_purpose = {
+            "exp_name",
+            "total_episodes",
+            "async_level",
+            "eval_freq",
+            "num_eval_prompts",
+        }  # seed 1, N = 1, lr 1e-4: the defaults
+        if method == "prime_rl":
+            on_purpose |= {"loss_type", "old_logprobs", "kl_coef"}
+            module.check_loss_flags(tyro.cli(module.Args, args=run.flags))
+        # spelled out as the reproduction ran, where the defaults now say auto (float32 on a CPU) and None (unused on
+        # a CPU)
+        resolved_on_cpu = {"vllm_dtype", "vllm_gpu_memory_utilization"}
+        assert {k for k in default if parsed[k] != default[k]} - resolved_on_cpu == on_purpose, method
 
 
 def test_plan_bad_sizes_name_the_flag():
@@ -260,10 +292,15 @@ def test_dry_run_prints_the_plan_and_its_estimate(tmp_path):
     proc = run_script(
         [sys.executable, "benchmark/miniature.py", "--out_dir", str(tmp_path / "m"), "--dry_run"], timeout=60
     )
-    total = sum(miniature.estimate_s(run, 3) for run in miniature.make_plan(**PLAN_ARGS))
-    assert f"48 runs, 0 done; estimated time of the 48 left: {total / 60:.0f} min on 2 quiet CPU cores" in proc.stdout
-    assert total < 90 * 60 / 1.5  # the plan fits 90 minutes with room for a busier machine
-    assert proc.stdout.count("--output_dir") == 48 and not (tmp_path / "m").exists()
+    plan = miniature.make_plan(**PLAN_ARGS)
+    total = sum(miniature.estimate_s(run, 3) for run in plan)
+    assert f"76 runs, 0 done; estimated time of the 76 left: {total / 60:.0f} min on 2 quiet CPU cores" in proc.stdout
+    # the paper's comparisons fit 90 minutes with room for a busier machine; the async level sweep's 28 runs add
+    # about 40 minutes
+    papers = [r for r in plan if r.method != "prime_rl" and r.async_level <= 1]
+    assert len(papers) == 48 and sum(miniature.estimate_s(run, 3) for run in papers) < 90 * 60 / 1.5
+    assert total < 90 * 60
+    assert proc.stdout.count("--output_dir") == 76 and not (tmp_path / "m").exists()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -303,6 +340,30 @@ def test_execute_starts_an_unfinished_run_over_and_marks_it_finished(tmp_path):
         miniature.is_finished(changed, out)
 
 
+def test_a_record_made_before_rloo_gained_its_loss_flags_is_the_same_run(tmp_path):
+    """The committed RLOO runs were recorded before rloo_async.py had --loss_type, --advantage and
+    --token_ratio_cap: a record without them, at the values that run what it ran, is the run; one without them
+    where the run sets another value (PRIME-RL's loss) or with any other difference is not."""
+    plan = by_name(miniature.make_plan(**PLAN_ARGS))
+    rloo, prime = plan["rloo_n1_async_s1"], plan["prime_rl_n1_async_s1"]
+    older = list(rloo.flags)
+    for flag in ("--loss_type", "--advantage", "--token_ratio_cap"):
+        del older[older.index(flag) : older.index(flag) + 2]
+    for run, recorded, same in [
+        (rloo, rloo.flags, True),
+        (rloo, older, True),
+        (rloo, [*older[:-1], "9"], False),
+        (prime, [f for f in prime.flags if f not in ("--loss_type", "prime_rl")], False),
+    ]:
+        (tmp_path / run.name).mkdir(exist_ok=True)
+        miniature.write_json_atomically(tmp_path / run.name / "miniature.json", {"flags": recorded})
+        if same:
+            assert miniature.is_finished(run, tmp_path)
+        else:
+            with pytest.raises(SystemExit, match="made with other flags"):
+                miniature.is_finished(run, tmp_path)
+
+
 def test_execute_failure_leaves_no_marker(tmp_path):
     run, out = fake_run(tmp_path, seed=2), tmp_path / "out"
     with pytest.raises(RuntimeError, match="exited with 1"):
@@ -340,7 +401,7 @@ def write_run(
     perplexity_key: str | None = "eval/ref_ppl",
 ) -> None:
     """evals: (step, episode, win rate, perplexity); train: (step, objective/kl, step start, step time)."""
-    folder = runs_dir / f"{method}_n{n}_{'async' if async_level else 'sync'}_k{k}_s{seed}"
+    folder = runs_dir / f"{method}_n{n}_async{async_level}_k{k}_s{seed}"
     folder.mkdir(parents=True)
     meta = {
         "name": folder.name,
@@ -401,12 +462,15 @@ def hand_written_runs(runs_dir: Path, perplexity_key: str | None = "eval/ref_ppl
     (runs_dir / "unfinished" / "metrics.jsonl").write_text("not json\n")
 
 
-def table_rows(text: str) -> list[list[str]]:
-    return [
-        [c.strip() for c in line.strip("|").split("|")]
-        for line in text.splitlines()
-        if line.startswith("| ") and "---" not in line
-    ][1:]
+def table_rows(text: str, which: int = 0) -> list[list[str]]:
+    """The rows of the text's first Markdown table (`which` = 1: its second), header left out."""
+    tables = [[]]
+    for line in text.splitlines():
+        if line.startswith("| "):
+            tables[-1].append([c.strip() for c in line.strip("|").split("|")])
+        elif tables[-1] and not line.startswith("|---"):
+            tables.append([])
+    return tables[which][1:]
 
 
 def test_table_against_hand_computation(tmp_path):
@@ -430,6 +494,43 @@ def test_table_against_hand_computation(tmp_path):
     assert rows[0]["curve"] == pytest.approx([0.41, 0.53, 0.65])
     assert rows[0]["times"] == pytest.approx([0.0, (2.5 + 4.5) / 2, (5.0 + 8.5) / 2])
     assert rows[0]["kl_min"] == 1.30 and rows[0]["kl_max"] == 1.40
+
+
+def test_async_level_sweep_table_and_figure_against_hand_computation(tmp_path):
+    """Runs beyond async level 1 make the sweep's table (after the first, which keeps the paper's comparisons): per
+    method at N = 1 every k, with the seeds' range of the win rate and of the KL proxy; and its figure."""
+    runs_dir, out = tmp_path / "runs", tmp_path / "plots"
+    hand_written_runs(runs_dir)
+    train = [(0, 0.0, 0.5, 1.0), (1, 0.2, 1.5, 1.0)]
+    write_run(runs_dir, "dpo", 1, 2, 4, 1, [(0, 0, 0.40, 1.20), (2, 128, 0.55, 1.45)], train)
+    write_run(runs_dir, "prime_rl", 1, 2, 0, 1, [(0, 0, 0.40, 1.20), (2, 128, 0.50, 1.50)], train)
+    write_run(runs_dir, "prime_rl", 1, 2, 0, 2, [(0, 0, 0.40, 1.20), (2, 128, 0.54, 1.60)], train)
+    write_run(runs_dir, "prime_rl", 1, 2, 4, 1, [(0, 0, 0.40, 1.20), (2, 128, 0.45, 1.70)], train)
+    plot_miniature.main([str(runs_dir), "--out", str(out)])
+    text = (out / "results.md").read_text()
+    assert [r[:4] for r in table_rows(text)] == [
+        ["online DPO", "1", "2", "0"],
+        ["online DPO", "1", "2", "1"],
+        ["PPO", "2", "1", "0"],
+    ]
+    # dpo k = 0: win 0.60, 0.70; perplexity 1.30, 1.40; k = 1, 4: one seed each; prime_rl k = 0: 0.50, 0.54 and 1.50,
+    # 1.60; training time: the end of the last step, 2.5 s for the two-step runs
+    assert table_rows(text, 1) == [
+        ["online DPO", "0", "2", "0.650", "0.600 - 0.700", "1.350", "1.300 - 1.400", "6.8"],
+        ["online DPO", "1", "1", "0.580", "0.580 - 0.580", "1.330", "1.330 - 1.330", "5.0"],
+        ["online DPO", "4", "1", "0.550", "0.550 - 0.550", "1.450", "1.450 - 1.450", "2.5"],
+        ["RLOO, PRIME-RL's loss", "0", "2", "0.520", "0.500 - 0.540", "1.550", "1.500 - 1.600", "2.5"],
+        ["RLOO, PRIME-RL's loss", "4", "1", "0.450", "0.450 - 0.450", "1.700", "1.700 - 1.700", "2.5"],
+    ]
+    # the README's summary: win rate (perplexity) per k, an empty cell where a method has no run
+    assert table_rows(
+        plot_miniature.staleness_summary(*plot_miniature.summarise(plot_miniature.read_runs(runs_dir)))
+    ) == [
+        ["online DPO", "0.650 (1.35)", "0.580 (1.33)", "0.550 (1.45)"],
+        ["RLOO, PRIME-RL's loss", "0.520 (1.55)", "", "0.450 (1.70)"],
+    ]
+    data = (out / "win_rate_vs_async_level.png").read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 10_000
 
 
 def test_table_falls_back_to_objective_kl_and_says_so(tmp_path):
@@ -477,33 +578,38 @@ def test_copy_runs_keeps_the_table_and_drops_local_paths(tmp_path):
     """--copy_runs: the copies give the same table, and the record's argv (local paths) is left out."""
     runs_dir, out = tmp_path / "runs", tmp_path / "plots"
     hand_written_runs(runs_dir)
-    record = runs_dir / "dpo_n1_sync_k2_s1" / "miniature.json"
+    record = runs_dir / "dpo_n1_async0_k2_s1" / "miniature.json"
     record.write_text(json.dumps({**json.loads(record.read_text()), "argv": ["/somewhere/python", "x.py"]}))
     plot_miniature.main([str(runs_dir), "--out", str(out), "--copy_runs"])
     assert sorted(p.name for p in (out / "runs").iterdir()) == sorted(
         p.name for p in runs_dir.iterdir() if p.name != "unfinished"
     )
-    copied = json.loads((out / "runs" / "dpo_n1_sync_k2_s1" / "miniature.json").read_text())
+    copied = json.loads((out / "runs" / "dpo_n1_async0_k2_s1" / "miniature.json").read_text())
     assert "argv" not in copied and copied["seed"] == 1
     plot_miniature.main([str(out / "runs"), "--out", str(tmp_path / "again")])
     assert (tmp_path / "again" / "results.md").read_text() == (out / "results.md").read_text()
 
 
 def test_committed_results_are_the_table_of_the_committed_runs():
-    """benchmark/results/miniature: results.md is the table computed from the committed runs, the
-    README shows that table, and the runs are the driver's whole plan with the flags it gives them."""
+    """benchmark/results/miniature: results.md is the tables computed from the committed runs, the README and
+    docs/reproducing.md show them, and the runs are the driver's whole plan with the flags it gives them (the
+    RLOO runs recorded before its loss flags: miniature.ADDED_FLAGS)."""
     results = ROOT / "benchmark" / "results" / "miniature"
     rows, use_perplexity = plot_miniature.summarise(plot_miniature.read_runs(results / "runs"))
-    text = plot_miniature.table(rows, use_perplexity)
-    assert (results / "results.md").read_text() == text
-    assert (ROOT / "README.md").read_text().split("<!-- miniature-results -->\n", 1)[1].startswith(text)
+    assert (results / "results.md").read_text() == plot_miniature.results_text(rows, use_perplexity)
+    readme, reproducing = (ROOT / "README.md").read_text(), (ROOT / "docs" / "reproducing.md").read_text()
+    assert readme.split("<!-- miniature-results -->\n", 1)[1].startswith(plot_miniature.table(rows, use_perplexity))
+    staleness = plot_miniature.staleness_table(rows, use_perplexity)
+    assert reproducing.split("<!-- staleness-results -->\n", 1)[1].startswith(staleness)
+    assert readme.split("<!-- staleness-results -->\n", 1)[1].startswith(
+        plot_miniature.staleness_summary(rows, use_perplexity)
+    )
     plan = by_name(miniature.make_plan(**PLAN_ARGS))
     records = {f.name: json.loads((f / "miniature.json").read_text()) for f in (results / "runs").iterdir()}
     assert sorted(records) == sorted(plan)
     for name, record in records.items():
-        assert record["flags"] == plan[name].flags and record["script"] == plan[name].script and "argv" not in record, (
-            name
-        )
+        assert miniature.same_flags(record["flags"], plan[name]), name
+        assert record["script"] == plan[name].script and "argv" not in record, name
 
 
 def test_readme_k4_commands_are_the_runs_the_readme_describes(tmp_path, capsys):
@@ -546,9 +652,11 @@ def test_plot_bad_input_is_one_line(tmp_path):
 # ---------------------------------------------------------------------------------------------
 @pytest.mark.slow
 def test_smoke_mode_end_to_end(tmp_path):
-    """Two runs of the smoke plan through the real algorithm files (about a minute on 2 quiet cores), then a re-run that skips them."""
+    """Three runs of the smoke plan through the real algorithm files (about a minute and a half on 2 quiet cores), then
+    a re-run that skips them: two files, sync and async, N = 16 and K = 4 with its halved lr, and a line of the async
+    level sweep, RLOO with PRIME-RL's loss at k = 2."""
     out = tmp_path / "mini"
-    only = "dpo_n1_async_k4_s1,ppo_n16_sync_s1"  # two files, sync and async, N = 16 and K = 4 with its halved lr
+    only = "dpo_n1_async_k4_s1,ppo_n16_sync_s1,prime_rl_n1_async2_s1"
     run_script(
         [sys.executable, "benchmark/miniature.py", "--out_dir", str(out), "--smoke", "--only", only], timeout=600
     )
@@ -561,14 +669,18 @@ def test_smoke_mode_end_to_end(tmp_path):
         assert marker["flags"] == smoke[name].flags and marker["git_revision"] == args["git_revision"] != "unknown"
         assert args["num_steps"] == smoke[name].num_steps and args["num_mini_batches"] == smoke[name].num_mini_batches
     assert json.loads((out / "dpo_n1_async_k4_s1" / "args.json").read_text())["learning_rate"] == 5e-5
-    rows = table_rows((out / "plots" / "results.md").read_text())
-    assert [r[:4] for r in rows] == [["online DPO", "1", "4", "1"], ["PPO", "16", "1", "0"]]
+    prime = [json.loads(line) for line in (out / "prime_rl_n1_async2_s1" / "metrics.jsonl").read_text().splitlines()]
+    lags = [m["async/lag"] for m in prime if "async/lag" in m]
+    assert len(lags) == 16 and lags[:3] == [0, 1, 2] and set(lags[2:]) == {2}
+    text = (out / "plots" / "results.md").read_text()
+    assert [r[:4] for r in table_rows(text)] == [["online DPO", "1", "4", "1"], ["PPO", "16", "1", "0"]]
+    assert [r[:3] for r in table_rows(text, 1)] == [["RLOO, PRIME-RL's loss", "2", "1"]]
     assert all(
         (out / "plots" / f).stat().st_size > 0
-        for f in ("win_rate_vs_kl.png", "win_rate_vs_time.png", "learning_curves.png")
+        for f in ("win_rate_vs_kl.png", "win_rate_vs_time.png", "learning_curves.png", "win_rate_vs_async_level.png")
     )
-    # a second invocation skips both
+    # a second invocation skips them
     proc = run_script(
         [sys.executable, "benchmark/miniature.py", "--out_dir", str(out), "--smoke", "--only", only], timeout=120
     )
-    assert "2 runs, 2 done" in proc.stdout and "] /" not in proc.stdout
+    assert "3 runs, 3 done" in proc.stdout and "] /" not in proc.stdout

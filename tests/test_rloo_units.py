@@ -2,11 +2,12 @@
 
 import copy
 import math
+import sys
 
 import numpy as np
 import pytest
 import torch
-from conftest import small_config
+from conftest import run_script, small_config
 
 import rloo_async as rloo
 
@@ -75,6 +76,59 @@ def test_proximal_rloo_clips_on_hand_computed_ratios_for_both_signs():
     # clipped sequences give no gradient; the others d(-r A / n)/d logp = -r A / n
     expected_grad = [0.0, 0.0, 1.5 / 6, -0.5 / 6, -2.2 / 6, 1.8 / 6]
     assert logps.grad.tolist() == pytest.approx(expected_grad, abs=1e-6)
+
+
+# ------------------------------------------------------------------------------ the group's advantage, PRIME-RL's forms
+def test_group_advantages_by_hand_in_every_form():
+    """k = 3, two prompts; PRIME-RL's code at 443c657 (src/prime_rl/orchestrator/advantage.py): rloo = (R - mean) k /
+    (k - 1), drgrpo = R - mean, drgrpo-negclipped = max(R - mean, 0), opo = R - the mean weighted by the lengths."""
+    rewards = torch.tensor([[1.0, 2.0, 6.0], [0.0, 0.0, 3.0]])
+    lengths = torch.tensor([[2, 4, 2], [1, 1, 4]])
+    expected = {
+        # 1 - (2 + 6) / 2, 2 - (1 + 6) / 2, 6 - (1 + 2) / 2; 0 - (0 + 3) / 2, twice, 3 - 0
+        "leave_one_out": [[-3.0, -1.5, 4.5], [-1.5, -1.5, 3.0]],
+        "group_mean": [[-2.0, -1.0, 3.0], [-1.0, -1.0, 2.0]],  # means 3 and 1
+        "group_mean_positive": [[0.0, 0.0, 3.0], [0.0, 0.0, 2.0]],
+        # (1 x 2 + 2 x 4 + 6 x 2) / 8 = 2.75; (0 + 0 + 3 x 4) / 6 = 2
+        "length_weighted_mean": [[-1.75, -0.75, 3.25], [-2.0, -2.0, 1.0]],
+    }
+    for form, values in expected.items():
+        torch.testing.assert_close(rloo.group_advantages(rewards, lengths, form), torch.tensor(values), msg=form)
+    # PRIME-RL's rloo and the leave-one-out baseline are the same numbers
+    prime_rl_rloo = (rewards - rewards.mean(1, keepdim=True)) * 3 / 2
+    torch.testing.assert_close(rloo.group_advantages(rewards, lengths, "leave_one_out"), prime_rl_rloo)
+
+
+# ------------------------------------------------------------------------------ PRIME-RL's objective
+def test_prime_rl_loss_and_gradient_by_hand_with_capped_tokens():
+    """Three completions of 4, 1 and 2 tokens (their padding holds garbage logprobs, which the mask must drop), delta
+    2: min(pi / mu, delta) A summed over the 7 real tokens and divided by 7 (the batch's tokens, not a mean over
+    sequences). A capped token (ratio 3, A > 0; ratio 4, A < 0) gives no gradient; another d loss / d log pi_t =
+    -r_t A / 7."""
+    mask = torch.tensor([[1, 1, 1, 1], [1, 0, 0, 0], [1, 1, 0, 0]])
+    ratios = torch.tensor([[1.5, 0.5, 3.0, 1.0], [0.25, 1.0, 1.0, 1.0], [4.0, 1.2, 1.0, 1.0]])
+    mu = torch.tensor([[-1.0, -2.0, -0.5, -3.0], [-1.5, 50.0, -50.0, 7.0], [-0.2, -2.5, 9.0, -9.0]])
+    logprobs = (mu + ratios.log()).requires_grad_()
+    advantages = torch.tensor([1.0, -2.0, -1.0])
+    loss, got_ratios, capped = rloo.prime_rl_loss(logprobs, mu, advantages, mask, delta=2.0, tokens=7)
+    # 1 x (1.5 + 0.5 + 2 + 1) - 2 x 0.25 - 1 x (2 + 1.2) = 1.3
+    assert loss.item() == pytest.approx(-1.3 / 7, abs=1e-6)
+    assert got_ratios.tolist() == pytest.approx([1.5, 0.5, 3.0, 1.0, 0.25, 4.0, 1.2], abs=1e-5)
+    assert capped.tolist() == [False, False, True, False, False, True, False]
+    loss.backward()
+    expected = [[-1.5, -0.5, 0.0, -1.0], [0.5, 0.0, 0.0, 0.0], [0.0, 1.2, 0.0, 0.0]]
+    assert logprobs.grad.tolist() == [pytest.approx([g / 7 for g in row], abs=1e-6) for row in expected]
+
+
+def test_prime_rl_needs_the_engines_logprobs_and_no_kl_term():
+    with pytest.raises(rloo.UsageError, match="^--loss_type prime_rl's mu is the engine's logprobs: add --old_log"):
+        rloo.check_loss_flags(rloo.Args(loss_type="prime_rl", kl_coef=0.0))
+    with pytest.raises(rloo.UsageError, match=r"no KL term .*: pass --kl_coef 0, not 0.05$"):
+        rloo.check_loss_flags(rloo.Args(loss_type="prime_rl", old_logprobs="engine"))
+    rloo.check_loss_flags(rloo.Args(loss_type="prime_rl", old_logprobs="engine", kl_coef=0.0))
+    rloo.check_loss_flags(rloo.Args(old_logprobs="trainer", kl_coef=0.05))  # Proximal RLOO takes either
+    with pytest.raises(rloo.UsageError, match=r"--token_ratio_cap must be >= 1 \(a token of the engine's own policy"):
+        rloo.compute_sizes(rloo.Args(token_ratio_cap=0.9), world_size=1)
 
 
 def test_truncated_importance_weights_cap_only_large_weights():
@@ -202,7 +256,9 @@ def test_only_the_later_mini_batches_of_a_step_meet_a_moved_policy(tokenizer, nu
 
 
 # ------------------------------------------------------------------------------ rloo_targets: everything it returns
-def slow_rloo_targets(scores, lengths, old, ref, engine, k: int, kl_coef: float, normalize: bool, tis_cap: float):
+def slow_rloo_targets(
+    scores, lengths, old, ref, engine, k: int, kl_coef: float, normalize: bool, tis_cap: float, form="leave_one_out"
+):
     """rloo_targets one completion at a time: completions i*k .. i*k + k - 1 are prompt i's (rows are prompt-major);
     per-token lists are summed over the first `lengths[i]` tokens only."""
     n = len(scores)
@@ -211,8 +267,18 @@ def slow_rloo_targets(scores, lengths, old, ref, engine, k: int, kl_coef: float,
     rewards = [scores[i] - kl_coef * kl[i] for i in range(n)]
     advantages = []
     for i in range(n):
-        others = [rewards[j] for j in range(i // k * k, i // k * k + k) if j != i]
-        advantages.append(rewards[i] - sum(others) / len(others))
+        group = range(i // k * k, i // k * k + k)
+        others = [rewards[j] for j in group if j != i]
+        mean = sum(rewards[j] for j in group) / k
+        weighted_mean = sum(rewards[j] * lengths[j] for j in group) / sum(lengths[j] for j in group)
+        advantages.append(
+            {
+                "leave_one_out": rewards[i] - sum(others) / len(others),
+                "group_mean": rewards[i] - mean,
+                "group_mean_positive": max(rewards[i] - mean, 0.0),
+                "length_weighted_mean": rewards[i] - weighted_mean,
+            }[form]
+        )
     if normalize:  # over the whole batch, unbiased standard deviation
         mean = sum(advantages) / n
         std = math.sqrt(sum((a - mean) ** 2 for a in advantages) / (n - 1))
@@ -273,6 +339,33 @@ def test_rloo_targets_match_a_slow_loop_over_every_field(tokenizer, k, normalize
         assert stats[key].item() == pytest.approx(value, abs=1e-5), key
 
 
+@pytest.mark.parametrize("form", ["leave_one_out", "group_mean", "group_mean_positive", "length_weighted_mean"])
+def test_prime_rl_targets_carry_the_engines_logprobs_and_the_groups_advantages(tokenizer, form):
+    """--loss_type prime_rl: the advantages in each of PRIME-RL's forms against the slow loop (k = 3, lengths 2 to 6),
+    the engine's per-token logprobs handed to the loss as they came (0 after the first EOS), no per-sequence importance
+    weights (PRIME-RL's ratio is per token) and none of their statistics."""
+    g = torch.Generator().manual_seed(3)
+    k, width, eos = 3, 6, tokenizer.eos_token_id
+    cut = [1, 6, 3, 5, 2, 4]
+    responses = [[5] * c + [eos, 7] if c < width else [5] * 8 for c in cut]
+    _, mask, _ = rloo.truncate_responses(responses, width, eos, tokenizer.pad_token_id)
+    lengths = mask.sum(1).tolist()
+    old = -torch.rand(6, width, generator=g) * 3 * mask
+    engine = (old + torch.randn(6, width, generator=g) * 0.3) * mask
+    scores = torch.randn(6, generator=g) * 2
+    args = rloo.Args(rloo_k=k, kl_coef=0.0, loss_type="prime_rl", old_logprobs="engine", advantage=form)
+    batch = rloo.Batch(query_ids=None, query_mask=None, response_ids=None, response_mask=mask, contain_eos=None)
+    targets, stats = rloo.rloo_targets(scores, batch, old, old, engine, args)
+    expected = slow_rloo_targets(
+        scores.tolist(), lengths, old.tolist(), old.tolist(), engine.tolist(), k, 0.0, False, 2.0, form
+    )
+    assert targets.advantages.tolist() == pytest.approx(expected[1], abs=1e-5)
+    if form == "group_mean_positive":
+        assert min(expected[1]) == 0.0 and max(expected[1]) > 0
+    assert torch.equal(targets.engine_logprobs, engine) and targets.is_weights is None
+    assert not any(key.startswith("tis_") for key in stats)
+
+
 # ------------------------------------------------------------------------------ rloo_update: epochs and mini-batches
 def slow_rloo_update(model, batch, targets, args, sizes, seed: int, lr: float) -> dict:
     """rloo_update by hand, for plain SGD: each epoch a new permutation of the completions from the same numpy stream,
@@ -287,6 +380,10 @@ def slow_rloo_update(model, batch, targets, args, sizes, seed: int, lr: float) -
         seen["order"].append(order)
         for mini_start in range(0, n, mini):
             step = [torch.zeros_like(p) for p in params]
+            # PRIME-RL's objective: every token of the mini-batch, whichever micro-batch holds it, counts once; its
+            # loss is logged per mini-batch, the sum of its micro-batches' parts
+            tokens = sum(int(batch.response_mask[i].sum()) for i in order[mini_start : mini_start + mini])
+            mini_batch_loss = 0.0
             for micro_start in range(mini_start, mini_start + mini, micro):
                 idx = order[micro_start : micro_start + micro]
                 rows = rloo.Batch(
@@ -296,6 +393,13 @@ def slow_rloo_update(model, batch, targets, args, sizes, seed: int, lr: float) -
                     batch.response_mask[idx],
                     batch.contain_eos[idx],
                 )
+                if args.loss_type == "prime_rl":
+                    loss = slow_prime_rl_micro_batch(model, rows, idx, targets, args, tokens, seen)
+                    for total, grad in zip(step, torch.autograd.grad(loss, params, allow_unused=True)):
+                        if grad is not None:
+                            total += grad  # each micro-batch's part of the sum over the mini-batch's tokens
+                    mini_batch_loss += loss.item()
+                    continue
                 logps = rloo.response_logprobs(model, rows, args.temperature).sum(1)
                 objective, clipped, ratios = 0.0, [], []
                 for logp, i in zip(logps, idx):
@@ -316,6 +420,8 @@ def slow_rloo_update(model, batch, targets, args, sizes, seed: int, lr: float) -
                 seen["approxkl"].append(0.5 * sum(squares) / len(idx))
                 seen["clipfrac"].append(sum(clipped) / len(idx))
                 seen["ratios"] += ratios
+            if args.loss_type == "prime_rl":
+                seen["loss"].append(mini_batch_loss)
             with torch.no_grad():  # one SGD step on the mean gradient, clipped to a global norm of --max_grad_norm
                 norm = math.sqrt(sum((total**2).sum().item() for total in step))
                 scale = 1.0 if args.max_grad_norm is None else min(1.0, args.max_grad_norm / (norm + 1e-6))
@@ -325,12 +431,42 @@ def slow_rloo_update(model, batch, targets, args, sizes, seed: int, lr: float) -
     return seen
 
 
-@pytest.mark.parametrize("old_logprobs, max_grad_norm", [("trainer", None), ("engine", None), ("trainer", 0.05)])
-def test_two_epochs_of_two_mini_batches_match_plain_sgd_by_hand(tokenizer, old_logprobs, max_grad_norm):
+def slow_prime_rl_micro_batch(model, rows, idx, targets, args, tokens: int, seen: dict):
+    """PRIME-RL's objective on a micro-batch, one token at a time: -sum_t min(pi / mu, delta) A / `tokens`, the count
+    of the whole mini-batch. Records what the micro-batch saw in `seen`."""
+    logprobs = rloo.response_logprobs(model, rows, args.temperature)
+    objective, capped, ratios, squares = logprobs.sum() * 0, [], [], []
+    for row, i in enumerate(idx):
+        for t in range(int(rows.response_mask[row].sum())):
+            mu = targets.engine_logprobs[i][t]
+            ratio = torch.exp(logprobs[row, t] - mu)
+            objective = objective + min(ratio, args.token_ratio_cap) * targets.advantages[i]
+            capped.append(ratio.item() > args.token_ratio_cap)
+            ratios.append(ratio.item())
+            squares.append((logprobs[row, t] - mu).item() ** 2)
+    loss = -objective / tokens
+    seen["approxkl"].append(0.5 * sum(squares) / len(squares))
+    seen["clipfrac"].append(sum(capped) / len(capped))
+    seen["ratios"] += ratios
+    return loss
+
+
+@pytest.mark.parametrize(
+    "loss_type, old_logprobs, max_grad_norm",
+    [
+        ("proximal_rloo", "trainer", None),
+        ("proximal_rloo", "engine", None),
+        ("proximal_rloo", "trainer", 0.05),
+        ("prime_rl", "engine", None),
+    ],
+)
+def test_two_epochs_of_two_mini_batches_match_plain_sgd_by_hand(tokenizer, loss_type, old_logprobs, max_grad_norm):
     """rloo_update with --num_ppo_epochs 2 --num_mini_batches 2 and two accumulated micro-batches per mini-batch, on
     plain SGD (at --max_grad_norm 0.05 every update clipped): the parameters it ends with are the slow version's,
     and so are the statistics it returns. The second epoch runs over the same completions again, in a new order, and
-    meets ratios far from 1 (some clipped)."""
+    meets ratios far from 1 (some clipped). PRIME-RL's objective: each mini-batch's gradient is the sum over its
+    completions' tokens (1 to 7 each) divided by all of them, whichever micro-batch holds a token, with some tokens
+    capped (delta 1.05) and others not."""
     from accelerate import Accelerator
     from transformers import LlamaForCausalLM
 
@@ -340,9 +476,13 @@ def test_two_epochs_of_two_mini_batches_match_plain_sgd_by_hand(tokenizer, old_l
         gradient_accumulation_steps=2,
         num_mini_batches=2,
         num_ppo_epochs=2,
+        loss_type=loss_type,
         old_logprobs=old_logprobs,
+        kl_coef=0.0 if loss_type == "prime_rl" else 0.05,
+        token_ratio_cap=1.05,
         max_grad_norm=max_grad_norm,
     )
+    rloo.check_loss_flags(args)
     sizes = rloo.compute_sizes(args, world_size=1)
     assert sizes.local_batch_size == 4  # 4 prompts x 2 completions
     torch.manual_seed(0)
@@ -377,10 +517,102 @@ def test_two_epochs_of_two_mini_batches_match_plain_sgd_by_hand(tokenizer, old_l
     # same 8 completions and meets a policy 2 updates away, clipped on some completions and not on others
     first, second = seen["order"]
     assert sorted(first) == sorted(second) == list(range(8)) and first != second
+    if loss_type == "prime_rl":  # against the engine's logprobs, 0.1 nats off the trainer's: capped and not
+        assert 0 < np.mean(seen["clipfrac"][:2]) < 1 and 0 < np.mean(seen["clipfrac"][4:]) < 1
+        return
     assert seen["ratios"][:4] == [1.0] * 4
     if max_grad_norm is None:  # clipped to 0.05, the updates are too small to move a ratio far
         assert max(abs(r - 1) for r in seen["ratios"][8:]) > 0.3
         assert 0 < np.mean(seen["clipfrac"][4:]) < 1
+
+
+# ------------------------------------------------------------------------------ PRIME-RL's 1 / (the batch's tokens)
+def long_and_short_completions(tokenizer, gradient_accumulation_steps: int):
+    """A policy and a batch of 2 prompts x 2 completions: prompt 0's long (7 and 5 tokens), prompt 1's short (1 and
+    2), with the targets of PRIME-RL's objective: the engine's logprobs 0.2 nats off the policy's, and one token's
+    ratio 2, capped at delta 1.5."""
+    from transformers import LlamaForCausalLM
+
+    args = rloo.Args(
+        total_episodes=4,
+        local_micro_batch_size=1,
+        gradient_accumulation_steps=gradient_accumulation_steps,
+        loss_type="prime_rl",
+        old_logprobs="engine",
+        kl_coef=0.0,
+        token_ratio_cap=1.5,
+        max_grad_norm=None,
+    )
+    torch.manual_seed(0)
+    policy = LlamaForCausalLM(small_config(tokenizer))
+    rloo.disable_dropout(policy)
+    g = torch.Generator().manual_seed(7)
+    prompts = [[tokenizer.bos_token_id] + torch.randint(4, len(tokenizer), (n,), generator=g).tolist() for n in (4, 3)]
+    responses = [torch.randint(4, len(tokenizer), (n,), generator=g).tolist() for n in (7, 5, 1, 2)]
+    batch = rloo.to_batch(prompts, responses, 2, args, tokenizer, torch.device("cpu"))
+    assert batch.response_mask.sum(1).tolist() == [7, 5, 1, 2]
+    old = rloo.batch_logprobs(policy, batch, args.temperature, 4)
+    engine = (old + torch.randn(old.shape, generator=g) * 0.2) * batch.response_mask
+    engine[0, 3] = old[0, 3] - math.log(2.0)
+    scores = torch.tensor([1.0, -0.5, 2.0, 0.0])
+    targets, _ = rloo.rloo_targets(scores, batch, old, old, engine, args)
+    return args, policy, batch, targets
+
+
+def prime_rl_step_by_hand(policy, batch, targets, args, lr: float) -> list[torch.Tensor]:
+    """The parameters after one SGD step on PRIME-RL's J (its docs/async.md): the sum over every real token of the batch of min(pi /
+    mu, delta) A, divided by their number, one token at a time."""
+    model = copy.deepcopy(policy)
+    logprobs = rloo.response_logprobs(model, batch, args.temperature)
+    objective, tokens = 0.0, 0
+    for i, length in enumerate(batch.response_mask.sum(1).tolist()):
+        for t in range(length):
+            ratio = torch.exp(logprobs[i, t] - targets.engine_logprobs[i, t])
+            objective = objective + min(ratio, args.token_ratio_cap) * targets.advantages[i]
+            tokens += 1
+    grads = torch.autograd.grad(-objective / tokens, list(model.parameters()))
+    return [(p - lr * grad).detach() for p, grad in zip(model.parameters(), grads)]
+
+
+def test_prime_rl_divides_by_the_batchs_tokens_across_micro_batches_and_processes(tokenizer, tmp_path):
+    """PRIME-RL's J (its docs/async.md): the sum over all 15 tokens of the long and the short completions, divided by 15, whoever holds a
+    token. One process, two micro-batches accumulated into one optimizer step (plain SGD, lr 1), the short completions
+    (3 tokens) and the long ones (12): dividing each by its own would weigh the short ones' tokens four times as much
+    as the long ones'. Then two training processes
+    (gloo), one prompt each, rank 0 the long completions (12 tokens), rank 1 the short ones (3): PRIME-RL's code
+    divides by each process's own tokens (src/prime_rl/trainer/rl/train.py:255-259 at 443c657), which would weigh
+    rank 1's tokens four times as much as rank 0's. Both updates are the hand computation's."""
+    import dataclasses
+    import socket
+
+    from accelerate import Accelerator
+
+    args, policy, batch, targets = long_and_short_completions(tokenizer, gradient_accumulation_steps=2)
+    expected = prime_rl_step_by_hand(policy, batch, targets, args, lr=1.0)
+    before = [p.detach().clone() for p in policy.parameters()]
+    policy.save_pretrained(tmp_path / "policy")  # for the two processes
+    accelerator = Accelerator(cpu=True, gradient_accumulation_steps=2)
+    model, optimizer = accelerator.prepare(policy, torch.optim.SGD(policy.parameters(), lr=1.0))
+    sizes = rloo.compute_sizes(args, world_size=1)
+    stats, _ = rloo.rloo_update(model, optimizer, accelerator, batch, targets, args, sizes, np.random.default_rng(2))
+    lengths = batch.response_mask.sum(1)[np.random.default_rng(2).permutation(4)]
+    assert (lengths[:2].sum(), lengths[2:].sum()) == (3, 12)  # the two micro-batches: the short ones, the long ones
+    assert 0 < stats["clipfrac"] < 1  # the capped token
+    for got, old, new in zip(model.parameters(), before, expected):
+        torch.testing.assert_close(got.detach() - old, new - old, rtol=1e-4, atol=1e-7)
+
+    two = dataclasses.replace(args, gradient_accumulation_steps=1)
+    inputs = dict(policy=str(tmp_path / "policy"), args=dataclasses.asdict(two), learning_rate=1.0)
+    torch.save(inputs | dict(batch=batch._asdict(), targets=targets._asdict()), tmp_path / "inputs.pt")
+    with socket.socket() as free:  # a port of our own: another run of the suite may hold accelerate's default
+        free.bind(("127.0.0.1", 0))
+        port = free.getsockname()[1]
+    launch = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", "configs/cpu_2proc.yaml"]
+    launch += ["--main_process_port", str(port), "tests/two_process_update.py"]
+    run_script([*launch, str(tmp_path / "inputs.pt"), str(tmp_path / "out.pt")], env={"ACCELERATE_USE_CPU": "1"})
+    got = torch.load(tmp_path / "out.pt")
+    for (name, _), old, new in zip(policy.named_parameters(), before, expected):
+        torch.testing.assert_close(got[name] - old, new - old, rtol=1e-4, atol=1e-7, msg=name)
 
 
 def test_rloo_metrics_by_hand():
