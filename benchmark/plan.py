@@ -332,6 +332,7 @@ def report(plan: Plan, hardware: Hardware) -> str:
         where = "the engine on a GPU of its own"
     else:
         where = f"{engines} engine(s) of {gpus} GPU(s) each, on GPUs of their own, each generating 1/{engines} of it"
+    engine_gpu = "the engine's GPU" if engines * gpus == 1 else "each engine GPU"
     # each of an engine's GPUs holds 1/P of its weights and of its KV heads (vLLM's tensor parallelism)
     kv_heads = max(1, run.policy.kv_heads // gpus)
     of_gpus = "" if gpus == 1 else f" / {gpus} GPUs"
@@ -362,7 +363,7 @@ def report(plan: Plan, hardware: Hardware) -> str:
         f"| **waves** | **{plan.waves}** |",
         "",
         f"Weight snapshots of {gib(snapshot)}: async level + 2 = {args.async_level + 2} in rank 0's pinned host "
-        f"memory ({gib(host)}); the engine's GPU holds the push's bucket beside vLLM's share ({gib(bucket)}).",
+        f"memory ({gib(host)}); {engine_gpu} holds the push's bucket beside vLLM's share ({gib(bucket)}).",
         "",
         "| predicted time per step | s | from |",
         "|---|---|---|",

@@ -267,6 +267,7 @@ def test_no_robots_8b_on_two_engines_by_hand():
     assert "2 engine(s) of 1 GPU(s) each, on GPUs of their own, each generating 1/2 of it" in text
     assert "| **sequences in flight** | **126 of an engine's 126, the step's 252 over 2** (at most 1024" in text
     assert "| **G**: generation (each engine) | **12.36** | prefill + decode |" in text
+    assert "each engine GPU holds the push's bucket beside vLLM's share (1.0 GiB)." in text
 
 
 def test_the_plan_finds_the_fewest_engines_at_which_training_bounds_the_step():
