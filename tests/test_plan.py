@@ -298,7 +298,7 @@ def test_more_samples_need_more_engines_and_a_layout_that_does_not_fit_is_not_ad
     engines, the 8B's ZeRO-3 shards over 2 processes, or 1, leave rank 0's GPU too little for its gradients and optimizer
     state (plumbing.engine.engine_share): at no layout that fits does training bound the step. The same with the
     engine's share given: 2 engines and 2 training processes would be training-bound (38.78 s against 35.35 s), but the
-    memory plan does not fit. K = 8 on 8 GPUs takes 4 engines."""
+    memory plan does not fit. K = 8 on 8 GPUs takes 4 engines, the largest of which generates 32 of the 126 prompts."""
     command = [w.replace("7", "3") if w == "7" else w for w in NO_ROBOTS.split()]
     command += ["--num_samples", "16", "--total_episodes", str(54 * 16 * 10)]
     p = plan.make_plan(command, H100, None)
@@ -316,7 +316,8 @@ def test_more_samples_need_more_engines_and_a_layout_that_does_not_fit_is_not_ad
     assert (round(layouts[1].generation, 2), round(layouts[1].training, 2)) == (35.35, 38.78)
     assert plan.training_bound(layouts) is None
     p = plan.make_plan(NO_ROBOTS.split() + ["--num_samples", "8", "--total_episodes", "100800"], H100, None)
-    assert plan.training_bound(plan.engine_layouts(p, H100)).run.engines == 4
+    four = plan.training_bound(plan.engine_layouts(p, H100))
+    assert (four.run.engines, four.run.processes, four.per_engine) == (4, 4, 32 * 8)  # 126 prompts: 32, 32, 31, 31
 
 
 def test_an_engine_over_two_gpus_holds_half_the_weights_and_half_the_kv_heads_on_each():
