@@ -1,12 +1,17 @@
 """A run across machines (`accelerate launch --num_machines 2`), as two machines on this host: end to end, resumed."""
 
+import contextlib
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import sys
+import time
 
 import pytest
+import torch
+from safetensors.torch import load_file
 from conftest import ALL_CORES, ROOT, check_run, training_lines_without_timings
 
 
@@ -19,7 +24,8 @@ def free_port() -> int:
 def two_machines(flags: list[str], timeout: float = 300) -> tuple[str, str]:
     """`accelerate launch --num_machines 2 --machine_rank R --main_process_ip 127.0.0.1 ...` for R = 0 and 1, one
     training process each (gloo, as on CPUs), started together as two machines are; each on every core, as a user
-    runs it. Returns what each machine printed (stdout and stderr)."""
+    runs it, in a session of its own, which is killed whole if it outlives `timeout` (a machine whose peer failed
+    waits for it). Returns what each machine printed (stdout and stderr)."""
     launch = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", "configs/cpu_2proc.yaml"]
     launch += ["--num_machines", "2", "--main_process_ip", "127.0.0.1", "--main_process_port", str(free_port())]
     machines = [
@@ -31,14 +37,17 @@ def two_machines(flags: list[str], timeout: float = 300) -> tuple[str, str]:
             text=True,
             env={**os.environ, "ACCELERATE_USE_CPU": "1"},
             preexec_fn=lambda: os.sched_setaffinity(0, ALL_CORES),
+            start_new_session=True,
         )
         for rank in (0, 1)
     ]
+    deadline = time.monotonic() + timeout
     try:
-        outputs = [machine.communicate(timeout=timeout)[0] for machine in machines]
+        outputs = [machine.communicate(timeout=max(deadline - time.monotonic(), 1))[0] for machine in machines]
     finally:
         for machine in machines:
-            machine.kill()
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(machine.pid, signal.SIGKILL)
     for rank, (machine, output) in enumerate(zip(machines, outputs)):
         assert machine.returncode == 0, f"machine {rank} failed ({machine.returncode}):\n{output[-6000:]}"
     return outputs[0], outputs[1]
@@ -50,7 +59,8 @@ def test_two_machines_train_and_resume_with_the_engine_and_the_run_folder_on_ran
     checkpointed at step 2. The run's folder, its logs and its checkpoints are global rank 0's (rank 1, the first
     process of its machine, writes none of them, and prints nothing): each step is logged once, and each checkpoint
     holds accelerate's RNG state of both processes, which the folder on a filesystem both machines see receives.
-    The run resumed from its step-2 checkpoint on two machines again ends as the run that was not stopped."""
+    The run resumed from its step-2 checkpoint on two machines again ends as the run that was not stopped: the same
+    metrics, bit-identical weights."""
     flags = ["--total_episodes", "128", "--local_micro_batch_size", "8", "--eval_freq", "2"]
     flags += ["--num_eval_prompts", "16", "--save_freq", "2"]
     first, second = two_machines([*flags, "--output_dir", str(tmp_path / "run")])
@@ -80,3 +90,5 @@ def test_two_machines_train_and_resume_with_the_engine_and_the_run_folder_on_ran
     assert f"resuming from {resumed / 'checkpoints' / 'step_000002'} (step 2)" in first.splitlines()
     assert second == ""
     assert training_lines_without_timings(resumed) == training_lines_without_timings(tmp_path / "run")
+    weights = [load_file(folder / "policy" / "model.safetensors") for folder in (tmp_path / "run", resumed)]
+    assert weights[0].keys() == weights[1].keys() and all(torch.equal(weights[0][k], weights[1][k]) for k in weights[0])
