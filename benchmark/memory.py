@@ -11,7 +11,9 @@ code: the trained models' weights, gradients and AdamW state by ZeRO stage (plum
 reference (fp32, or sharded in the run's precision under ZeRO-3) and the reward model (--dtype) on every rank, the gold
 judge on rank 0; the weight push's bucket on the engine's GPU (plumbing.weights.bucket_bytes: 1 GiB, or the largest
 layer, or the snapshot if smaller), and async level + 2 weight snapshots in rank 0's pinned host memory
-(plumbing.engine.snapshot_memory), shown under the table; a CUDA context per process and GPU
+(plumbing.engine.snapshot_memory), shown under the table; --vllm_num_engines E engines of
+--vllm_tensor_parallel_size P GPUs each on GPUs of their own after the training processes', each GPU alike (vLLM's
+share is of each GPU, and each has a bucket): one column for them; a CUDA context per process and GPU
 (plumbing.engine.CUDA_CONTEXT); the activations of one micro-batch (Korthikanti et al. 2022, table 2: 34 s b h bytes
 per layer in 16-bit, without the 5 a s^2 b of attention scores that transformers' SDPA attention does not keep; 2 s b h
 with gradient checkpointing, plus one layer's), the response logits in fp32 (3 copies), and the largest no-grad
@@ -19,6 +21,7 @@ forward of --local_rollout_forward_batch_size sequences. A GPU fits when its tot
 """
 
 import argparse
+import dataclasses
 import importlib
 import shlex
 import sys
@@ -83,6 +86,7 @@ class Model:
         self.params = sum(self.sizes.values())
         self.hidden, self.layers = config.hidden_size, config.num_hidden_layers
         self.vocab = config.vocab_size
+        self.heads = config.num_attention_heads
         self.kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads  # GPTNeoX: no GQA
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
 
@@ -112,6 +116,8 @@ class Run(NamedTuple):
     module: ModuleType
     args: object  # the script's Args
     processes: int
+    engines: int  # --vllm_num_engines
+    tensor_parallel: int  # --vllm_tensor_parallel_size: each engine's GPUs
     stage: int  # DeepSpeed ZeRO's, 0 without it
     deepspeed: bool
     bf16: bool
@@ -131,7 +137,10 @@ def read_command(command: list[str]) -> Run:
     at = next(i for i, word in enumerate(command) if Path(word).name in SCRIPTS)
     launcher, script, flags = command[:at], Path(command[at]).name, command[at + 1 :]
     module = importlib.import_module(script.removesuffix(".py"))
-    args = tyro.cli(module.Args, args=flags, use_underscores=True)
+    args = tyro.cli(with_engine_layout(module.Args), args=flags, use_underscores=True)
+    for flag in ENGINE_LAYOUT:
+        if getattr(args, flag) < 1:
+            raise SystemExit(f"{script}: --{flag} must be >= 1 (a count), got {getattr(args, flag)}")
     config = (
         load_config_from_file(launcher[launcher.index("--config_file") + 1]) if "--config_file" in launcher else None
     )
@@ -145,11 +154,14 @@ def read_command(command: list[str]) -> Run:
     reward = None if args.task == "gsm8k" else Model(args.reward_model_path, classifier=True)
     gold = None if args.gold_judge == "tiny" else Model(args.gold_judge, classifier=True)
     value = (reward or Model(args.sft_model_path, classifier=True)) if script == "ppo_async.py" else None
+    check_tensor_parallel(policy, args.vllm_tensor_parallel_size, script)
     return Run(
         script=script,
         module=module,
         args=args,
         processes=processes,
+        engines=args.vllm_num_engines,
+        tensor_parallel=args.vllm_tensor_parallel_size,
         stage=stage,
         deepspeed=deepspeed,
         bf16=bf16,
@@ -160,6 +172,30 @@ def read_command(command: list[str]) -> Run:
         gold=gold,
         value=value,
     )
+
+
+# The engines' layout: E engines of P GPUs each (vLLM's tensor parallelism), the scripts' flags of these names
+ENGINE_LAYOUT = ("vllm_num_engines", "vllm_tensor_parallel_size")
+
+
+def with_engine_layout(args_class: type) -> type:
+    """The script's Args, with ENGINE_LAYOUT's flags (default 1) where it does not have them yet."""
+    fields = {field.name for field in dataclasses.fields(args_class)}
+    missing = [(flag, int, dataclasses.field(default=1)) for flag in ENGINE_LAYOUT if flag not in fields]
+    return dataclasses.make_dataclass("Args", missing, bases=(args_class,)) if missing else args_class
+
+
+def check_tensor_parallel(model: Model, tensor_parallel: int, script: str) -> None:
+    """vLLM splits each layer's attention heads over an engine's P GPUs, and its KV heads too, or copies each KV head
+    onto P / KV heads of them where there are fewer than P."""
+    heads, kv_heads = model.heads, model.kv_heads
+    if heads % tensor_parallel or (
+        kv_heads % tensor_parallel if kv_heads >= tensor_parallel else tensor_parallel % kv_heads
+    ):
+        raise SystemExit(
+            f"{script}: --vllm_tensor_parallel_size {tensor_parallel}: vLLM splits the policy's {heads} attention "
+            f"heads ({kv_heads} KV heads) over each engine's GPUs, and these do not split {tensor_parallel} ways"
+        )
 
 
 def plan(command: list[str], gpu_bytes: int, gpus: int | None) -> dict:
@@ -195,27 +231,44 @@ def memory_plan(run: Run, gpu_bytes: int, gpus: int | None) -> dict:
     if gold:
         rank0["gold judge (rank 0 only)"] = gold.params * 2
     snapshot, bucket = policy.params * run.engine_bytes, plumbing.weights.bucket_bytes(policy.sizes, run.engine_bytes)
-    gpus = gpus or processes + 1
+    engine_gpus = run.engines * run.tensor_parallel
+    gpus = gpus or processes + engine_gpus
     utilization = args.vllm_gpu_memory_utilization
-    if gpus > processes:  # the engine's GPU of its own
+    if gpus >= processes + engine_gpus:  # the engines' GPUs of their own, each alike
         engine = {"engine (vLLM's share)": int((utilization or 0.9) * gpu_bytes), BUCKET: bucket}
         engine["rank 0's CUDA context (it writes the bucket)"] = plumbing.engine.CUDA_CONTEXT
         engine["engine's CUDA context"] = plumbing.engine.CUDA_CONTEXT
-        result = {"training rank 0": rank0, "engine's GPU": engine}
-    else:
+        result = {"training rank 0": rank0, engine_column(run): engine}
+    elif engine_gpus == 1:
         rank0 |= {"engine (vLLM's share)": int((utilization or 0.3) * gpu_bytes), BUCKET: bucket}
         rank0["engine's CUDA context"] = plumbing.engine.CUDA_CONTEXT
         result = {"training rank 0, shared with the engine": rank0}
+    else:
+        raise SystemExit(
+            f"{script}: --vllm_num_engines {run.engines} x --vllm_tensor_parallel_size {run.tensor_parallel} "
+            f"engine GPUs beside {processes} training process(es) need {processes + engine_gpus} GPUs, --gpus "
+            f"gives {gpus}: the plan counts engines on GPUs of their own, or one engine on rank 0's GPU"
+        )
     if processes > 1:
         result["training ranks 1 ..."] = rank
     summary = f"{script}: {policy.params / 1e9:.2f}B policy, {processes} training process(es)"
     summary += f", ZeRO-{stage}" if stage else ", no ZeRO" if not run.deepspeed else ""
+    if engine_gpus > 1:
+        summary += f", {run.engines} engine(s) of {run.tensor_parallel} GPU(s)"
     summary += (
         f", micro-batch {micro} x {L} tokens, async level {args.async_level}, {gpus} GPUs of {gpu_bytes / GIB:.0f} GiB"
     )
     pinned = plumbing.engine.snapshot_memory(snapshot, args.async_level)
     host = {f"weight snapshots, pinned ({args.async_level + 2})": pinned}
     return {"summary": summary, "gpus": result, "host": host}
+
+
+def engine_column(run: Run) -> str:
+    """The name of the engines' GPUs in a plan: each holds the same (vLLM's share is of each GPU of an engine, and
+    each engine GPU has the push's bucket)."""
+    if run.engines * run.tensor_parallel == 1:
+        return "engine's GPU"
+    return f"each engine GPU ({run.engines} x {run.tensor_parallel})"
 
 
 def table(result: dict, gpu_bytes: int) -> tuple[str, bool]:
@@ -250,7 +303,7 @@ def plans(lines: list[str], gpu_bytes: int, gpus: int | None) -> list[tuple[list
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--gpu_gib", type=float, default=79.0, help="memory of each GPU (an H100 80GB: 79.0 GiB)")
-    parser.add_argument("--gpus", type=int, default=None, help="GPUs of the node (default: training processes + 1)")
+    parser.add_argument("--gpus", type=int, default=None, help="GPUs of the node (default: training + engines x P)")
     parser.add_argument("command", nargs=argparse.REMAINDER, help="after --: one command line (else: read from stdin)")
     options = parser.parse_args(argv)
     command = options.command[1:] if options.command[:1] == ["--"] else options.command

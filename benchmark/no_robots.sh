@@ -5,6 +5,7 @@
 #   bash benchmark/no_robots.sh [EXPERIMENT...]   run the experiments named (default: all of them)
 #   DRY_RUN=1 bash benchmark/no_robots.sh         print the commands instead
 #   TINY=1 bash benchmark/no_robots.sh            the same commands on tests/fixtures/no_robots, on a CPU (benchmark/lib.sh)
+#   VLLM_NUM_ENGINES=2 bash benchmark/no_robots.sh  the 8 GPUs as 2 engines + 6 training GPUs, not the paper's 1 + 7
 #
 # Experiments:
 #   online_dpo  tables 1 and 8, figure 9: online DPO, sync (async_level 0) and async (async_level 1)
@@ -28,10 +29,20 @@ NO_ROBOTS_RM="${NO_ROBOTS_RM:-models/llama-3.1-8b-rm-no-robots}"
 # divides over 7 processes neither as 256 completions nor as 128 prompts x 2: we train on 252
 # episodes per step, the nearest multiple of 7 x 2 (online DPO: 126 prompts x 2 samples, 18 per
 # GPU; PPO: 252 prompts x 1, 36 per GPU), and on 100044 = 397 x 252 episodes (table 7: 100000).
-TRAIN_GPUS=7
+# VLLM_NUM_ENGINES=2: two engines of a GPU each and 6 training GPUs, the same step's batch (online DPO:
+# 21 prompts per GPU, PPO: 42, in micro-batches of 3), the layout at which the run plan predicts the
+# step bound by training, 14.2 s against the paper's layout's 19.8 s (docs/reproducing.md, "Engines for
+# No Robots"); its runs are named -e2.
+GPUS=8
+VLLM_NUM_ENGINES="${VLLM_NUM_ENGINES:-1}"
 EPISODES_PER_STEP=252
 TOTAL_EPISODES=$((397 * EPISODES_PER_STEP))
-LOCAL_MICRO_BATCH_SIZE=2  # prompts per forward/backward on an 80 GB GPU, 512 + 1024 tokens, 8B models
+case "$VLLM_NUM_ENGINES" in
+    1) LOCAL_MICRO_BATCH_SIZE=2 LAYOUT="" ENGINE_FLAGS=() ;;  # prompts per forward/backward on an 80 GB GPU, 512 + 1024 tokens, 8B models
+    2) LOCAL_MICRO_BATCH_SIZE=3 LAYOUT="-e2" ENGINE_FLAGS=(--vllm_num_engines 2) ;;
+    *) echo "$BENCH: VLLM_NUM_ENGINES is 1 (the paper's layout) or 2, not '$VLLM_NUM_ENGINES'" >&2; exit 2 ;;
+esac
+TRAIN_GPUS=$((GPUS - VLLM_NUM_ENGINES))
 # bf16 mixed precision; ZeRO-2 shards the 8B policy's optimizer state (PPO also trains an 8B value
 # model and may need more memory than ZeRO-2 gives: offload the optimizer in the config if so).
 
@@ -102,12 +113,14 @@ if [[ "$TINY" == 1 ]]; then ASYNC_LEVELS=(1); fi  # async_level 0 runs in the ot
 for seed in $SEEDS; do
     for async in "${ASYNC_LEVELS[@]}"; do
         if wants online_dpo; then  # beta 0.03 (table 7)
-            run "online_dpo-llama8b-async$async-s$seed" online_dpo_async.py "$ACCELERATE_CONFIG" "$TRAIN_GPUS" "${NO_ROBOTS[@]}" \
+            run "online_dpo-llama8b$LAYOUT-async$async-s$seed" online_dpo_async.py "$ACCELERATE_CONFIG" "$TRAIN_GPUS" \
+                "${NO_ROBOTS[@]}" "${ENGINE_FLAGS[@]}" \
                 --gradient_accumulation_steps "$DPO_ACCUMULATION" --async_level "$async" --num_samples 2 \
                 --loss_type sigmoid --beta 0.03 --seed "$seed"
         fi
         if wants ppo; then  # table 7 but the KL coefficient 0.01 (appendix A.2, "PPO"); value model from the reward model
-            run "ppo-llama8b-async$async-s$seed" ppo_async.py "$ACCELERATE_CONFIG" "$TRAIN_GPUS" "${NO_ROBOTS[@]}" \
+            run "ppo-llama8b$LAYOUT-async$async-s$seed" ppo_async.py "$ACCELERATE_CONFIG" "$TRAIN_GPUS" \
+                "${NO_ROBOTS[@]}" "${ENGINE_FLAGS[@]}" \
                 --gradient_accumulation_steps "$PPO_ACCUMULATION" --async_level "$async" \
                 --kl_coef 0.01 --no_adaptive_kl --gamma 1.0 --lam 0.95 --no_whiten_rewards \
                 --cliprange 0.2 --cliprange_value 0.2 --vf_coef 0.1 --old_logprobs trainer --seed "$seed"

@@ -1,6 +1,7 @@
 """The run plan of a command line, to read before renting GPUs: the engine's KV cache and how many of a step's sequences
-it holds at once, a predicted time per phase, which side bounds the step, the async speed-up and what the paper's
-section 4 advises then. Docs: docs/reproducing.md ("Run plans"); the memory of each GPU: benchmark/memory.py.
+it holds at once, a predicted time per phase, which side bounds the step, the async speed-up, what the paper's section 4
+advises then, and the fewest engines at which training would bound the step on the run's GPUs. Docs:
+docs/reproducing.md ("Run plans"); the memory of each GPU: benchmark/memory.py.
 
     python benchmark/plan.py -- accelerate launch --config_file configs/deepspeed_zero3.yaml --num_processes 7 \\
         online_dpo_async.py --sft_model_path models/llama-3.1-8b-sft-no-robots ...
@@ -21,7 +22,14 @@ allocates blocks as a sequence grows, but sequences that run to the response len
 those it admitted beyond what fits then are preempted and recomputed; it is also the "maximum concurrency" vLLM logs
 at its start. It is conservative where vLLM's prefix cache shares the prompt's
 blocks among the K samples of one prompt. Sequences in flight = min(KV cache // a sequence's blocks, max_num_seqs,
-the step's completions); waves = ceil(completions / in flight), each wave's sequences starting and ending together.
+an engine's completions); waves = ceil(completions / in flight), each wave's sequences starting and ending together.
+
+Engines: --vllm_num_engines E engines of --vllm_tensor_parallel_size P GPUs each, on GPUs of their own after the
+training processes' (memory.py counts no engines sharing a GPU but one engine on rank 0's). Each engine generates its
+contiguous part of the step's prompts, at most ceil(prompts / E), and the step waits for the largest part. vLLM's
+tensor parallelism puts 1/P of the weights and of the KV heads (one KV head where there are fewer than P) on each of an
+engine's GPUs, each with its share of its GPU, the reserve and the push's bucket; a decoding step reads each GPU's
+shards at once and computes on all P, the all-reduces between them not counted (a floor for P > 1).
 
 Generation G = prefill + decode. Prefill: each completion's prompt (conservative where the prefix cache shares it
 among a prompt's K samples) through the policy, forward FLOPs (plumbing.forward_flops: 2 per parameter and
@@ -32,6 +40,11 @@ tokens, at the memory bandwidth, or computes the wave's tokens' forward FLOPs at
 and step as each script counts them (its own step_flops: scoring, reference, old logprobs, update) at the peak x MFU.
 The weight push, evaluation and overheads are not counted. Sync step = G + T; async step = max(G, T); speed-up = sync
 / async.
+
+The engines on the run's GPUs (--gpus, or the command's training processes + E x P; engine_layouts): the same step at
+E = 1, 2, ... engines and the training processes on the GPUs left, N' of them, up to the first layout at which training
+bounds the step and memory.py's plan fits. The step's prompts stay the same: each process trains N / N' times the
+command's share (exact where they divide over N', as a command of that layout needs).
 """
 
 import argparse
@@ -99,7 +112,8 @@ class Plan(NamedTuple):
     kv_token: int
     sequence_tokens: int  # max_prompt_length + response_length in whole blocks
     completions: int  # per step
-    holds: int  # sequences the KV cache holds
+    per_engine: int  # completions of the largest engine's part of the step
+    holds: int  # sequences an engine's KV cache holds
     in_flight: int
     waves: int
     prefill_flops: int
@@ -108,6 +122,7 @@ class Plan(NamedTuple):
     full_step: DecodeStep  # a decode step of a full wave
     phase_flops: dict[str, int]
     phases: dict[str, float]
+    gpus: int  # the run's: --gpus, or the training processes and the engines' GPUs
 
     @property
     def generation(self) -> float:
@@ -118,9 +133,10 @@ class Plan(NamedTuple):
         return sum(self.phases.values())
 
 
-def kv_per_token(model: memory.Model, dtype_bytes: int) -> int:
-    """Bytes of one token's keys and values over all layers."""
-    return model.layers * model.kv_heads * model.head_dim * 2 * dtype_bytes
+def kv_per_token(model: memory.Model, dtype_bytes: int, tensor_parallel: int = 1) -> int:
+    """Bytes of one token's keys and values over all layers, on each of an engine's GPUs: vLLM splits the KV heads
+    over them, or gives each GPU one where there are fewer KV heads than GPUs."""
+    return model.layers * max(1, model.kv_heads // tensor_parallel) * model.head_dim * 2 * dtype_bytes
 
 
 def phase_flops(run: memory.Run, sizes: NamedTuple) -> dict[str, int]:
@@ -159,45 +175,50 @@ def engine_share(run: memory.Run, plan: dict, gpu_bytes: int) -> tuple[float, st
 
 
 def predict(run: memory.Run, sizes: NamedTuple, share: float, hardware: Hardware) -> dict:
-    """The engine's KV cache, its waves and the step's predicted phases (see the module docstring)."""
-    args, policy = run.args, run.policy
+    """An engine's KV cache, its waves and the step's predicted phases (see the module docstring). `sizes`: the step's,
+    whose batch run.processes share (their FLOPs are those of sizes.world_size's processes, rescaled)."""
+    args, policy, gpus = run.args, run.policy, run.tensor_parallel
     P, R = args.max_prompt_length, args.response_length
-    weights = policy.params * run.engine_bytes
-    kv_cache = int(share * hardware.gpu_bytes) - weights - hardware.engine_reserve
-    kv_token = kv_per_token(policy, run.engine_bytes)
+    shard = policy.params * run.engine_bytes // gpus  # the weights on each of an engine's GPUs
+    kv_cache = int(share * hardware.gpu_bytes) - shard - hardware.engine_reserve
+    kv_token = kv_per_token(policy, run.engine_bytes, gpus)
     blocks = -(-(P + R) // hardware.block_size)
     completions = sizes.batch_size * run.samples
+    per_engine = -(-sizes.batch_size // run.engines) * run.samples  # E contiguous parts of the prompts
     holds = max(kv_cache, 0) // (kv_token * hardware.block_size) // blocks
-    in_flight = min(holds, hardware.max_num_seqs, completions)
+    in_flight = min(holds, hardware.max_num_seqs, per_engine)
     if in_flight == 0:
+        on = f" on each of an engine's {gpus} GPUs" if gpus > 1 else ""
         raise SystemExit(
             f"{run.script}: vLLM's share {share} of {hardware.gpu_bytes / GIB:.1f} GiB leaves no KV cache for one "
-            f"sequence of {P + R} tokens beside {weights / GIB:.1f} GiB of weights and the reserve: vLLM would not "
+            f"sequence of {P + R} tokens beside {shard / GIB:.1f} GiB of weights{on} and the reserve: vLLM would not "
             "start; raise --vllm_gpu_memory_utilization"
         )
-    waves = -(-completions // in_flight)
+    waves = -(-per_engine // in_flight)
     flop_rate = hardware.peak_flops * hardware.mfu
     mean_context = P + R / 2
 
     def decode_step(sequences: int) -> DecodeStep:
-        read = weights + int(sequences * kv_token * mean_context)
-        compute = plumbing.forward_flops(policy.module, sequences, 1) / flop_rate
+        """One decoding step of an engine, its GPUs reading their shards and computing at once."""
+        read = shard + int(sequences * kv_token * mean_context)
+        compute = plumbing.forward_flops(policy.module, sequences, 1) / (gpus * flop_rate)
         return DecodeStep(read=read, memory=read / hardware.bandwidth, compute=compute)
 
-    full, last = decode_step(in_flight), decode_step(completions - (waves - 1) * in_flight)
+    full, last = decode_step(in_flight), decode_step(per_engine - (waves - 1) * in_flight)
     decode = R * ((waves - 1) * full.seconds + last.seconds)
-    prefill_flops = plumbing.forward_flops(policy.module, completions, P, 1)
-    flops = phase_flops(run, sizes)
+    prefill_flops = plumbing.forward_flops(policy.module, per_engine, P, 1)
+    flops = {phase: n * sizes.world_size // run.processes for phase, n in phase_flops(run, sizes).items()}
     return dict(
         kv_cache=kv_cache,
         kv_token=kv_token,
         sequence_tokens=blocks * hardware.block_size,
         completions=completions,
+        per_engine=per_engine,
         holds=holds,
         in_flight=in_flight,
         waves=waves,
         prefill_flops=prefill_flops,
-        prefill=prefill_flops / flop_rate,
+        prefill=prefill_flops / (gpus * flop_rate),
         decode=decode,
         full_step=full,
         phase_flops=flops,
@@ -212,13 +233,40 @@ def make_plan(command: list[str], hardware: Hardware, gpus: int | None) -> Plan:
         sizes = run.module.compute_sizes(run.args, run.processes)
     except plumbing.UsageError as error:
         raise SystemExit(f"{run.script}: {error}") from None
+    return plan_run(run, sizes, hardware, gpus)
+
+
+def plan_run(run: memory.Run, sizes: NamedTuple, hardware: Hardware, gpus: int | None) -> Plan:
+    """The plan of a run read (memory.read_command) whose step has `sizes`, its batch over run.processes."""
     memory_plan = memory.memory_plan(run, hardware.gpu_bytes, gpus)
     share, source = engine_share(run, memory_plan, hardware.gpu_bytes)
     with_share = run._replace(args=dataclasses.replace(run.args, vllm_gpu_memory_utilization=share))
     fits = memory.table(memory.memory_plan(with_share, hardware.gpu_bytes, gpus), hardware.gpu_bytes)[1]
     predicted = predict(run, sizes, share, hardware)
     shared = SHARED in memory_plan["gpus"]
-    return Plan(run=run, sizes=sizes, fits=fits, shared=shared, share=share, share_source=source, **predicted)
+    gpus = gpus or run.processes + run.engines * run.tensor_parallel
+    return Plan(
+        run=run, sizes=sizes, fits=fits, shared=shared, share=share, share_source=source, gpus=gpus, **predicted
+    )
+
+
+def engine_layouts(plan: Plan, hardware: Hardware) -> list[Plan | str]:
+    """The run on its GPUs (plan.gpus) with 1, 2, ... engines of --vllm_tensor_parallel_size GPUs each and the
+    training processes on the GPUs left, the step's batch the same, up to the first layout at which training bounds
+    the step and the memory plan fits: each layout's plan, or why it cannot be."""
+    run, layouts = plan.run, []
+    for engines in range(1, (plan.gpus - 1) // run.tensor_parallel + 1):
+        processes = plan.gpus - engines * run.tensor_parallel
+        args = dataclasses.replace(run.args, vllm_num_engines=engines)
+        layout = run._replace(args=args, engines=engines, processes=processes)
+        try:
+            layouts.append(plan_run(layout, plan.sizes, hardware, plan.gpus))
+        except SystemExit as refused:
+            layouts.append(str(refused).removeprefix(f"{run.script}: "))
+            continue
+        if layouts[-1].fits and layouts[-1].training > layouts[-1].generation:
+            break
+    return layouts
 
 
 def advice(plan: Plan, hardware: Hardware) -> str:
@@ -274,43 +322,57 @@ def report(plan: Plan, hardware: Hardware) -> str:
     snapshot = run.policy.params * run.engine_bytes
     host = plumbing.engine.snapshot_memory(snapshot, args.async_level)
     bucket = plumbing.weights.bucket_bytes(run.policy.sizes, run.engine_bytes)
-    where = (
-        "the engine shares rank 0's GPU: the async step assumes the two do not contend for it, an upper bound on the "
-        "speed-up"
-        if plan.shared
-        else "the engine on a GPU of its own"
+    engines, gpus = run.engines, run.tensor_parallel
+    if plan.shared:
+        where = (
+            "the engine shares rank 0's GPU: the async step assumes the two do not contend for it, an upper bound "
+            "on the speed-up"
+        )
+    elif engines * gpus == 1:
+        where = "the engine on a GPU of its own"
+    else:
+        where = f"{engines} engine(s) of {gpus} GPU(s) each, on GPUs of their own, each generating 1/{engines} of it"
+    engine_gpu = "the engine's GPU" if engines * gpus == 1 else "each engine GPU"
+    # each of an engine's GPUs holds 1/P of its weights and of its KV heads (vLLM's tensor parallelism)
+    kv_heads = max(1, run.policy.kv_heads // gpus)
+    of_gpus = "" if gpus == 1 else f" / {gpus} GPUs"
+    sequences = (
+        f"{plan.in_flight} of the step's {plan.completions}"
+        if engines == 1
+        else f"{plan.in_flight} of an engine's {plan.per_engine}, the step's {plan.completions} over {engines}"
     )
     lines = [
         f"{run.script}: {run.policy.params / 1e9:.2f}B policy, {run.processes} training process(es); a step: "
         f"{plan.sizes.batch_size} prompts x {run.samples} = {plan.completions} completions of {P} + {R} tokens; "
         f"{where}; memory plan (benchmark/memory.py): {'fits' if plan.fits else 'does NOT fit'}",
         "",
-        "| the engine's KV cache | |",
+        "| the engine's KV cache | |" if gpus == 1 else f"| an engine's KV cache, on each of its {gpus} GPUs | |",
         "|---|---|",
         f"| vLLM's share of its GPU | {gib(plan.share * hardware.gpu_bytes)}: {plan.share} of "
         f"{hardware.gpu_bytes / GIB:.1f} GiB ({plan.share_source}) |",
-        f"| policy weights | {gib(run.policy.params * run.engine_bytes)}: {run.policy.params:,} parameters x "
-        f"{run.engine_bytes} bytes |",
+        f"| policy weights | {gib(run.policy.params * run.engine_bytes // gpus)}: {run.policy.params:,} parameters x "
+        f"{run.engine_bytes} bytes{of_gpus} |",
         f"| activations and workspace (reserve) | {gib(hardware.engine_reserve)} |",
         f"| **KV cache** | **{gib(plan.kv_cache)}** |",
-        f"| KV per token | {gib(plan.kv_token)}: {run.policy.layers} layers x {run.policy.kv_heads} KV heads x "
+        f"| KV per token | {gib(plan.kv_token)}: {run.policy.layers} layers x {kv_heads} KV heads x "
         f"{run.policy.head_dim} head dim x 2 (K and V) x {run.engine_bytes} bytes |",
         f"| KV per sequence | {gib(plan.kv_token * plan.sequence_tokens)}: {P + R} tokens, in "
         f"{plan.sequence_tokens // hardware.block_size} blocks of {hardware.block_size} |",
         f"| sequences the KV cache holds | {plan.holds} |",
-        f"| **sequences in flight** | **{plan.in_flight} of the step's {plan.completions}** (at most "
-        f"{hardware.max_num_seqs}, vLLM's max_num_seqs) |",
+        f"| **sequences in flight** | **{sequences}** (at most {hardware.max_num_seqs}, vLLM's max_num_seqs) |",
         f"| **waves** | **{plan.waves}** |",
         "",
         f"Weight snapshots of {gib(snapshot)}: async level + 2 = {args.async_level + 2} in rank 0's pinned host "
-        f"memory ({gib(host)}); the engine's GPU holds the push's bucket beside vLLM's share ({gib(bucket)}).",
+        f"memory ({gib(host)}); {engine_gpu} holds the push's bucket beside vLLM's share ({gib(bucket)}).",
         "",
         "| predicted time per step | s | from |",
         "|---|---|---|",
-        f"| **G**: generation | **{plan.generation:.2f}** | prefill + decode |",
-        f"| prefill | {plan.prefill:.2f} | {plan.prefill_flops / 1e12:,.0f} TFLOP |",
+        f"| **G**: generation{'' if engines == 1 else ' (each engine)'} | **{plan.generation:.2f}** "
+        "| prefill + decode |",
+        f"| prefill | {plan.prefill:.2f} | {plan.prefill_flops / 1e12:,.0f} TFLOP{of_gpus} |",
         f"| decode | {plan.decode:.2f} | {plan.waves} wave(s) x {R} steps; a full wave's step reads "
-        f"{full.read / 1e9:.1f} GB: {1e3 * full.memory:.2f} ms (its FLOPs: {1e3 * full.compute:.2f} ms) |",
+        f"{full.read / 1e9:.1f} GB{'' if gpus == 1 else ' a GPU'}: {1e3 * full.memory:.2f} ms (its FLOPs: "
+        f"{1e3 * full.compute:.2f} ms) |",
         f"| **T**: training (each process) | **{plan.training:.2f}** | {' + '.join(plan.phases)} |",
     ]
     for phase, seconds in plan.phases.items():
@@ -322,8 +384,63 @@ def report(plan: Plan, hardware: Hardware) -> str:
         f"| **async speed-up** | **{(G + T) / max(G, T):.2f}x** | sync / async |",
         "",
         advice(plan, hardware),
+        "",
+        layouts_report(plan, engine_layouts(plan, hardware)),
     ]
     return "\n".join(lines)
+
+
+def training_bound(layouts: list[Plan | str]) -> Plan | None:
+    """The layout of the fewest engines at which training bounds the step and the memory plan fits, if any."""
+    return next((p for p in layouts if not isinstance(p, str) and p.fits and p.training > p.generation), None)
+
+
+def fewest_engines(plan: Plan, layouts: list[Plan | str]) -> str:
+    """The fewest engines at which training bounds the step on the run's GPUs, with the predicted step, against the
+    command's own."""
+    step = max(plan.generation, plan.training)
+    if (best := training_bound(layouts)) is not None:
+        flags = f"--vllm_num_engines {best.run.engines} and {best.run.processes} training processes"
+        return (
+            f"The fewest engines at which training bounds the step on these {plan.gpus} GPUs: **{best.run.engines}** "
+            f"({flags}), a step of **{best.training:.2f} s** (this command's: {step:.2f} s, "
+            f"{step / best.training:.2f}x)"
+        )
+    possible = [p for p in layouts if not isinstance(p, str) and p.fits]
+    if not possible:
+        return f"No layout of engines and training processes on these {plan.gpus} GPUs fits"
+    best = min(possible, key=lambda p: max(p.generation, p.training))
+    return (
+        f"At no number of engines on these {plan.gpus} GPUs does training bound the step in a layout that fits; "
+        f"the shortest step that fits is at {best.run.engines} engine(s), {max(best.generation, best.training):.2f} s "
+        f"(this command's: {step:.2f} s)"
+    )
+
+
+def layouts_report(plan: Plan, layouts: list[Plan | str]) -> str:
+    """Markdown: the run's GPUs split between engines and training, E = 1, 2, ... (engine_layouts), and the fewest
+    engines at which training bounds the step."""
+    gpus = plan.run.tensor_parallel
+    if not layouts:
+        return f"The run's {plan.gpus} GPU(s) leave none to an engine of {gpus} GPU(s) of its own beside a training process."
+    lines = [
+        f"The engines on the run's {plan.gpus} GPUs, {gpus} GPU(s) each, and training on those left (the step's "
+        f"{plan.sizes.batch_size} prompts the same; a training process's FLOPs grow as the processes are fewer):",
+        "",
+        "| engines | training processes | in flight / an engine's completions | waves | G (s) | T (s) "
+        "| async step (s) | bound | memory plan |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for engines, p in enumerate(layouts, 1):
+        if isinstance(p, str):
+            lines.append(f"| {engines} | {plan.gpus - engines * gpus} | | | | | | | {p} |")
+            continue
+        G, T = p.generation, p.training
+        lines.append(
+            f"| {engines} | {p.run.processes} | {p.in_flight} / {p.per_engine} | {p.waves} | {G:.2f} | {T:.2f} "
+            f"| {max(G, T):.2f} | {'generation' if G >= T else 'training'} | {'fits' if p.fits else 'does NOT fit'} |"
+        )
+    return "\n".join([*lines, "", fewest_engines(plan, layouts) + "."])
 
 
 def assumptions(hardware: Hardware) -> str:
@@ -353,19 +470,22 @@ def plans(lines: list[str], hardware: Hardware, gpus: int | None) -> list[tuple[
     return [(names, plan, text) for text, (plan, names) in grouped.items()]
 
 
-def summary(results: list[tuple[list[str], Plan, str]]) -> str:
-    """Markdown: one row per plan."""
+def summary(results: list[tuple[list[str], Plan, str]], hardware: Hardware) -> str:
+    """Markdown: one row per plan, with its engines and the fewest at which training would bound its step
+    (engine_layouts). benchmark/gpu_check.py reads the first nine columns."""
     lines = [
-        "| runs | in flight / completions per step | waves | G (s) | T (s) | sync: G + T (s) | async: max (s) "
-        "| speed-up | bound |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| runs | in flight / an engine's completions | waves | G (s) | T (s) | sync: G + T (s) | async: max (s) "
+        "| speed-up | bound | engines x GPUs | training bounds it from: engines, step (s) |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for names, plan, _ in results:
         G, T = plan.generation, plan.training
+        best = training_bound(engine_layouts(plan, hardware))
+        fewest = "none" if best is None else f"{best.run.engines}, {best.training:.2f}"
         lines.append(
-            f"| {', '.join(f'`{name}`' for name in names)} | {plan.in_flight} / {plan.completions} | {plan.waves} "
+            f"| {', '.join(f'`{name}`' for name in names)} | {plan.in_flight} / {plan.per_engine} | {plan.waves} "
             f"| {G:.2f} | {T:.2f} | {G + T:.2f} | {max(G, T):.2f} | {(G + T) / max(G, T):.2f}x "
-            f"| {'generation' if G >= T else 'training'} |"
+            f"| {'generation' if G >= T else 'training'} | {plan.run.engines} x {plan.run.tensor_parallel} | {fewest} |"
         )
     return "\n".join(lines)
 
@@ -373,7 +493,7 @@ def summary(results: list[tuple[list[str], Plan, str]]) -> str:
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--gpu_gib", type=float, default=79.0, help="memory of each GPU (an H100 80GB: 79.0 GiB)")
-    parser.add_argument("--gpus", type=int, default=None, help="GPUs of the node (default: training processes + 1)")
+    parser.add_argument("--gpus", type=int, default=None, help="GPUs of the node (default: the run's)")
     parser.add_argument("--bandwidth", type=float, default=BANDWIDTH, help="GPU memory bandwidth, bytes/s (H100 SXM)")
     parser.add_argument("--peak_flops", type=float, default=PEAK_FLOPS, help="dense bf16 FLOP/s (H100 SXM)")
     parser.add_argument("--mfu", type=float, default=MFU, help="model FLOP utilisation of training and prefill")
@@ -397,7 +517,7 @@ def main(argv: list[str]) -> int:
     print(f"{assumptions(hardware)}\n")
     for names, _, text in results:
         print(f"{', '.join(f'`{name}`' for name in names)}:\n\n{text}\n")
-    print(summary(results))
+    print(summary(results, hardware))
     return 0
 
 

@@ -54,7 +54,16 @@ class Engine:
         self.args, self.processes, self.folder, accelerator = args, processes, folder, processes.accelerator
         gpus = visible_gpus() if processes.on_gpu else []
         share = args.vllm_gpu_memory_utilization
-        self.placement = engine_placement(args.vllm_placement, gpus, accelerator.num_processes, share)
+        # the engine runs on rank 0's machine, whose GPUs decide; every process stops on a placement refused
+        placement = None
+        if processes.is_main:
+            try:
+                placement = engine_placement(args.vllm_placement, gpus, accelerator.num_processes, share)
+            except UsageError as refused:
+                placement = refused
+        self.placement = processes.broadcast(placement)
+        if isinstance(self.placement, UsageError):
+            raise self.placement
         self.signals = StopSignals()
         self.cores = split_cores(accelerator.device, accelerator.num_processes)
         self.deadlines = Deadlines(args.engine_timeout_minutes, processes.on_gpu)

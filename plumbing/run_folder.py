@@ -120,6 +120,9 @@ class RunFolder:
         accelerator.register_for_checkpointing(scheduler, progress, *more)
         if self.checkpoint:
             accelerator.load_state(self.checkpoint)
+        if not accelerator.is_main_process:  # what it says is rank 0's, once for the run
+            return progress
+        if self.checkpoint:
             print(f"resuming from {self.checkpoint} (step {progress.step})")
         elif self.args.resume:
             print(f"--resume: no checkpoint in {self.path} yet, starting at step 0")
@@ -178,8 +181,10 @@ class RunFolder:
             self.last_checkpoint = save_checkpoint(accelerator, self.path, progress, owed, keep)
 
     def stopped(self, step: int) -> None:
-        resume = f"; resume from {self.last_checkpoint} with --resume" if self.last_checkpoint else ""
-        print(f"stopped before step {step}{resume}")
+        """Rank 0 says where the run stopped and what resumes it."""
+        if PartialState().is_main_process:
+            resume = f"; resume from {self.last_checkpoint} with --resume" if self.last_checkpoint else ""
+            print(f"stopped before step {step}{resume}")
 
     def save_policy(self, accelerator: Accelerator, model, tokenizer, prefix: str = "") -> None:
         """The trained policy, as policy/ (save_policy)."""

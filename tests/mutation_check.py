@@ -577,6 +577,7 @@ LEFT_OUT = {
     "tests/test_docs.py": "the README's and the docs' commands, whole runs; the docs checks",
     "tests/test_engine.py": "starts a vLLM engine, tens of seconds a test: the weight push and the generation thread",
     "tests/test_online_dpo_runs.py": "whole runs, each starting an engine",
+    "tests/test_machines.py": "whole runs, each starting an engine",
     "tests/test_rloo_runs.py": "whole runs, each starting an engine",
     "tests/test_ppo_runs.py": "whole runs, each starting an engine",
     "tests/test_faults_and_resume.py": "whole runs: faults, signals, resume",

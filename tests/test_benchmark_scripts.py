@@ -216,6 +216,38 @@ def test_no_robots_commands_are_table_7():
             assert a.kl_coef == 0.01 and s.batch_size == 252  # appendix A.2, "PPO"
 
 
+def without(flags: list[str], names: set[str]) -> list[str]:
+    """`flags` less the flags in `names`, each with its value."""
+    dropped = {i + j for i, flag in enumerate(flags) if flag in names for j in (0, 1)}
+    return [flag for i, flag in enumerate(flags) if i not in dropped]
+
+
+def test_no_robots_offers_two_engines_beside_six_training_gpus_for_the_same_step():
+    """VLLM_NUM_ENGINES=2: the paper's commands on the same 8 GPUs as 2 engines + 6 training processes (the run plan's
+    layout for online DPO, docs/reproducing.md): the step's batch the same (online DPO 126 prompts = 6 x 3 x 7, PPO 252
+    = 6 x 3 x 14), runs named -e2, every other flag as the paper's layout has it. The default stays the paper's
+    (test_no_robots_commands_are_table_7); another count is refused."""
+    sys.path.insert(0, str(ROOT / "benchmark"))
+    import memory
+    import tyro
+
+    paper, two = dry_run("no_robots"), dry_run("no_robots", VLLM_NUM_ENGINES="2")
+    assert [c.script for c in two] == [c.script for c in paper] and len(two) == 4
+    changed = {"--local_micro_batch_size", "--gradient_accumulation_steps", "--exp_name", "--output_dir"}
+    for p, t in zip(paper, two):
+        assert t.launcher == [*p.launcher[:-1], "6"] and p.launcher[-1] == "7"
+        module = importlib.import_module(MODULES[t.script])
+        args = tyro.cli(memory.with_engine_layout(module.Args), args=t.flags)
+        sizes = module.compute_sizes(args, 6)
+        assert (args.vllm_num_engines, args.vllm_tensor_parallel_size, args.local_micro_batch_size) == (2, 1, 3)
+        assert (sizes.batch_size, sizes.episodes_per_step, sizes.num_steps) == (p.sizes.batch_size, 252, 397)
+        assert t.value("--exp_name") == p.value("--exp_name").replace("-llama8b-", "-llama8b-e2-")
+        assert without(t.flags, changed | {"--vllm_num_engines"}) == without(p.flags, changed)
+    refused = bash("no_robots", DRY_RUN="1", VLLM_NUM_ENGINES="3")
+    assert refused.returncode == 2
+    assert refused.stderr.strip() == "no_robots: VLLM_NUM_ENGINES is 1 (the paper's layout) or 2, not '3'"
+
+
 def test_gsm8k_commands_are_table_10():
     commands = dry_run("gsm8k")
     check_names_and_launch(commands, "gsm8k", 3)

@@ -256,3 +256,31 @@ def test_every_benchmark_experiment_fits_and_docs_show_its_plan(bench):
     shown = "\n".join(f"{', '.join(f'`{name}`' for name in names)}:\n\n{text}\n" for names, text, _ in results)
     docs = (ROOT / "docs" / "reproducing.md").read_text()
     assert f"#### {bench}.sh\n\n{shown.strip()}\n" in docs, f"docs/reproducing.md: the {bench}.sh plans changed"
+
+
+def test_the_memory_plan_of_engines_of_their_own_by_hand():
+    """Pythia-410m online DPO as in the placements above (no DeepSpeed), 2 training processes, and 2 engines of 2 GPUs
+    each (--vllm_num_engines 2 --vllm_tensor_parallel_size 2): 6 GPUs by default, the 4 engine GPUs alike, each with
+    vLLM's share of it (0.9 left out), the push's bucket (the bf16 snapshot, 2 P bytes) and the CUDA contexts of rank 0
+    and the engine. On 5 GPUs the engines would not have GPUs of their own: refused, naming the flags; so are 0 engines."""
+    import memory
+
+    P, gib = PYTHIA_410M, memory.GIB
+    command = "accelerate launch --config_file configs/multi_gpu.yaml --num_processes 2 online_dpo_async.py"
+    command += " --sft_model_path pythia410m --reward_model_path pythia410m --max_prompt_length 512"
+    command += " --response_length 53 --local_micro_batch_size 4 --local_rollout_forward_batch_size 16"
+    command += " --vllm_num_engines 2 --vllm_tensor_parallel_size 2"
+    result = memory.plan(command.split(), 79 * gib, None)
+    assert list(result["gpus"]) == ["training rank 0", "each engine GPU (2 x 2)", "training ranks 1 ..."]
+    assert result["gpus"]["each engine GPU (2 x 2)"] == {
+        "engine (vLLM's share)": int(0.9 * 79 * gib),
+        "the weight push's bucket": 2 * P,
+        "rank 0's CUDA context (it writes the bucket)": gib,
+        "engine's CUDA context": gib,
+    }
+    assert "2 training process(es), no ZeRO, 2 engine(s) of 2 GPU(s), micro-batch 4 x 565 tokens" in result["summary"]
+    assert result["summary"].endswith("6 GPUs of 79 GiB")
+    with pytest.raises(SystemExit, match=r"--vllm_num_engines 2 x --vllm_tensor_parallel_size 2 engine GPUs beside 2 "):
+        memory.plan(command.split(), 79 * gib, 5)
+    with pytest.raises(SystemExit, match="--vllm_num_engines must be >= 1"):
+        memory.plan(command.replace("--vllm_num_engines 2", "--vllm_num_engines 0").split(), 79 * gib, None)

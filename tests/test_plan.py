@@ -119,6 +119,10 @@ def test_on_a_shared_gpu_the_share_left_out_leaves_room_for_the_push_s_bucket():
         0.2,
         "left out: the largest the run leaves, plumbing.engine.engine_share",
     )
+    assert plan.engine_layouts(p, H100) == []
+    assert plan.report(p, H100).endswith(
+        "The run's 1 GPU(s) leave none to an engine of 1 GPU(s) of its own beside a training process."
+    )
 
 
 def test_no_robots_8b_at_the_scripts_share_holds_the_step_and_generation_still_bounds_it():
@@ -200,7 +204,7 @@ def test_docs_show_every_benchmark_experiments_run_plan(bench):
     commands = subprocess.run(
         ["bash", f"benchmark/{bench}.sh"], cwd=ROOT, env={**os.environ, "DRY_RUN": "1"}, capture_output=True, text=True
     ).stdout.splitlines()
-    shown = plan.summary(plan.plans(commands, H100, None))
+    shown = plan.summary(plan.plans(commands, H100, None), H100)
     docs = (ROOT / "docs" / "reproducing.md").read_text()
     heading = f"`DRY_RUN=1 bash benchmark/{bench}.sh | python benchmark/plan.py`:"
     assert f"{heading}\n\n{shown}\n" in docs, f"docs/reproducing.md: the {bench}.sh run plans changed"
@@ -220,3 +224,141 @@ def test_a_share_without_room_for_one_sequence_is_refused():
     """0.2 of 79 GiB (15.8 GiB) holds the 8B's 15 GiB of weights and the 2 GiB reserve, but no KV cache."""
     with pytest.raises(SystemExit, match="vLLM would not start"):
         plan.make_plan(NO_ROBOTS.split() + ["--vllm_gpu_memory_utilization", "0.2"], H100, None)
+
+
+# The No Robots online DPO command as 2 engines + 6 training processes on the same 8 GPUs (benchmark/no_robots.sh,
+# VLLM_NUM_ENGINES=2): the same 126 prompts a step, 21 per process in 7 micro-batches of 3.
+TWO_ENGINES = (
+    NO_ROBOTS.replace("--num_processes 7", "--num_processes 6")
+    .replace("--local_micro_batch_size 2", "--local_micro_batch_size 3")
+    .replace("--gradient_accumulation_steps 9", "--gradient_accumulation_steps 7")
+    + " --vllm_gpu_memory_utilization 0.91 --async_level 1"
+)
+LLAMA_8B_BODY = LLAMA_8B - 2 * 128256 * 4096  # forward_flops: the body, and the output head for each logit
+LLAMA_8B_HEAD = 128256 * 4096
+
+
+def test_no_robots_8b_on_two_engines_by_hand():
+    """Each engine generates 63 of the 126 prompts x 2 = 126 completions: its GPU's KV cache (the same 58,983,293,583
+    bytes as one engine's at 0.91) holds 292 sequences, so one wave of 126. A decoding step reads the weights and the
+    wave's KV, 16,060,522,496 + 126 x 131072 x (512 + 1024 / 2) = 32,971,956,224 bytes, in 9.842 ms at 3.35 TB/s (its
+    FLOPs, 2 x 126 x 7,504,924,672, take 4.78 ms): 1024 steps, 10.079 s. Prefill: 2 x 126 x (6,979,588,096 x 512 +
+    525,336,576) FLOPs at 395.6 TFLOP/s, 2.277 s. G = 12.355 s against one engine's 19.80. Each of the 6 training
+    processes trains 21 prompts where each of 7 trained 18: T = 12.197 x 21 / 18 = 14.230 s, and training bounds the
+    step, 14.23 s against 19.80 s, 1.39x."""
+    p = plan.make_plan(TWO_ENGINES.split() + ["--vllm_num_engines", "2"], H100, None)
+    rate = 989e12 * 0.4
+    assert (p.run.engines, p.run.processes, p.gpus, p.fits) == (2, 6, 8, True)
+    assert p.kv_cache == 58_983_293_583 and p.kv_token == 131072
+    assert (p.holds, p.completions, p.per_engine, p.in_flight, p.waves) == (292, 252, 126, 126, 1)
+    read = 2 * LLAMA_8B + 126 * 131072 * (512 + 1024 // 2)
+    assert p.full_step.read == read == 32_971_956_224
+    assert p.full_step.compute == pytest.approx(2 * 126 * (LLAMA_8B_BODY + LLAMA_8B_HEAD) / rate)
+    assert p.decode == pytest.approx(1024 * read / 3.35e12) == pytest.approx(10.0786, abs=1e-4)
+    assert p.prefill == pytest.approx(2 * 126 * (LLAMA_8B_BODY * 512 + LLAMA_8B_HEAD) / rate)
+    assert p.generation == pytest.approx(12.355, abs=1e-3)
+    one = plan.make_plan(
+        NO_ROBOTS.split() + ["--vllm_gpu_memory_utilization", "0.91", "--async_level", "1"], H100, None
+    )
+    assert p.phase_flops == {phase: n * 21 // 18 for phase, n in one.phase_flops.items()}
+    assert p.training == pytest.approx(one.training * 21 / 18) == pytest.approx(14.230, abs=1e-3)
+    assert max(one.generation, one.training) / max(p.generation, p.training) == pytest.approx(1.39, abs=0.005)
+    text = plan.report(p, H100)
+    assert "2 engine(s) of 1 GPU(s) each, on GPUs of their own, each generating 1/2 of it" in text
+    assert "| **sequences in flight** | **126 of an engine's 126, the step's 252 over 2** (at most 1024" in text
+    assert "| **G**: generation (each engine) | **12.36** | prefill + decode |" in text
+    assert "each engine GPU holds the push's bucket beside vLLM's share (1.0 GiB)." in text
+
+
+def test_the_plan_finds_the_fewest_engines_at_which_training_bounds_the_step():
+    """The paper's 1 + 7 on 8 GPUs: generation bounds the step (19.80 s against 12.20). The search keeps the step's
+    batch and moves a GPU at a time from training to a new engine: at 2 engines + 6 training processes it predicts
+    what the 2 + 6 command's own plan predicts (its per-process FLOPs, 7 / 6 of 18 prompts' = 21 prompts', exactly),
+    training-bound, and stops there."""
+    one = plan.make_plan(
+        NO_ROBOTS.split() + ["--vllm_gpu_memory_utilization", "0.91", "--async_level", "1"], H100, None
+    )
+    layouts = plan.engine_layouts(one, H100)
+    assert [(p.run.engines, p.run.processes) for p in layouts] == [(1, 7), (2, 6)]
+    assert layouts[0].generation == one.generation and layouts[0].training == one.training
+    two = plan.make_plan(TWO_ENGINES.split() + ["--vllm_num_engines", "2"], H100, None)
+    assert (layouts[1].phase_flops, layouts[1].generation, layouts[1].fits) == (two.phase_flops, two.generation, True)
+    assert plan.training_bound(layouts) is layouts[1]
+    text = plan.report(one, H100)
+    assert "| 1 | 7 | 252 / 252 | 1 | 19.80 | 12.20 | 19.80 | generation | fits |" in text
+    assert "| 2 | 6 | 126 / 126 | 1 | 12.36 | 14.23 | 14.23 | training | fits |" in text
+    assert (
+        "The fewest engines at which training bounds the step on these 8 GPUs: **2** (--vllm_num_engines 2 and 6 "
+        "training processes), a step of **14.23 s** (this command's: 19.80 s, 1.39x)." in text
+    )
+
+
+def test_more_samples_need_more_engines_and_a_layout_that_does_not_fit_is_not_advised():
+    """K = 16 on 4 GPUs, 3 training processes (54 prompts x 16 = 864 completions): 1 engine takes 65.79 s. With 2 or 3
+    engines, the 8B's ZeRO-3 shards over 2 processes, or 1, leave rank 0's GPU too little for its gradients and optimizer
+    state (plumbing.engine.engine_share): at no layout that fits does training bound the step. The same with the
+    engine's share given: 2 engines and 2 training processes would be training-bound (38.78 s against 35.35 s), but the
+    memory plan does not fit. K = 8 on 8 GPUs takes 4 engines, the largest of which generates 32 of the 126 prompts."""
+    command = [w.replace("7", "3") if w == "7" else w for w in NO_ROBOTS.split()]
+    command += ["--num_samples", "16", "--total_episodes", str(54 * 16 * 10)]
+    p = plan.make_plan(command, H100, None)
+    layouts = plan.engine_layouts(p, H100)
+    assert (layouts[0].run.engines, layouts[0].fits) == (1, True) and len(layouts) == 3
+    assert all(q.startswith("the run would not start: rank 0's GPU has ") for q in layouts[1:])
+    assert "| 2 | 2 | | | | | | | the run would not start: rank 0's GPU has 56.1 GiB free" in plan.report(p, H100)
+    assert plan.fewest_engines(p, layouts) == (
+        "At no number of engines on these 4 GPUs does training bound the step in a layout that fits; the shortest step "
+        "that fits is at 1 engine(s), 65.79 s (this command's: 65.79 s)"
+    )
+    p = plan.make_plan(command + ["--vllm_gpu_memory_utilization", "0.91"], H100, None)
+    layouts = plan.engine_layouts(p, H100)
+    assert [(q.run.engines, q.run.processes, q.fits) for q in layouts] == [(1, 3, True), (2, 2, False), (3, 1, False)]
+    assert (round(layouts[1].generation, 2), round(layouts[1].training, 2)) == (35.35, 38.78)
+    assert plan.training_bound(layouts) is None
+    p = plan.make_plan(NO_ROBOTS.split() + ["--num_samples", "8", "--total_episodes", "100800"], H100, None)
+    four = plan.training_bound(plan.engine_layouts(p, H100))
+    assert (four.run.engines, four.run.processes, four.per_engine) == (4, 4, 32 * 8)  # 126 prompts: 32, 32, 31, 31
+
+
+def test_an_engine_over_two_gpus_holds_half_the_weights_and_half_the_kv_heads_on_each():
+    """--vllm_tensor_parallel_size 2, one engine beside the 6 training processes: each GPU holds 8,030,261,248 bytes of
+    weights and 4 of the 8 KV heads, 65536 bytes a token: int(0.91 x 79 GiB) - 8,030,261,248 - 2 GiB = 67,013,554,831
+    bytes hold 665 sequences of 1536 tokens, the step's 252 in one wave. A decoding step reads 8,030,261,248 + 252 x
+    65536 x 1024 = 24,941,694,976 bytes on each GPU at once, 7.445 ms; the FLOPs are split over both: G = 9.90 s
+    (vLLM's all-reduces between the two are not counted)."""
+    p = plan.make_plan(TWO_ENGINES.split() + ["--vllm_tensor_parallel_size", "2"], H100, None)
+    assert (p.run.engines, p.run.tensor_parallel, p.gpus) == (1, 2, 8)
+    assert p.kv_cache == int(0.91 * 79 * GIB) - LLAMA_8B - 2 * GIB == 67_013_554_831 and p.kv_token == 65536
+    assert (p.holds, p.in_flight, p.waves) == (665, 252, 1)
+    assert p.full_step.read == LLAMA_8B + 252 * 65536 * 1024 == 24_941_694_976
+    assert p.decode == pytest.approx(1024 * 24_941_694_976 / 3.35e12)
+    assert p.prefill == pytest.approx(2 * 252 * (LLAMA_8B_BODY * 512 + LLAMA_8B_HEAD) / (2 * 989e12 * 0.4))
+    assert p.generation == pytest.approx(9.90, abs=5e-3)
+    text = plan.report(p, H100)
+    assert "| an engine's KV cache, on each of its 2 GPUs | |" in text
+    assert "| KV per token | 64.0 KiB: 32 layers x 4 KV heads x 128 head dim x 2 (K and V) x 2 bytes |" in text
+
+
+def test_kv_heads_split_over_an_engine_s_gpus_or_copied():
+    """Llama 3.1 8B's 8 KV heads over 1, 2, 4, 8 GPUs; over 16, each GPU holds a copy of one (vLLM replicates a KV head
+    when there are fewer than GPUs). 32 attention heads do not split 3 ways: refused, naming the flag."""
+    llama = memory.Model("models/llama-3.1-8b-sft-no-robots")
+    assert [plan.kv_per_token(llama, 2, p) for p in (1, 2, 4, 8, 16)] == [32 * k * 128 * 2 * 2 for k in (8, 4, 2, 1, 1)]
+    with pytest.raises(SystemExit, match=r"--vllm_tensor_parallel_size 3: vLLM splits the policy's 32 attention heads"):
+        plan.make_plan(TWO_ENGINES.split() + ["--vllm_tensor_parallel_size", "3"], H100, None)
+    with pytest.raises(SystemExit, match="--vllm_num_engines must be >= 1"):
+        plan.make_plan(TWO_ENGINES.split() + ["--vllm_num_engines", "0"], H100, None)
+
+
+def test_docs_show_the_no_robots_layouts_side_by_side():
+    """docs/reproducing.md's No Robots plans at VLLM_NUM_ENGINES=2 are the tool's summary of no_robots.sh's commands."""
+    commands = subprocess.run(
+        ["bash", "benchmark/no_robots.sh"],
+        cwd=ROOT,
+        env={**os.environ, "DRY_RUN": "1", "VLLM_NUM_ENGINES": "2"},
+        capture_output=True,
+        text=True,
+    ).stdout.splitlines()
+    shown = plan.summary(plan.plans(commands, H100, None), H100)
+    heading = "`VLLM_NUM_ENGINES=2 DRY_RUN=1 bash benchmark/no_robots.sh | python benchmark/plan.py`:"
+    assert f"{heading}\n\n{shown}\n" in (ROOT / "docs" / "reproducing.md").read_text()

@@ -288,14 +288,15 @@ def free_port() -> int:
 
 
 def reduce_on_two_processes(rank: int, port: int, out: str) -> None:
-    """One of two training processes (gloo, as `accelerate launch --num_processes 2` on a CPU sets them up): its
-    step's statistics averaged over both (Processes.mean), the scores of both checked (check_scores), rank 0's value
-    broadcast; what it got, as JSON in `out`."""
-    os.environ.update(
-        RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", LOCAL_WORLD_SIZE="2", MASTER_ADDR="127.0.0.1"
-    )
+    """One of two training processes (gloo, as `accelerate launch --num_processes 2` on a CPU sets them up), each the
+    one of its machine (LOCAL_WORLD_SIZE 1: `--num_machines 2`): its step's statistics averaged over both
+    (Processes.mean), the scores of both checked (check_scores), rank 0's value broadcast; the engine's GPU by
+    --vllm_placement separate where rank 0's machine has 2 GPUs, then 1, and rank 1's 1 (a stand-in for the GPUs, none
+    here: visible_gpus, and the processes taken for a GPU's); what it got, as JSON in `out`."""
+    os.environ.update(RANK=str(rank), LOCAL_RANK="0", WORLD_SIZE="2", LOCAL_WORLD_SIZE="1", MASTER_ADDR="127.0.0.1")
     os.environ.update(MASTER_PORT=str(port), ACCELERATE_USE_CPU="true")
-    processes = plumbing.Processes(dpo.Args(dtype="float32", local_micro_batch_size=1, collective_timeout_minutes=2))
+    args = dpo.Args(dtype="float32", local_micro_batch_size=1, collective_timeout_minutes=2, vllm_placement="separate")
+    processes = plumbing.Processes(args)
     stats = {"loss": torch.tensor(1.0 + 2 * rank), "kl": torch.tensor(10.0 * rank), "tied": torch.tensor(0.25)}
     result = {"mean": processes.mean(stats, 0, None), "broadcast": processes.broadcast(f"from rank {rank}")}
     scores = torch.tensor([0.5, 1.0]) if rank == 0 else torch.tensor([float("-inf"), 2.0])
@@ -303,13 +304,23 @@ def reduce_on_two_processes(rank: int, port: int, out: str) -> None:
         processes.check_scores(scores, "the reward model", 4)
     except RuntimeError as error:
         result["scores"] = str(error)
+    processes.on_gpu = True
+    for rank_0s in (["0", "1"], ["0"]):
+        gpus = rank_0s if rank == 0 else ["0"]
+        plumbing.engine.visible_gpus = lambda: gpus
+        try:
+            result.setdefault("placements", []).append(list(plumbing.Engine(args, processes, None).placement))
+        except plumbing.UsageError as refused:
+            result["placements"].append(str(refused))
     Path(out).write_text(json.dumps(result))
     torch.distributed.destroy_process_group()
 
 
 def test_two_processes_reduce_their_statistics_to_the_hand_computed_means(tmp_path):
-    """Two CPU processes in one process group (gloo): each step's statistics are their mean over the processes
-    (loss 1 and 3: 2; KL 0 and 10: 5), rank 0's broadcast reaches both, and a -inf score on rank 1 stops both."""
+    """Two CPU processes in one process group (gloo), as two machines: each step's statistics are their mean over the
+    processes (loss 1 and 3: 2; KL 0 and 10: 5), rank 0's broadcast reaches both, and a -inf score on rank 1 stops
+    both. The engine runs on rank 0's machine, whose GPUs decide its placement for every process: its second GPU there,
+    though rank 1's machine has none to spare; with one GPU there, every process stops on the refusal, in one line."""
     context = multiprocessing.get_context("spawn")
     port = free_port()
     ranks = [
@@ -325,6 +336,11 @@ def test_two_processes_reduce_their_statistics_to_the_hand_computed_means(tmp_pa
         assert result["mean"] == {"loss": 2.0, "kl": 5.0, "tied": 0.25}
         assert result["broadcast"] == "from rank 0"
         assert result["scores"] == "the reward model gave nan/inf scores at step 4 (1 of 4 completions: -inf)"
+        assert result["placements"] == [
+            ["1", False, 1, None],
+            "--vllm_placement separate: 1 training process(es) on rank 0's node, of 2 in all, and the engine need 2 "
+            "GPUs there, 1 are visible; use --vllm_placement shared or one training process fewer on that node",
+        ]
 
 
 # ---------------------------------------------------------------------------------------------
