@@ -40,17 +40,13 @@ class PolicySnapshots:
     optimizer never writes what the engine reads. Rank 0 holds each until the generator needs it no more
     (keep); a checkpoint carries the older ones it still owes (owed)."""
 
-    def __init__(self, processes, policy, prefix: str = ""):
-        """The names are read from `policy` before accelerate wraps it; `prefix`: its place in the trained
-        model (PPO's `policy.`)."""
+    def __init__(self, processes, policy, place: "SnapshotPlace | None", prefix: str = ""):
+        """The names are read from `policy`, the module accelerate wraps; `place`: where the engine, started,
+        wants the snapshots (Engine.snapshot_place; None on the ranks that hold none); `prefix`: the policy's
+        place in the trained model (PPO's `policy.`)."""
         self.policy, self.prefix, self.saved = policy, prefix, checkpoint_names(policy)
-        self.accelerator, self.dtype = processes.accelerator, processes.engine_dtype
-        self.place: SnapshotPlace | None = None  # the engine says where, as it starts
+        self.accelerator, self.dtype, self.place = processes.accelerator, processes.engine_dtype, place
         self.held: dict[int, Weights] = {}
-
-    def sizes(self) -> dict[str, int]:
-        """The elements of each tensor of a snapshot (snapshot_sizes)."""
-        return snapshot_sizes(self.saved)
 
     def take(self, model, version: int) -> Weights | None:
         """theta_version, rank 0's (None on the other ranks). Copied from the parameters where they are, GPU

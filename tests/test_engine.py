@@ -132,13 +132,13 @@ def test_the_engine_device_holds_one_bucket_at_every_async_level(engine, policy_
     args = dpo.Args(response_length=2, seed=0, local_micro_batch_size=2, total_episodes=4 * num_steps, dtype="float32")
     policy, processes = AutoModelForCausalLM.from_pretrained(policy_a), plumbing.Processes(args)
     folder = tmp_path
-    snapshots = plumbing.PolicySnapshots(processes, policy)  # as the scripts make them, and place them
-    snapshots.place, bucket = SnapshotPlace(pinned=False, folder=str(folder)), WeightBucket(None, str(folder), 1)
+    place, bucket = SnapshotPlace(pinned=False, folder=str(folder)), WeightBucket(None, str(folder), 1)
+    snapshots = plumbing.PolicySnapshots(processes, policy, place)  # as the scripts make them
     schedule = dpo.generation_schedule(num_steps, async_level, eval_steps=[])
     to_publish = dpo.published_versions(schedule)
     channels = dpo.Channels(queue.Queue(), queue.Queue(), queue.Queue())
     held = []  # at each push: the engine device's buffers (name, bytes) and the host's snapshots
-    link = plumbing.Engine.around(engine, bucket)
+    link = plumbing.Engine.around([engine], [bucket])
 
     def push(weights):
         plumbing.Engine.push(link, weights)  # push_weights through the bucket
@@ -308,7 +308,7 @@ def test_a_failure_in_the_generation_thread_surfaces_in_the_trainer(engine, toke
     channels = dpo.Channels(queue.Queue(), queue.Queue(), queue.Queue())
     bad_prompts = dpo.Prompts([[tokenizer.bos_token_id, 10_000]] * 4, [""] * 4, [""] * 4)
     inputs = dpo.Inputs(tokenizer, None, bad_prompts, dpo.Prompts([], [], []))
-    link = plumbing.Engine.around(engine, WeightBucket(None, str(tmp_path)))
+    link = plumbing.Engine.around([engine], [WeightBucket(None, str(tmp_path))])
     schedule, sizes = dpo.generation_schedule(2, 1, []), dpo.compute_sizes(args, 1)
     start = time.perf_counter()
     link.run_thread(dpo.generation_thread, link, channels, schedule, inputs, args, sizes)

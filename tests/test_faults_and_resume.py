@@ -545,7 +545,7 @@ def sleeping_engine(count: int) -> tuple[plumbing.Engine, list[subprocess.Popen]
     """An Engine whose 'processes' are `count` sleeping children, named as vLLM's, resumable from a checkpoint."""
     from types import SimpleNamespace
 
-    engine = plumbing.Engine.around(llm=None, bucket=None)
+    engine = plumbing.Engine.around(llms=[], buckets=[])
     children = [subprocess.Popen(["sleep", "60"]) for _ in range(count)]
     engine.engine_processes = [psutil.Process(child.pid) for child in children]
     engine.names = {child.pid: name for child, name in zip(children, ["VLLM::EngineCore", "VLLM::Worker"])}

@@ -27,6 +27,7 @@ from plumbing.weights import (
     Weights,
     check_loaded,
     fingerprint,
+    snapshot_sizes,
     unmatched_fingerprints,
     views,
 )
@@ -217,12 +218,11 @@ def test_snapshots_are_taken_in_the_engine_s_dtype_from_the_trainer_s_weights(to
     processes = plumbing.Processes(dpo.Args(dtype="float32", vllm_dtype="bfloat16", local_micro_batch_size=1))
     assert (processes.dtype, processes.engine_dtype) == (torch.float32, torch.bfloat16)
     policy = perturbed_policy(tokenizer, "llama", tied=False, seed=0)
-    snapshots = plumbing.PolicySnapshots(processes, policy)
-    snapshots.place = SnapshotPlace(pinned=False, folder=str(tmp_path))
+    snapshots = plumbing.PolicySnapshots(processes, policy, SnapshotPlace(pinned=False, folder=str(tmp_path)))
     taken = snapshots.take(policy, 1)
     state = policy.state_dict()
     assert taken.flat.dtype == torch.bfloat16 and taken.version == 1
-    assert snapshots.sizes() == {name: state[name].numel() for name in state}
+    assert snapshot_sizes(snapshots.saved) == {name: state[name].numel() for name in state}
     for name, tensor in views(taken.flat, taken.layout):
         assert torch.equal(tensor, state[name].to(torch.bfloat16)), name
         assert taken.fingerprint[name] == pytest.approx(exact_fingerprint(state[name], torch.bfloat16), rel=1e-13)
