@@ -397,13 +397,20 @@ def start_and_stop(
 
 
 def assert_resumed_run_matches(
-    script: str, flags: list[str], tmp_path: Path, stop_after: int, sig: int, before_resume=None
+    script: str,
+    flags: list[str],
+    tmp_path: Path,
+    stop_after: int,
+    sig: int,
+    before_resume=None,
+    engines: list[str] = (),
 ):
     """A run stopped by `sig` after `stop_after` steps (SIGKILL: to the trainer and its engine at once) and resumed
     with --resume ends with the same metrics.jsonl (wall-clock figures aside) and the same final policy as an
     uninterrupted run. `before_resume(folder)`: what happens to the stopped run's folder before it is resumed.
-    Returns the resumed run's folder, the uninterrupted one's, what the stopped run printed, the checkpoints it
-    left and what the resumed run printed."""
+    `engines`: flags of the stopped and resumed runs alone (--vllm_num_engines), the uninterrupted one's engine
+    being the default. Returns the resumed run's folder, the uninterrupted one's, what the stopped run printed, the
+    checkpoints it left and what the resumed run printed."""
     import signal
 
     import torch
@@ -411,7 +418,7 @@ def assert_resumed_run_matches(
 
     interrupted = tmp_path / "interrupted"
     reference = shared_run([sys.executable, script, *flags])
-    argv = [sys.executable, script, *flags, "--output_dir", str(interrupted)]
+    argv = [sys.executable, script, *flags, *engines, "--output_dir", str(interrupted)]
     code, output = start_and_stop(argv, interrupted, stop_after, sig)
     assert code == (-signal.SIGKILL if sig == signal.SIGKILL else 128 + sig), output[-4000:]
     stopped = sorted(p.name for p in (interrupted / "checkpoints").iterdir())

@@ -26,6 +26,7 @@ from plumbing.weights import (
     SnapshotPlace,
     Weights,
     check_loaded,
+    combined_fingerprints,
     fingerprint,
     snapshot_sizes,
     unmatched_fingerprints,
@@ -454,3 +455,28 @@ def test_a_step_s_timings_by_hand(monkeypatch):
         "throughput/episodes_per_second": 8.0,
         "throughput/tokens_per_second": 100.0,
     }
+
+
+def test_an_engine_over_several_gpus_is_fingerprinted_from_all_its_workers():
+    """vLLM's tensor parallelism, hand-computed: a replicated parameter (a norm) is held alike by both workers and counts
+    once; a sharded one (a projection's rows) is the sum of its two parts; one worker's fingerprint is itself. Then
+    check_loaded passes the combined fingerprint against the trainer's."""
+    norm, rows = torch.tensor([1.0, 2.0]), torch.tensor([[1.0, 2.0], [3.0, 4.0]])
+    worker = lambda shard: {  # noqa: E731
+        "held": {
+            "norm.weight": fingerprint(norm, torch.float32).tolist(),
+            "proj.weight": fingerprint(shard, torch.float32).tolist(),
+        },
+        "renamed": {},
+    }
+    combined = combined_fingerprints([worker(rows[:1]), worker(rows[1:])])
+    assert combined == {"held": {"norm.weight": [3.0, 5.0], "proj.weight": [10.0, 30.0]}, "renamed": {}}
+    assert combined_fingerprints([worker(rows)]) == worker(rows)
+    layout = [("norm.weight", [2], 0), ("proj.weight", [2, 2], 2)]
+    weights = Weights(
+        1, torch.cat([norm, rows.flatten()]), layout, {"norm.weight": (3.0, 5.0), "proj.weight": (10.0, 30.0)}
+    )
+    loads = [{"version": 1, "run": 0, "compared": 1, "differ": []}]
+    check_loaded(weights, loads, combined, cache_reset=True)
+    with pytest.raises(RuntimeError, match="1 of 2 differ from the trainer's fingerprint, first proj.weight"):
+        check_loaded(weights, loads, combined_fingerprints([worker(rows[:1]), worker(rows[:1])]), cache_reset=True)
