@@ -130,9 +130,8 @@ class Engine:
         llm_kwargs["enforce_eager"] = placements[0].devices is None or args.vllm_enforce_eager
         self.watchdog = self.signals.watchdog = start_watchdog()
         with on_cores(self.cores):
-            if (
-                placements[0].devices is not None
-            ):  # the push's CUDA IPC handle is pickled, between our processes
+            # the push's CUDA IPC handle is pickled, between our processes
+            if placements[0].devices is not None:
                 os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
             why = self.deadlines.first_why("its start")
             for index, placement in enumerate(placements):  # one after the other: each sets the environment
@@ -233,9 +232,8 @@ class Engine:
         if len(self.llms) <= 1:
             return "the engine"
         engines = sorted({self.engine_of[pid] for pid in pids if pid in self.engine_of})
-        return (
-            f"engine{'s' if len(engines) > 1 else ''} {' and '.join(map(str, engines))} of {len(self.llms)}"
-        )
+        which = " and ".join(str(engine) for engine in engines)
+        return f"engine{'s' if len(engines) > 1 else ''} {which} of {len(self.llms)}"
 
     def failure_line(self) -> str:
         """The run's last line once the engine failed: why, and where to resume from."""
@@ -270,7 +268,7 @@ class Engine:
         """vLLM's LLM.generate over the engines: the prompts and their sampling parameters (one each) cut into
         as many contiguous parts as there are engines, one each, generated at the same time and put back in
         the prompts' order. A prompt's sampling seed is its own, so its completions do not depend on which
-        engine made them, up to the numerics of the batch it shares (docs/gpus.md#several-engines)."""
+        engine made them, up to the numerics of the batch it shares (docs/gpus.md, several engines)."""
         if len(self.llms) == 1:
             return self.llms[0].generate(prompts, params, use_tqdm=use_tqdm)
         parts = contiguous_parts(len(prompts), len(self.llms))
@@ -467,9 +465,7 @@ class Placement(NamedTuple):
 
     devices: str | None  # CUDA_VISIBLE_DEVICES of the engine's processes: its GPUs alone; None: CPU
     shared: bool  # the engine shares training rank 0's GPU
-    engine_gpu: (
-        int  # the engine's first GPU, as rank 0 numbers its GPUs: the weight push's bucket lives there
-    )
+    engine_gpu: int  # its first GPU, as rank 0 numbers its GPUs: the weight push's bucket lives there
     # None on a GPU: the largest share the run leaves (engine_share), at its start
     memory_utilization: float | None
 
@@ -485,9 +481,10 @@ def engine_placement(
     mode: str, visible: list[str], num_processes: int, memory_utilization: float | None
 ) -> Placement:
     """One engine of one GPU (engine_placements): the placement of the paper's runs."""
-    return engine_placements(mode, visible, num_processes, memory_utilization, engines=1, tensor_parallel=1)[
-        0
-    ]
+    placements = engine_placements(
+        mode, visible, num_processes, memory_utilization, engines=1, tensor_parallel=1
+    )
+    return placements[0]
 
 
 def engine_placements(
