@@ -301,6 +301,7 @@ def test_engine_logprobs_are_the_trainers_after_temperature(engine, policy_a, to
     assert (pushed - raw).abs().max().item() > 0.1
 
 
+@pytest.mark.slow  # it starts a second engine
 @on_the_module_engine
 def test_two_engines_are_each_proven_at_every_push_and_generate_what_one_does(engine, policy_a, tokenizer, tmp_path):
     """--vllm_num_engines 2 on the CPU, through plumbing.Engine as the scripts drive it: a push goes to both engines,
