@@ -592,15 +592,16 @@ class Channels(NamedTuple):
     evals: queue.Queue  # EvalRollout, generator -> trainer
 
 
-def generate(llm, prompts, n: int, temperature: float, max_tokens: int, eos: int, seeds, logprobs=False):
-    """n completions per prompt (and the engine's logprob of each token); each prompt has its own sampling
-    seed, so a batch is reproducible whatever the engine generated before."""
+def generate(engine, prompts, n: int, temperature: float, max_tokens: int, eos: int, seeds, logprobs=False):
+    """n completions per prompt (and the engine's logprob of each token), the prompts cut among the engines
+    (plumbing's Engine.generate); each prompt has its own sampling seed, so a batch is reproducible whatever
+    the engine generated before and whichever engine generates it."""
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
     sampling = dict(temperature=temperature, max_tokens=max_tokens, stop_token_ids=[eos], detokenize=False)
     params = [SamplingParams(n=n, **sampling, seed=seed, logprobs=0 if logprobs else None) for seed in seeds]
-    outputs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
+    outputs = engine.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
     completions = [completion for output in outputs for completion in output.outputs]
     responses = [list(c.token_ids) for c in completions]
     if not logprobs:
@@ -620,9 +621,9 @@ def generation_thread(engine, channels: Channels, schedule: list[Event], inputs:
             weights = engine.get(channels.weights)
             push_start = time.perf_counter()
             sync_start = sync_start or push_start
-            engine.push(weights)  # into the running engine, in place (plumbing/weights.py)
+            engine.push(weights)  # into every running engine, in place (plumbing/weights.py)
             sync_time += time.perf_counter() - push_start
-            version = weights.version
+            version = engine.version  # each engine proved it holds it (check_loaded)
         if version != event.version:
             raise RuntimeError(f"{event.kind} {event.index} needs version {event.version}, has {version}")
         wait_time, gen_start = time.perf_counter() - wait_start - sync_time, time.perf_counter()
@@ -631,7 +632,7 @@ def generation_thread(engine, channels: Channels, schedule: list[Event], inputs:
             seeds = [args.seed + i for i in range(len(prompts))]
             temperature = 0.0 if args.task == "gsm8k" else args.temperature  # GSM8k's pass@1 is greedy (5.2)
             with engine.deadline("evaluation", version):
-                responses, _ = generate(engine.llm, prompts, 1, temperature, args.response_length, eos, seeds)
+                responses, _ = generate(engine, prompts, 1, temperature, args.response_length, eos, seeds)
             channels.evals.put(EvalRollout(version, responses, time.perf_counter() - gen_start, gen_start))
             continue
         indices = prompt_indices_for_step(event.index, len(train), sizes.batch_size, args.seed)
@@ -639,7 +640,7 @@ def generation_thread(engine, channels: Channels, schedule: list[Event], inputs:
         prompts, n = [train[i] for i in indices], completions_per_prompt(args)
         sampling = (args.temperature, args.response_length, eos, seeds, ROLLOUT_LOGPROBS)
         with engine.deadline("rollout", event.index):
-            responses, logprobs = generate(engine.llm, prompts, n, *sampling)
+            responses, logprobs = generate(engine, prompts, n, *sampling)
         timings = {"generation": (gen_start, time.perf_counter() - gen_start)}
         timings |= {"generator_wait": (None, wait_time), "weight_sync": (sync_start or gen_start, sync_time)}
         channels.rollouts.put(Rollout(event.index, version, indices, responses, logprobs, timings))
@@ -766,7 +767,6 @@ def main(args: Args) -> None:
     inputs = load_inputs(args, sizes)
     set_seed(args.seed + accelerator.process_index)
     policy, models = load_models(args, inputs, processes)
-    snapshots = plumbing.PolicySnapshots(processes, policy)  # theta_v for the engine, in the policy's names
     phase_flops = step_flops(policy, models, sizes, args)
     model, optimizer = accelerator.prepare(policy, make_optimizer(policy, args))
     # stepped by hand once a step, as the paper's code (accelerate's prepared scheduler steps per process)
@@ -782,7 +782,9 @@ def main(args: Args) -> None:
     to_publish = published_versions(schedule)
 
     # rank 0 starts the engine (it takes the GPU memory the run leaves), writes the run folder, then generates
-    engine.start(model, snapshots)
+    length = args.max_prompt_length + args.response_length  # of a sequence, for the engine
+    engine.start(model, policy, path=args.sft_model_path, max_model_len=length, async_level=args.async_level)
+    snapshots = plumbing.PolicySnapshots(processes, policy, engine.snapshot_place)
     folder.open(sizes._asdict(), progress, origin=engine.started)
     channels = Channels(weights=queue.Queue(), rollouts=queue.Queue(), evals=queue.Queue())
     engine.run_thread(generation_thread, engine, channels, schedule, inputs, args, sizes)

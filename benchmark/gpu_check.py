@@ -118,6 +118,7 @@ ZERO = f"{TEST_GPU}::test_zero_runs_under_accelerate_launch_with_the_kl_exactly_
 SEPARATE = f"{TEST_GPU}::test_the_engine_on_a_gpu_of_its_own_runs_there_and_the_run_learns"
 # the TLDR step of 2026-11-23: 64 prompts x 2 samples (PPO: 128 x 1) of 512 + 53 tokens, 8 steps, bf16
 PYTHIA_BATCH = ["--total_episodes", "1024", "--local_micro_batch_size", "16"]
+TWO = ["--vllm_num_engines", "2"]  # two engines sharing the GPU, as a one-GPU machine runs them
 SPEED_ESTIMATE = (
     "random Pythia-1b: the sync run loads three 1B models (10-20 s) and starts an engine that compiles Pythia-1b for the "
     "first time (50-90 s), then 8 steps of 1.9 s (plan.py) to 12.8 s (2026-11-23, before the CUDA IPC push) and two "
@@ -324,7 +325,12 @@ def part_3(c: Context) -> list[list[Stage]]:
 
 
 def part_4(c: Context) -> list[list[Stage]]:
-    """Leaves 120 s for a stage to come (two engines sharing one GPU)."""
+    """Two engines sharing the one GPU (--vllm_num_engines 2) beside the plan, which uses no GPU: the functional
+    check of several engines (docs/gpus.md#several-engines---vllm_num_engines)."""
+    two = (
+        "60-115 s: as default_dpo (0.166 s a step on 2026-11-23), with two eager engines started one after the other "
+        "(15-25 s each), each generating half of every batch"
+    )
     return [
         [*probe(c), models(c)],
         [
@@ -337,7 +343,10 @@ def part_4(c: Context) -> list[list[Stage]]:
                 models=True,
             )
         ],
-        [Stage("plan_ppo", 30, PLAN_ESTIMATE, plan(c, "speed_ppo"), "plan")],
+        [
+            Stage("plan_ppo", 30, PLAN_ESTIMATE, plan(c, "speed_ppo"), "plan"),
+            Stage("two_engines", 120, two, [*default_run(c, "two_engines", "online_dpo_async.py"), *TWO], "run"),
+        ],
     ]
 
 
@@ -400,7 +409,7 @@ PARTS = {
         COMMON + TESTS + SPEED + ZERO_CONFIGS + ("online_dpo_async.py", "rloo_async.py"),
     ),
     4: Part(
-        "PPO's Pythia-1b speed against the run plan's prediction",
+        "PPO's Pythia-1b speed against the run plan's prediction; two engines sharing one GPU",
         part_4,
         COMMON + TESTS + SPEED + ("online_dpo_async.py", "ppo_async.py"),
     ),

@@ -2,7 +2,8 @@
 stream it through (plumbing.weights.WeightBucket), and what of it is the proof of the push: the engine's comparison
 with the bucket (plumbing.weights.WeightReceiver.holds) and the fingerprints, the trainer's of its own weights
 (plumbing.weights.take_snapshot) and the engine's of its parameters (WeightReceiver.fingerprint), measured side by side
-in one run on the engine the scripts start:
+in one run on the engines the scripts start; and the push to `--num_engines` engines (plumbing.engine.Engine.push: every
+engine through a bucket of its own, loading at the same time, each proven) against the push to one:
 
     python benchmark/push_cost.py                                   # the tiny task's policy, on a CPU
     python benchmark/push_cost.py --model_path models/pythia-1b --dtype bfloat16 --pushes 10     # on a GPU
@@ -12,8 +13,9 @@ buffer, the loads, the checks, the prefix cache's reset) is timed through a buff
 load), then through a bucket of `--bucket_fraction` of the snapshot (or of the largest layer, if larger: several
 loads); then the snapshot alone (take_snapshot: the copy and the trainer's fingerprint), the trainer's fingerprint
 alone, the engine's, the comparison with the bucket, and an empty call (the round trip to the engine's worker). Prints
-the medians in milliseconds, the bucket's loads per push, the bucket push's cost over the whole buffer's, and the
-fingerprint's rate on one tensor of `--rate_elements` elements, with what it would take for an 8B policy at that rate
+the medians in milliseconds, the bucket's loads per push, the bucket push's cost over the whole buffer's, the push to
+`--num_engines` engines (the engines share the machine's one GPU, or its CPU, as the engines of a one-GPU run do) over
+the push to one, and the fingerprint's rate on one tensor of `--rate_elements` elements, with what it would take for an 8B policy at that rate
 (an estimate, arithmetic).
 """
 
@@ -36,6 +38,7 @@ def main() -> None:
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     parser.add_argument("--pushes", type=int, default=20)
     parser.add_argument("--bucket_fraction", type=float, default=1 / 8)
+    parser.add_argument("--num_engines", type=int, default=2, help="the engines the push to several is timed on")
     parser.add_argument(
         "--rate_elements", type=int, default=2**26, help="the tensor the fingerprint's rate is timed on"
     )
@@ -45,7 +48,7 @@ def main() -> None:
     from transformers import AutoModelForCausalLM
 
     from plumbing.command_line import quiet_known_noise
-    from plumbing.engine import engine_placement, make_engine, visible_gpus
+    from plumbing.engine import Engine, engine_placements, make_engine, visible_gpus
     from plumbing.weights import (
         SnapshotPlace,
         WeightBucket,
@@ -63,19 +66,25 @@ def main() -> None:
     gpus = visible_gpus()
     device = torch.device("cuda", 0) if gpus else None
     model = AutoModelForCausalLM.from_pretrained(options.model_path, dtype=dtype).to(device or "cpu")
-    placement = engine_placement("shared" if gpus else "auto", gpus, 1, 0.3 if gpus else None)
+    engines = options.num_engines
+    share = 0.3 / engines if gpus else None
+    placements = engine_placements("shared" if gpus else "auto", gpus, 1, share, engines=engines, tensor_parallel=1)
     if gpus:  # the push's CUDA IPC handle is pickled between our processes, as Engine.start allows it
         os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
-    llm = make_engine(options.model_path, placement, dtype=options.dtype, max_model_len=64, seed=0)
+    llms = [make_engine(options.model_path, p, dtype=options.dtype, max_model_len=64, seed=0) for p in placements]
+    llm = llms[0]
     folder = tempfile.mkdtemp()
     try:
         snapshot = snapshot_bytes(checkpoint_names(model), dtype)
         place = SnapshotPlace(pinned=device is not None, folder=folder)
         whole = WeightBucket(device, folder, least=snapshot)
         bucket = WeightBucket(device, folder, least=int(snapshot * options.bucket_fraction))
+        buckets = [WeightBucket(device, folder, least=int(snapshot * options.bucket_fraction)) for _ in llms]
+        several = Engine.around(llms, buckets)
         names = [
             "push, whole buffer",
             "push, bucket",
+            f"push, bucket, {engines} engines",
             "snapshot",
             "trainer's fingerprint",
             "engine's fingerprint",
@@ -94,6 +103,7 @@ def main() -> None:
             for name, call in [
                 ("push, whole buffer", lambda: push_weights(llm, whole, weights)),
                 ("push, bucket", lambda: push_weights(llm, bucket, weights)),
+                (f"push, bucket, {engines} engines", lambda: several.push(weights)),
                 ("snapshot", lambda: model_snapshot(model, version, dtype, place)),
                 ("trainer's fingerprint", lambda: torch.stack([fingerprint(t, dtype) for t in tensors]).tolist()),
                 ("engine's fingerprint", lambda: llm.collective_rpc("fingerprint", args=(sent,))),
@@ -108,6 +118,8 @@ def main() -> None:
         print(f"snapshot {snapshot / 2**20:.2f} MiB; bucket {bucket.flat.numel() * dtype.itemsize / 2**20:.2f} MiB")
         print(", ".join(f"{name} {1e3 * s:.2f} ms" for name, s in median.items()) + f"; {loads} loads a bucket push")
         print(f"push, bucket / push, whole buffer: {median['push, bucket'] / median['push, whole buffer']:.2f}")
+        to_several = median[f"push, bucket, {engines} engines"] / median["push, bucket"]
+        print(f"push to {engines} engines / push to one, through buckets: {to_several:.2f}")
         big = torch.randn(options.rate_elements, device=device or "cpu")  # fp32, rounded to --dtype as the trainer's
         times = []
         for _ in range(5):
@@ -120,7 +132,8 @@ def main() -> None:
             f" at that rate an 8B policy (8.03e9 parameters) would take {8.03e9 / rate:.1f} s a side (an estimate)"
         )
     finally:
-        llm.llm_engine.engine_core.shutdown()
+        for engine in llms:
+            engine.llm_engine.engine_core.shutdown()
         shutil.rmtree(folder, ignore_errors=True)
 
 

@@ -191,6 +191,12 @@ class RunArgs:
     # own and 0.3 of a shared one; printed at start)
     vllm_gpu_memory_utilization: float | None = None
     vllm_enforce_eager: bool = False  # run the engine without CUDA graphs (always so on CPUs)
+    # engines, each generating its contiguous part of every batch, each loaded with every policy version
+    # (docs/gpus.md#several-engines---vllm_num_engines)
+    vllm_num_engines: int = 1
+    # GPUs of each engine, vLLM's tensor parallelism: with N training processes and N + engines x this GPUs
+    # visible, each engine gets GPUs of its own after the training GPUs; with fewer, they share the first
+    vllm_tensor_parallel_size: int = 1
     # in minutes: how long the engine may take to answer a call (a weight push, a rollout, an evaluation)
     # before it counts as frozen and the run stops with a checkpoint; a call may take 10 times the slowest of
     # its kind so far if longer, and the first of each kind and the engine's start, which may compile, at
@@ -237,6 +243,8 @@ COMMON_DOMAINS = {
     # would be alike, so that DPO's pairs tie and RLOO's advantages are 0 (the loss and the KL 0 every step)
     "temperature": (">= 0.01", "below it vLLM samples at 0.01, not at the trainer's temperature"),
     "vllm_gpu_memory_utilization": ("in (0, 1]", "a share of the GPU"),
+    "vllm_num_engines": (">= 1", "a count of engines"),
+    "vllm_tensor_parallel_size": (">= 1", "a count of GPUs per engine"),
     "engine_timeout_minutes": ("> 0", "a time to wait"),
     "missing_eos_penalty": ("finite", "a score"),
     "eval_freq": (">= 0", "0 evaluates at step 0 and at the end only"),

@@ -1,12 +1,14 @@
-"""4a. The engine: its GPU and cores, the memory it may take, its processes and the signals that stop them.
+"""4a. The engine: its GPUs and cores, the memory it may take, its processes and the signals that stop them.
 
-Engine is made before any model loads (the GPU it gets, checked; the cores it runs on; the stop signals) and
+Engine is made before any model loads (the GPUs it gets, checked; the cores it runs on; the stop signals) and
 started by rank 0 once the trainer's models are in memory, taking what the run leaves of the GPU
-(engine_share). vLLM runs in processes of its own, watched by a watchdog (plumbing/watchdog.py) that ends them
-if the trainer dies; the generation thread, the algorithm file's, drives it (run_thread), and every rank
-receives what it generates (next_rollout, arrived_evaluations). Every call to it has a deadline (Deadlines):
-an engine that dies or stops answering stops the run with a checkpoint and one line. How the weights reach it:
-plumbing/weights.py."""
+(engine_share). It is --vllm_num_engines vLLM engines, each over --vllm_tensor_parallel_size GPUs
+(engine_placements): each generates its contiguous part of every batch, all at the same time (generate), and
+each loads every policy version (push). vLLM runs in processes of its own, watched by a watchdog
+(plumbing/watchdog.py) that ends them if the trainer dies; the generation thread, the algorithm file's, drives
+it (run_thread), and every rank receives what it generates (next_rollout, arrived_evaluations). Every call to
+it has a deadline (Deadlines): an engine that dies or stops answering stops the run with a checkpoint and one
+line. How the weights reach it: plumbing/weights.py."""
 
 import gc
 import json
@@ -40,30 +42,43 @@ from plumbing.watchdog import (
     start_watchdog,
     started_processes,
 )
-from plumbing.weights import PolicySnapshots, SnapshotPlace, WeightBucket, bucket_bytes, push_weights
+from plumbing.weights import (
+    SnapshotPlace,
+    WeightBucket,
+    bucket_bytes,
+    checkpoint_names,
+    push_weights,
+    snapshot_sizes,
+)
 
 
 class Engine:
-    """The vLLM engine that generates the rollouts and the evaluations (module docstring): rank 0 runs it and
-    its generation thread; every rank receives what they generate."""
+    """The vLLM engines that generate the rollouts and the evaluations (module docstring), one or more: rank 0
+    runs them and their generation thread; every rank receives what they generate."""
 
     def __init__(self, args, processes, folder):
-        """Before any model loads: the engine's GPU (a placement that cannot be is a UsageError), its cores,
-        the stop signals, which from now on stop the run cleanly, and the deadlines of the calls to it. The
-        run's folder: a failure of the engine names the checkpoint to resume from."""
+        """Before any model loads: the engines' GPUs (a placement that cannot be is a UsageError), their
+        cores, the stop signals, which from now on stop the run cleanly, and the deadlines of the calls to
+        them. The run's folder: a failure of an engine names the checkpoint to resume from."""
         self.args, self.processes, self.folder, accelerator = args, processes, folder, processes.accelerator
         gpus = visible_gpus() if processes.on_gpu else []
-        share = args.vllm_gpu_memory_utilization
-        # the engine runs on rank 0's machine, whose GPUs decide; every process stops on a placement refused
-        placement = None
+        # the engines run on rank 0's machine, whose GPUs decide; every process stops on a placement refused
+        placements = None
         if processes.is_main:
             try:
-                placement = engine_placement(args.vllm_placement, gpus, accelerator.num_processes, share)
+                placements = engine_placements(
+                    args.vllm_placement,
+                    gpus,
+                    accelerator.num_processes,
+                    args.vllm_gpu_memory_utilization,
+                    engines=args.vllm_num_engines,
+                    tensor_parallel=args.vllm_tensor_parallel_size,
+                )
             except UsageError as refused:
-                placement = refused
-        self.placement = processes.broadcast(placement)
-        if isinstance(self.placement, UsageError):
-            raise self.placement
+                placements = refused
+        self.placements = processes.broadcast(placements)
+        if isinstance(self.placements, UsageError):
+            raise self.placements
         self.signals = StopSignals()
         self.cores = split_cores(accelerator.device, accelerator.num_processes)
         self.deadlines = Deadlines(args.engine_timeout_minutes, processes.on_gpu)
@@ -71,19 +86,23 @@ class Engine:
         # every switch interval (5 ms by default) while it runs Python. 0.5 ms: pipeline efficiency 92.5% ->
         # 96.1% (docs/speed.md).
         sys.setswitchinterval(0.0005)
-        self.llm = self.bucket = self.watchdog = self.weights_dir = self.thread = self.thread_error = None
+        self.watchdog = self.weights_dir = self.thread = self.thread_error = self.snapshot_place = None
+        self.llms, self.buckets, self.versions = [], [], []  # each engine's vLLM, push bucket, proven version
         self.engine_processes, self.shared_memory, self.started, self.stop_signal = [], [], 0.0, 0
-        self.failure, self.names = None, {}  # why the engine failed (died, froze); its processes' names
+        self.failure, self.names = None, {}  # why an engine failed (died, froze); its processes' names
+        self.engine_of: dict[int, int] = {}  # each engine process's engine, by pid
         self.stopping = threading.Event()
 
     @classmethod
-    def around(cls, llm, bucket: WeightBucket) -> "Engine":
-        """An Engine over an LLM already up, in one process with no signals: how the tests that share one
-        engine drive it with the generation thread (run_thread, get, push)."""
+    def around(cls, llms: list, buckets: list[WeightBucket]) -> "Engine":
+        """An Engine over LLMs already up, in one process with no signals: how the tests that share engines
+        drive them with the generation thread (run_thread, get, push, generate)."""
         engine = cls.__new__(cls)
         for name in ("args", "processes", "folder", "signals", "cores", "thread", "thread_error", "failure"):
             setattr(engine, name, None)
-        engine.llm, engine.bucket, engine.engine_processes, engine.names = llm, bucket, [], {}
+        engine.llms, engine.buckets, engine.engine_processes, engine.names = llms, buckets, [], {}
+        engine.engine_of = {}
+        engine.versions = [0] * len(llms)
         engine.deadlines = Deadlines(RunArgs.engine_timeout_minutes, on_gpu=False)
         engine.stopping = threading.Event()
         return engine
@@ -92,11 +111,12 @@ class Engine:
     def is_main(self) -> bool:
         return self.processes is None or self.processes.is_main
 
-    def start(self, model, snapshots: PolicySnapshots) -> None:
-        """Rank 0 starts vLLM on its cores, after a watchdog that ends its processes if the trainer dies, once
-        the trainer's `model` is in memory: on GPUs the engine leaves room for what training allocates later
-        there and for the push's bucket (engine_share), and says what it got. The snapshots go to host memory
-        beside it."""
+    def start(self, model, policy, path: str, max_model_len: int, async_level: int) -> None:
+        """Rank 0 starts the engines on their cores, after a watchdog that ends their processes if the trainer
+        dies, once the trainer's `model` is in memory: on GPUs each engine leaves room for what training
+        allocates later there and for the push's bucket (engine_share), and says what it got. Each loads the
+        policy from `path` and holds sequences of `max_model_len` tokens. The snapshots of `policy` (at most
+        `async_level` + 2 alive: snapshot_memory) go to host memory beside them, at snapshot_place."""
         if not self.processes.is_main:
             return
         args, accelerator, dtype = self.args, self.processes.accelerator, self.processes.engine_dtype
@@ -104,30 +124,33 @@ class Engine:
         bf16 = accelerator.mixed_precision == "bf16"
         trained = trained_memory(trained, self.processes.zero_stage, accelerator.num_processes, bf16)
         to_come = {part: trained[part] for part in ("gradients", "optimizer state")}  # the weights are loaded
-        sizes = snapshots.sizes()
+        sizes = snapshot_sizes(checkpoint_names(policy))
         snapshot, bucket = sum(sizes.values()) * dtype.itemsize, bucket_bytes(sizes, dtype.itemsize)
-        placement, total = self.placement, 0
-        if placement.devices is not None:
-            gpus = torch.cuda.mem_get_info(0), torch.cuda.mem_get_info(placement.engine_gpu)  # rank 0's, its
-            share = engine_share(placement, *gpus, to_come, bucket=bucket)
-            placement, total = placement._replace(memory_utilization=share), gpus[1][1]
-        host = snapshot_memory(snapshot, args.async_level)
+        host = snapshot_memory(snapshot, async_level)
         given = args.vllm_gpu_memory_utilization is not None
-        print(engine_line(placement, total, snapshot, bucket, host, given, args.vllm_enforce_eager))
+        placements, totals = engine_shares(self.placements, to_come, bucket)
+        for index, (placement, total) in enumerate(zip(placements, totals)):
+            line = engine_line(placement, total, snapshot, bucket, host, given, args.vllm_enforce_eager)
+            print(line if len(placements) == 1 else f"engine {index}: {line.removeprefix('engine: ')}")
         llm_kwargs = dict(seed=args.seed, dtype=str(dtype).removeprefix("torch."))
-        llm_kwargs |= dict(trust_remote_code=args.trust_remote_code)
-        llm_kwargs["max_model_len"] = args.max_prompt_length + args.response_length
+        llm_kwargs |= dict(trust_remote_code=args.trust_remote_code, max_model_len=max_model_len)
+        llm_kwargs |= dict(tensor_parallel_size=args.vllm_tensor_parallel_size)
         # CUDA graphs on GPUs
-        llm_kwargs["enforce_eager"] = placement.devices is None or args.vllm_enforce_eager
+        llm_kwargs["enforce_eager"] = placements[0].devices is None or args.vllm_enforce_eager
         self.watchdog = self.signals.watchdog = start_watchdog()
         with on_cores(self.cores):
-            before = {p.pid for p in psutil.Process().children(recursive=True)}
-            if placement.devices is not None:  # the push's CUDA IPC handle is pickled, between our processes
+            # the push's CUDA IPC handle is pickled, between our processes
+            if placements[0].devices is not None:
                 os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
-            with self.signals.start_deadline(self.deadlines.first, self.deadlines.first_why("its start")):
-                self.llm = make_engine(args.sft_model_path, placement, **llm_kwargs)
-            self.engine_processes = started_processes(before)
-            self.names = {process.pid: process_name(process) for process in self.engine_processes}
+            why = self.deadlines.first_why("its start")
+            for index, placement in enumerate(placements):  # one after the other: each sets the environment
+                before = {p.pid for p in psutil.Process().children(recursive=True)}
+                with self.signals.start_deadline(self.deadlines.first, why):
+                    self.llms.append(make_engine(path, placement, **llm_kwargs))
+                started = started_processes(before)
+                self.engine_processes += started
+                self.names |= {process.pid: process_name(process) for process in started}
+                self.engine_of |= {process.pid: index for process in started}
             ram = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
             remove_stale_weights_folders(ram)
             release_orphaned_shared_memory()  # what runs killed with their watchdog left
@@ -136,9 +159,11 @@ class Engine:
             self.watchdog.stdin.write(json.dumps({"folder": self.weights_dir}) + "\n")
             self.watchdog.stdin.flush()
         self.shared_memory = shared_memory_files(self.engine_processes)
-        device = torch.device("cuda", placement.engine_gpu) if placement.devices else None
-        self.bucket = WeightBucket(device, self.weights_dir)
-        snapshots.place = SnapshotPlace(pinned=self.processes.on_gpu, folder=self.weights_dir)
+        for placement in placements:  # one bucket for each engine, on its first GPU: they load at once
+            device = torch.device("cuda", placement.engine_gpu) if placement.devices else None
+            self.buckets.append(WeightBucket(device, self.weights_dir))
+        self.versions = [0] * len(self.llms)
+        self.snapshot_place = SnapshotPlace(pinned=self.processes.on_gpu, folder=self.weights_dir)
         self.started = time.perf_counter()  # the timeline's origin
 
     def run_thread(self, target, *args) -> None:
@@ -202,13 +227,22 @@ class Engine:
         if dead:
             names = ", ".join(f"{self.names.get(pid, 'process')} (pid {pid})" for pid in dead)
             why = "a crash prints its traceback above; none: it was killed, e.g. by the out-of-memory killer"
-            self.failure = f"the engine died: its process {names} ended ({why})"
+            self.failure = f"{self.which(dead)} died: its process {names} ended ({why})"
         elif (call := self.deadlines.overdue(time.monotonic())) is not None:
-            self.failure = f"the engine froze: {call.describe(time.monotonic())}"
+            engines = "the engine" if len(self.llms) <= 1 else f"the {len(self.llms)} engines"
+            self.failure = f"{engines} froze: {call.describe(time.monotonic())}"
         if self.failure is not None:
             self.stopping.set()  # the generation thread stops at its next get; one stuck in vLLM stays so
             kill_process_trees(self.engine_processes)
         return self.failure
+
+    def which(self, pids: list[int]) -> str:
+        """The engine, or which of the engines, these processes belong to."""
+        if len(self.llms) <= 1:
+            return "the engine"
+        engines = sorted({self.engine_of[pid] for pid in pids if pid in self.engine_of})
+        which = " and ".join(str(engine) for engine in engines)
+        return f"engine{'s' if len(engines) > 1 else ''} {which} of {len(self.llms)}"
 
     def failure_line(self) -> str:
         """The run's last line once the engine failed: why, and where to resume from."""
@@ -224,9 +258,64 @@ class Engine:
             yield
 
     def push(self, weights) -> None:
-        """Loads a policy version into the running engine, in place (push_weights), under its deadline."""
+        """Loads a policy version into every running engine, in place (push_weights, each through its own
+        bucket, all at the same time), under one deadline; each engine proves it holds it (check_loaded)."""
         with self.deadline("weight push", weights.version):
-            push_weights(self.llm, self.bucket, weights)
+            self.on_each(lambda llm, bucket: push_weights(llm, bucket, weights), self.llms, self.buckets)
+        self.versions = [weights.version] * len(self.llms)
+
+    @property
+    def version(self) -> int:
+        """The policy version every engine holds, each proven at its push (check_loaded): a batch is generated
+        by one version, whichever engine generates each part of it (the staleness contract, paper section
+        3)."""
+        if len(set(self.versions)) != 1:
+            raise RuntimeError(f"the engines hold different policy versions: {self.versions}")
+        return self.versions[0]
+
+    def generate(self, prompts: list, params: list, use_tqdm: bool = False) -> list:
+        """vLLM's LLM.generate over the engines: the prompts and their sampling parameters (one each) cut into
+        as many contiguous parts as there are engines, one each, generated at the same time and put back in
+        the prompts' order. A prompt's sampling seed is its own, so its completions do not depend on which
+        engine made them, up to the numerics of the batch it shares (docs/gpus.md, several engines)."""
+        if len(self.llms) == 1:
+            return self.llms[0].generate(prompts, params, use_tqdm=use_tqdm)
+        parts = contiguous_parts(len(prompts), len(self.llms))
+        llms = [self.llms[i] for i, part in enumerate(parts) if part.stop > part.start]
+        parts = [part for part in parts if part.stop > part.start]
+
+        def generate_part(llm, part: slice) -> list:
+            return llm.generate(prompts[part], params[part], use_tqdm=False)
+
+        return [output for outputs in self.on_each(generate_part, llms, parts) for output in outputs]
+
+    @staticmethod
+    def on_each(call, llms: list, arguments: list) -> list:
+        """call(llm, argument) for each engine, their results in order: with several, at the same time, one
+        daemon thread each (one stuck in a frozen engine does not keep the process alive), started from the
+        calling thread, on its cores. A call that raises is raised again, naming its engine."""
+        if len(llms) == 1:
+            return [call(llms[0], arguments[0])]
+        results, errors = [None] * len(llms), [None] * len(llms)
+
+        def run(index: int) -> None:
+            try:
+                results[index] = call(llms[index], arguments[index])
+            except BaseException as error:
+                errors[index] = error
+
+        threads = [threading.Thread(target=run, args=(i,), daemon=True) for i in range(len(llms))]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        for index, error in enumerate(errors):
+            if error is None:
+                continue
+            if "EngineDeadError" in (kind.__name__ for kind in type(error).__mro__):
+                raise error  # Engine.failed names the process that died
+            raise RuntimeError(f"engine {index} of {len(llms)}: {type(error).__name__}: {error}") from error
+        return results
 
     def next_rollout(self, rollouts: queue.Queue):
         """The step's rollout, which rank 0 takes from the generation thread, on every rank; None once a stop
@@ -276,14 +365,15 @@ class Engine:
         """Stops the generation thread and the engine, each wait with a deadline; the engine holds nothing to
         save, so nothing waits on its exit."""
         self.stopping.set()
-        if self.llm is None:
+        if not self.llms:
             return
-        # the thread finishes the batch it is generating, or the engine's shutdown ends it; a daemon, one
+        # the thread finishes the batch it is generating, or the engines' shutdown ends it; a daemon, one
         # stuck in vLLM (a failed engine's) does not keep the process alive
         waits = (0, 0) if self.failure else (1, 5)
         if self.thread is not None:
             self.thread.join(timeout=waits[0])
-        self.llm.llm_engine.engine_core.shutdown(timeout=1)
+        for llm in self.llms:
+            llm.llm_engine.engine_core.shutdown(timeout=1)
         if self.thread is not None:
             self.thread.join(timeout=waits[1])
         # The engine's worker outlives its scheduler process, killed after 1 s, by seconds (a garbage
@@ -380,9 +470,11 @@ class Deadlines:
 
 # == The engine's GPU, its memory, its cores =================================================================
 class Placement(NamedTuple):
-    devices: str | None  # CUDA_VISIBLE_DEVICES of the engine's processes: its GPU alone; None: CPU
+    """One engine's GPUs (engine_placements)."""
+
+    devices: str | None  # CUDA_VISIBLE_DEVICES of the engine's processes: its GPUs alone; None: CPU
     shared: bool  # the engine shares training rank 0's GPU
-    engine_gpu: int  # the engine's GPU, as rank 0 numbers its GPUs: the weight push's bucket lives there
+    engine_gpu: int  # its first GPU, as rank 0 numbers its GPUs: the weight push's bucket lives there
     # None on a GPU: the largest share the run leaves (engine_share), at its start
     memory_utilization: float | None
 
@@ -397,25 +489,67 @@ def visible_gpus() -> list[str]:
 def engine_placement(
     mode: str, visible: list[str], num_processes: int, memory_utilization: float | None
 ) -> Placement:
-    """Training process i of a node uses its visible GPU i; the engine runs on rank 0's node. With an (N+1)-th
-    GPU there, for the N training processes of the node (LOCAL_WORLD_SIZE under a launcher; `num_processes` on
-    one node), the engine takes it (the paper's split); with fewer, it shares rank 0's within its memory
-    budget. Rank 0 keeps the weight snapshots in its host memory and copies each pushed one through a bucket
-    on the engine's GPU, which the engine reads by CUDA IPC (docs/gpus.md)."""
+    """One engine of one GPU (engine_placements): the placement of the paper's runs."""
+    placements = engine_placements(
+        mode, visible, num_processes, memory_utilization, engines=1, tensor_parallel=1
+    )
+    return placements[0]
+
+
+def engine_placements(
+    mode: str,
+    visible: list[str],
+    num_processes: int,
+    memory_utilization: float | None,
+    engines: int,
+    tensor_parallel: int,
+) -> list[Placement]:
+    """Each engine's GPUs. Training process i of a node uses its visible GPU i; the engines run on rank 0's
+    node. With `engines` x `tensor_parallel` GPUs there beyond the N training processes of the node
+    (LOCAL_WORLD_SIZE under a launcher; `num_processes` on one node), each engine takes `tensor_parallel` of
+    them, in order (the paper's split, for one engine of one GPU); with fewer, the engines share the first
+    `tensor_parallel`, rank 0's among them, within one memory budget. Rank 0 keeps the weight snapshots in its
+    host memory and copies each pushed one through a bucket on each engine's first GPU, which the engine reads
+    by CUDA IPC (docs/gpus.md). A layout that cannot be: a UsageError naming the flags."""
+    sizes = f"--vllm_num_engines {engines} x --vllm_tensor_parallel_size {tensor_parallel}"
     if not visible:  # vLLM's CPU backend sizes its KV cache by VLLM_CPU_KVCACHE_SPACE instead
-        return Placement(None, False, 0, memory_utilization or DEFAULT_SHARE["separate"])
+        if tensor_parallel > 1:
+            raise UsageError(
+                f"--vllm_tensor_parallel_size {tensor_parallel}: no GPU is visible, and an engine on the CPU "
+                "runs in one process; use --vllm_num_engines for more engines"
+            )
+        return [Placement(None, False, 0, memory_utilization or DEFAULT_SHARE["separate"])] * engines
     local = int(os.environ.get("LOCAL_WORLD_SIZE", num_processes))  # the processes on rank 0's node
-    separate = len(visible) > local if mode == "auto" else mode == "separate"
-    if separate and len(visible) <= local:
-        nodes = f" on rank 0's node, of {num_processes} in all," if local != num_processes else ""
+    needed = local + engines * tensor_parallel
+    separate = len(visible) >= needed if mode == "auto" else mode == "separate"
+    nodes = f" on rank 0's node, of {num_processes} in all," if local != num_processes else ""
+    if separate and len(visible) < needed:
+        one = engines == 1 and tensor_parallel == 1
+        engines_need = "the engine" if one else f"{engines * tensor_parallel} engine GPUs ({sizes})"
+        fewer = "one training process fewer on that node" if one else "fewer engines or training processes"
         raise UsageError(
-            f"--vllm_placement separate: {local} training process(es){nodes} and the engine need "
-            f"{local + 1} GPUs there, {len(visible)} are visible; use --vllm_placement shared or one "
-            "training process fewer on that node"
+            f"--vllm_placement separate: {local} training process(es){nodes} and {engines_need} need "
+            f"{needed} GPUs there, {len(visible)} are visible; use --vllm_placement shared or {fewer}"
         )
     if separate:
-        return Placement(visible[local], False, local, memory_utilization)
-    return Placement(visible[0], True, 0, memory_utilization)
+        firsts = range(local, needed, tensor_parallel)
+        return [
+            Placement(",".join(visible[first : first + tensor_parallel]), False, first, memory_utilization)
+            for first in firsts
+        ]
+    if tensor_parallel > len(visible):
+        raise UsageError(
+            f"--vllm_tensor_parallel_size {tensor_parallel}: each engine needs {tensor_parallel} GPUs, "
+            f"{len(visible)} are visible on rank 0's node"
+        )
+    return [Placement(",".join(visible[:tensor_parallel]), True, 0, memory_utilization)] * engines
+
+
+def contiguous_parts(count: int, parts: int) -> list[slice]:
+    """`count` items cut into `parts` contiguous slices, in order, the first `count % parts` one longer."""
+    size, longer = divmod(count, parts)
+    bounds = [i * size + min(i, longer) for i in range(parts + 1)]
+    return [slice(start, stop) for start, stop in zip(bounds, bounds[1:])]
 
 
 CUDA_CONTEXT = 2**30  # what a process's CUDA context takes on a GPU, about 1 GiB (with the kernels it loads)
@@ -501,6 +635,41 @@ def engine_share(
         f"take {gib(asked * total)}, beside the weight push's bucket of {gib(bucket)} and the CUDA contexts "
         f"of rank 0 and the engine {gib(2 * CUDA_CONTEXT)}: lower it to at most {largest} (less KV cache)"
     )
+
+
+def engine_shares(placements: list[Placement], to_come: dict[str, int], bucket: int):
+    """Each engine's placement with its share of its GPU (engine_share, on the GPUs as they are once the
+    trainer's models are loaded), and its GPU's total bytes. Engines that share rank 0's GPU share one budget
+    (--vllm_gpu_memory_utilization is each engine's), and their buckets are all there."""
+    if placements[0].devices is None:
+        return placements, [0] * len(placements)
+    rank0 = torch.cuda.mem_get_info(0)
+    if placements[0].shared:
+        engines, asked = len(placements), placements[0].memory_utilization
+        together = placements[0]._replace(memory_utilization=None if asked is None else asked * engines)
+        try:
+            share = engine_share(together, rank0, rank0, to_come, bucket=engines * bucket)
+        except UsageError as error:
+            if asked is None or engines == 1:
+                raise
+            each = f"--vllm_num_engines {engines} at --vllm_gpu_memory_utilization {asked} each"
+            raise UsageError(
+                f"{each} take {together.memory_utilization:g} of rank 0's GPU: {error}"
+            ) from None
+        each = asked if asked is not None else int(100 * share / engines) / 100
+        if each < MIN_SHARE:
+            raise UsageError(
+                f"--vllm_num_engines {engines}: the engines sharing rank 0's GPU would get {each} of it "
+                f"each, less than {MIN_SHARE}: use fewer engines, or give them GPUs of their own"
+            )
+        return [placement._replace(memory_utilization=each) for placement in placements], [rank0[1]] * engines
+    shared, totals = [], []
+    for placement in placements:
+        gpu = torch.cuda.mem_get_info(placement.engine_gpu)
+        share = engine_share(placement, rank0, gpu, to_come, bucket=bucket)
+        shared.append(placement._replace(memory_utilization=share))
+        totals.append(gpu[1])
+    return shared, totals
 
 
 def engine_line(

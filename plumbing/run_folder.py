@@ -36,7 +36,7 @@ from plumbing.command_line import UsageError
 # Flags that may change when a run is resumed; any other must be what the run started with.
 RESUMABLE_CHANGES = {"resume", "output_dir", "track", "wandb_project", "wandb_entity", "save_freq"}
 RESUMABLE_CHANGES |= {"keep_checkpoints", "num_sample_completions", "collective_timeout_minutes"}
-RESUMABLE_CHANGES |= {"engine_timeout_minutes"}
+RESUMABLE_CHANGES |= {"engine_timeout_minutes", "vllm_num_engines", "vllm_tensor_parallel_size"}
 # 4: manifest.json, each file's size and sha256; 3: the LR schedule steps once a step; 2: the shuffle
 # generators in Progress; 1: in files
 CHECKPOINT_FORMAT = 4

@@ -40,17 +40,13 @@ class PolicySnapshots:
     optimizer never writes what the engine reads. Rank 0 holds each until the generator needs it no more
     (keep); a checkpoint carries the older ones it still owes (owed)."""
 
-    def __init__(self, processes, policy, prefix: str = ""):
-        """The names are read from `policy` before accelerate wraps it; `prefix`: its place in the trained
-        model (PPO's `policy.`)."""
+    def __init__(self, processes, policy, place: "SnapshotPlace | None", prefix: str = ""):
+        """The names are read from `policy`, the module accelerate wraps; `place`: where the engine, started,
+        wants the snapshots (Engine.snapshot_place; None on the ranks that hold none); `prefix`: the policy's
+        place in the trained model (PPO's `policy.`)."""
         self.policy, self.prefix, self.saved = policy, prefix, checkpoint_names(policy)
-        self.accelerator, self.dtype = processes.accelerator, processes.engine_dtype
-        self.place: SnapshotPlace | None = None  # the engine says where, as it starts
+        self.accelerator, self.dtype, self.place = processes.accelerator, processes.engine_dtype, place
         self.held: dict[int, Weights] = {}
-
-    def sizes(self) -> dict[str, int]:
-        """The elements of each tensor of a snapshot (snapshot_sizes)."""
-        return snapshot_sizes(self.saved)
 
     def take(self, model, version: int) -> Weights | None:
         """theta_version, rank 0's (None on the other ranks). Copied from the parameters where they are, GPU
@@ -255,12 +251,31 @@ def push_weights(llm, bucket: "WeightBucket", weights: Weights) -> None:
     (WeightReceiver) before the next run overwrites it; then the engine's parameters are fingerprinted and the
     prefix cache, KV of the old weights, reset. An engine left with other weights stops the run
     (check_loaded)."""
-    loads = [
-        llm.collective_rpc("load_shared_weights", args=(filled.bucket, filled.header, filled.layout))[0]
+    loads = [  # each run's load, by each of the engine's workers (one per GPU under tensor parallelism)
+        llm.collective_rpc("load_shared_weights", args=(filled.bucket, filled.header, filled.layout))
         for filled in bucket.fill(weights)
     ]
-    held = llm.collective_rpc("fingerprint", args=([(name, shape) for name, shape, _ in weights.layout],))[0]
-    check_loaded(weights, loads, held, llm.reset_prefix_cache())
+    held = llm.collective_rpc("fingerprint", args=([(name, shape) for name, shape, _ in weights.layout],))
+    held, cache_reset = combined_fingerprints(held), llm.reset_prefix_cache()
+    for worker in range(len(loads[0])):
+        check_loaded(weights, [run[worker] for run in loads], held, cache_reset)
+
+
+def combined_fingerprints(workers: list[dict]) -> dict:
+    """The fingerprint of an engine's parameters (WeightReceiver.fingerprint) from each of its workers':
+    one, or under vLLM's tensor parallelism one per GPU. A parameter the workers hold alike (replicated: the
+    same sums, bit for bit) counts once; one each holds a part of (sharded) counts the sum of its parts, as
+    sums compose. Shards of equal sums (a constant tensor) would count once and stop the run: never a push
+    passed that was not proven."""
+    if len(workers) == 1:
+        return workers[0]
+    held = {}
+    for name, first in workers[0]["held"].items():
+        parts = [worker["held"][name] for worker in workers]
+        held[name] = (
+            first if all(part == first for part in parts) else [sum(p[i] for p in parts) for i in (0, 1)]
+        )
+    return {"held": held, "renamed": workers[0]["renamed"]}
 
 
 def load_unit(name: str) -> str:

@@ -408,13 +408,20 @@ def start_and_stop(
 
 
 def assert_resumed_run_matches(
-    script: str, flags: list[str], tmp_path: Path, stop_after: int, sig: int, before_resume=None
+    script: str,
+    flags: list[str],
+    tmp_path: Path,
+    stop_after: int,
+    sig: int,
+    before_resume=None,
+    engines: list[str] = (),
 ):
     """A run stopped by `sig` after `stop_after` steps (SIGKILL: to the trainer and its engine at once) and resumed
     with --resume ends with the same metrics.jsonl (wall-clock figures aside) and the same final policy as an
     uninterrupted run. `before_resume(folder)`: what happens to the stopped run's folder before it is resumed.
-    Returns the resumed run's folder, the uninterrupted one's, what the stopped run printed, the checkpoints it
-    left and what the resumed run printed."""
+    `engines`: flags of the stopped run and of `before_resume`'s runs alone (--vllm_num_engines): the last resume,
+    like the uninterrupted run, has the default engine, so a run resumes at another number of engines. Returns the resumed run's folder, the uninterrupted one's, what the stopped run printed, the
+    checkpoints it left and what the resumed run printed."""
     import signal
 
     import torch
@@ -422,7 +429,7 @@ def assert_resumed_run_matches(
 
     interrupted = tmp_path / "interrupted"
     reference = shared_run([sys.executable, script, *flags])
-    argv = [sys.executable, script, *flags, "--output_dir", str(interrupted)]
+    argv = [sys.executable, script, *flags, *engines, "--output_dir", str(interrupted)]
     code, output = start_and_stop(argv, interrupted, stop_after, sig)
     assert code == (-signal.SIGKILL if sig == signal.SIGKILL else 128 + sig), output[-4000:]
     stopped = sorted(p.name for p in (interrupted / "checkpoints").iterdir())
@@ -430,7 +437,7 @@ def assert_resumed_run_matches(
     assert not (interrupted / "policy").exists(), "the run finished before it was stopped: stop it earlier"
     if before_resume is not None:
         before_resume(interrupted)
-    resumed = run_script(argv + ["--resume"]).stdout
+    resumed = run_script([sys.executable, script, *flags, "--output_dir", str(interrupted), "--resume"]).stdout
     assert training_lines_without_timings(interrupted) == training_lines_without_timings(reference)
     final, expected = (load_file(d / "policy" / "model.safetensors") for d in (interrupted, reference))
     assert all(torch.equal(final[k], expected[k]) for k in expected)

@@ -18,7 +18,8 @@ FAULT is <where>:<step>:
     freeze_push:N        the engine's worker is stopped (SIGSTOP) as the weight push of policy version N begins
     freeze_generation:N  the engine's scheduler process is stopped (SIGSTOP) once rollout N's prompts are sent to
                          it, as the generation thread waits for its first step
-    kill_generation:N    the engine's worker is killed (SIGKILL) there
+    kill_generation:N    the engine's worker is killed (SIGKILL) there (every engine's, with --vllm_num_engines)
+    kill_engine:N        the last engine's worker alone is killed there (with --vllm_num_engines 2 or more)
 Each raised fault says "injected test fault in ... (time T)", T the time.time() it was raised; a signal to the
 engine says "injected test fault in the engine: SIGSTOP to ... (time T)"; each planted one says "injected test
 fault: ..." as it plants it.
@@ -97,7 +98,7 @@ def inject(fault: str, module) -> None:
             return push(engine, weights)
 
         plumbing.engine.Engine.push = freezing_push
-    if where in ("freeze_generation", "kill_generation"):
+    if where in ("freeze_generation", "kill_generation", "kill_engine"):
         sent = (
             (signal.SIGSTOP, "VLLM::EngineCore") if where == "freeze_generation" else (signal.SIGKILL, "VLLM::Worker")
         )
@@ -107,12 +108,14 @@ def inject(fault: str, module) -> None:
         def signalling_deadline(engine, kind, index):
             with deadline(engine, kind, index):
                 if kind == "rollout" and index == at:
-                    llm_engine = engine.llm.llm_engine  # vLLM's LLM.generate sends the prompts, then steps it
+                    llm_engine = engine.llms[0].llm_engine  # vLLM's LLM.generate sends the prompts, then steps it
                     step = llm_engine.step
+                    last = [p for p in engine.engine_processes if engine.engine_of[p.pid] == len(engine.llms) - 1]
+                    among = last if where == "kill_engine" else None
 
                     def signal_then_step():
                         llm_engine.step = step
-                        signal_engine(*sent, f"as rollout {at} is generated")
+                        signal_engine(*sent, f"as rollout {at} is generated", among)
                         return step()
 
                     llm_engine.step = signal_then_step
@@ -126,9 +129,11 @@ def inject(fault: str, module) -> None:
         plumbing.weights.WeightBucket.fill = faulty_fill(plumbing.weights.WeightBucket.fill, where, at)
 
 
-def signal_engine(sig: signal.Signals, name: str, when: str) -> None:
-    """`sig` to the engine's processes called `name` (SIGSTOP: they stop answering but do not die)."""
-    targets = [p for p in psutil.Process().children(recursive=True) if p.name() == name]
+def signal_engine(sig: signal.Signals, name: str, when: str, among: list | None = None) -> None:
+    """`sig` to the engine's processes called `name` (SIGSTOP: they stop answering but do not die), `among` these
+    processes (None: all this process started)."""
+    among = psutil.Process().children(recursive=True) if among is None else among
+    targets = [p for p in among if p.name() == name]
     for process in targets:
         os.kill(process.pid, sig)
     pids = ", ".join(str(p.pid) for p in targets)

@@ -465,6 +465,12 @@ def test_a_task_without_a_gold_judge_says_at_start_that_no_win_rate_is_logged(ca
             ["--temperature", "1e-6"],
             "--temperature must be >= 0.01 (below it vLLM samples at 0.01, not at the trainer's temperature), got 1e-06",
         ),
+        (  # the engines' layout, checked before any model loads (docs/gpus.md)
+            "rloo_async.py",
+            ["--vllm_num_engines", "2", "--vllm_tensor_parallel_size", "2"],
+            "--vllm_tensor_parallel_size 2: no GPU is visible, and an engine on the CPU runs in one process; use "
+            "--vllm_num_engines for more engines",
+        ),
         (
             "ppo_async.py",
             ["--dataset_name", "{data}/cut.jsonl"],

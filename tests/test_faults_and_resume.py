@@ -161,12 +161,15 @@ PPO_RESUMABLE += ["--old_logprobs", "engine"]
 # from its last --save_freq checkpoint), Ctrl-C and SIGTERM (pre-emption) to the trainer alone (it finishes the step,
 # writes a checkpoint and exits 128 + the signal). Then each is resumed once with its engine failing (a fault of
 # tests/fault_launcher.py): online DPO's worker stopped (SIGSTOP) at the weight push of version 14, RLOO's scheduler
-# stopped during rollout 14's generation, PPO's worker killed there. That run stops before the step whose rollout
+# stopped during rollout 14's generation, the worker of PPO's second engine killed there. That run stops before the step whose rollout
 # does not come (14 + async_level for a push) with its own checkpoint, which the last resume goes on from.
+# PPO's stopped run and the resume whose engine fails have two engines (--vllm_num_engines 2; the one killed: the
+# last alone); its last resume has one, as the uninterrupted run, and ends as it does.
+TWO_ENGINES = ["--vllm_num_engines", "2"]
 STOPS = [
-    ("online_dpo_async.py", RESUMABLE, signal.SIGKILL, 12, ("freeze_push:14", 16)),
-    ("rloo_async.py", RESUMABLE, signal.SIGINT, 7, ("freeze_generation:14", 14)),
-    ("ppo_async.py", PPO_RESUMABLE, signal.SIGTERM, 7, ("kill_generation:14", 14)),
+    ("online_dpo_async.py", RESUMABLE, signal.SIGKILL, 12, ("freeze_push:14", 16), []),
+    ("rloo_async.py", RESUMABLE, signal.SIGINT, 7, ("freeze_generation:14", 14), []),
+    ("ppo_async.py", PPO_RESUMABLE, signal.SIGTERM, 7, ("kill_engine:14", 14), TWO_ENGINES),
 ]
 # a resume test and the tests that read its reference run (the run that was not stopped) share an xdist worker
 STOPS = [pytest.param(*stop, marks=pytest.mark.xdist_group(f"resume_{stop[0]}")) for stop in STOPS]
@@ -191,7 +194,8 @@ def assert_a_failed_engine_stops_the_run(script: str, flags: list[str], fault: s
     index = int(fault.split(":")[1])
     if fault.startswith("kill"):  # the worker the launcher killed, which the trainer sees die
         pid = re.search(r"SIGKILL to VLLM::Worker \(pid (\d+)\)", output)[1]
-        assert last.startswith(f"error: the engine died: its process VLLM::Worker (pid {pid})"), last
+        engine = "engine 1 of 2" if fault.startswith("kill_engine") else "the engine"  # the last of two, alone
+        assert last.startswith(f"error: {engine} died: its process VLLM::Worker (pid {pid})"), last
         # none of the trainer's tracebacks (vLLM's scheduler prints its own as its worker dies: "cancelled")
         assert "plumbing/" not in output and "See stack trace (above)" not in output, output[-6000:]
         assert seconds < PROMPTLY
@@ -229,8 +233,8 @@ class Damage:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("script, flags, sig, after, failure", STOPS)
-def test_a_run_stopped_mid_way_resumes_exactly(script, flags, sig, after, failure, tmp_path):
+@pytest.mark.parametrize("script, flags, sig, after, failure, engines", STOPS)
+def test_a_run_stopped_mid_way_resumes_exactly(script, flags, sig, after, failure, engines, tmp_path):
     """A run stopped after `after` steps and resumed with --resume, where its engine fails (`failure`: the fault
     and the step the run stops before) and which is resumed again, ends with the same metrics.jsonl (wall-clock
     figures aside) and the same final policy as the run that was not stopped. The one killed with SIGKILL left its
@@ -243,10 +247,10 @@ def test_a_run_stopped_mid_way_resumes_exactly(script, flags, sig, after, failur
     def damaged_and_engine_fails(run: Path) -> None:
         if damage is not None:
             damage(run)
-        said.append(assert_a_failed_engine_stops_the_run(script, flags, *failure, run))
+        said.append(assert_a_failed_engine_stops_the_run(script, [*flags, *engines], *failure, run))
 
     run, reference, output, stopped, _ = assert_resumed_run_matches(
-        script, flags, tmp_path, stop_after=after, sig=sig, before_resume=damaged_and_engine_fails
+        script, flags, tmp_path, stop_after=after, sig=sig, before_resume=damaged_and_engine_fails, engines=engines
     )
     names = [int(name.removeprefix("step_")) for name in stopped]
     if sig == signal.SIGKILL:  # the --save_freq checkpoints before the kill
@@ -415,14 +419,16 @@ def test_a_signal_while_the_engine_starts_stops_the_run_at_once(script, sig, to_
 
 @pytest.mark.slow
 def test_the_engine_dies_with_a_trainer_killed_by_sigkill(tmp_path):
-    """kill -9 of the trainer alone, mid-run: its watchdog (plumbing.watchdog, which every file's engine start
-    calls) kills the engine's processes, which would otherwise live on (re-parented to init), and removes the
-    weights folder."""
+    """kill -9 of the trainer alone, mid-run, with two engines: its watchdog (plumbing.watchdog, which every file's
+    engine start calls) kills every engine's processes, which would otherwise live on (re-parented to init), and
+    removes the weights folder and the engines' message queues in shared memory."""
+    from plumbing.watchdog import shared_memory_files
+
     script = "online_dpo_async.py"
     run = tmp_path / "run"
     with open(tmp_path / "output.log", "w") as output:
         proc = subprocess.Popen(
-            [sys.executable, script, *SMALL, "--output_dir", str(run)],
+            [sys.executable, script, *SMALL, *TWO_ENGINES, "--output_dir", str(run)],
             cwd=ROOT,
             stdout=output,
             stderr=subprocess.STDOUT,
@@ -441,14 +447,19 @@ def test_the_engine_dies_with_a_trainer_killed_by_sigkill(tmp_path):
                 pass
         ram = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
         folders = list(Path(ram).glob(f"policy-weights-{proc.pid}-*"))
-        assert len(engine) >= 2 and len(folders) == 1, (engine, folders)  # the scheduler process and its worker
+        # each engine's scheduler process and its worker
+        assert len(engine) >= 4 and len(folders) == 1, (engine, folders)
+        family = [psutil.Process(proc.pid), *psutil.Process(proc.pid).children(recursive=True)]
+        queues = [path for path in shared_memory_files(family) if "/psm_" in path]
+        assert queues, "the engines' message queues"
         proc.kill()
         proc.wait()
         deadline = time.time() + 10
-        while (alive(engine) or folders[0].exists()) and time.time() < deadline:
+        left = lambda: [path for path in queues if os.path.exists(path)]  # noqa: E731
+        while (alive(engine) or folders[0].exists() or left()) and time.time() < deadline:
             time.sleep(0.1)
-        assert not alive(engine), "the engine outlived its trainer"
-        assert not folders[0].exists()
+        assert not alive(engine), "an engine outlived its trainer"
+        assert not folders[0].exists() and left() == []
     finally:
         proc.kill()
         kill_all(engine)
@@ -545,7 +556,7 @@ def sleeping_engine(count: int) -> tuple[plumbing.Engine, list[subprocess.Popen]
     """An Engine whose 'processes' are `count` sleeping children, named as vLLM's, resumable from a checkpoint."""
     from types import SimpleNamespace
 
-    engine = plumbing.Engine.around(llm=None, bucket=None)
+    engine = plumbing.Engine.around(llms=[], buckets=[])
     children = [subprocess.Popen(["sleep", "60"]) for _ in range(count)]
     engine.engine_processes = [psutil.Process(child.pid) for child in children]
     engine.names = {child.pid: name for child, name in zip(children, ["VLLM::EngineCore", "VLLM::Worker"])}

@@ -94,6 +94,11 @@ def test_every_parts_limits_add_up_to_its_deadline_as_its_dry_run_prints_them(tm
         f"{gpu_check.PUSH}[gptneox-cuda_graphs]",
         f"{gpu_check.PUSH}[llama-eager]",
     ]
+    # part 4 ends with two engines sharing the GPU, beside the plan (which uses none)
+    assert [stage.name for stage in gpu_check.PARTS[4].steps(gpu_check.Context("python3", tmp_path))[-1]] == [
+        "plan_ppo",
+        "two_engines",
+    ]
     for bad in (["--part", "9", "x"], ["--part", "1"], ["--next", "--part", "1"], ["--record", "x"], []):
         proc = check(*bad)
         assert proc.returncode != 0 and "error:" in proc.stderr, (bad, proc.stderr)
@@ -161,7 +166,9 @@ def test_every_command_parses_as_its_program_reads_it_and_every_gpu_test_is_in_a
             if script in ALGORITHMS:
                 args, _ = parse_algorithm(script, flags)
                 assert args.output_dir == str(work / stage.name) and args.task == "tiny" and args.vllm_enforce_eager
-                assert flags == ["--vllm_enforce_eager", "--output_dir", str(work / stage.name)]  # the defaults
+                two = gpu_check.TWO if stage.name == "two_engines" else []  # two engines on one GPU
+                assert flags == ["--vllm_enforce_eager", "--output_dir", str(work / stage.name), *two]  # the defaults
+                assert args.vllm_num_engines == (2 if two else 1)
             elif script == "benchmark/speed.py" and "--models_only" in flags:
                 own, extra = speed.parse(flags)
                 assert (Path(own.out_dir), own.model_size, extra) == (work, "pythia-1b", [])

@@ -16,7 +16,17 @@ import torch
 from conftest import ROOT, perturbed_policy, run_script, small_config
 
 import plumbing
-from plumbing.engine import Placement, engine_line, engine_placement, engine_share, snapshot_memory, trained_memory
+from plumbing.engine import (
+    Placement,
+    contiguous_parts,
+    engine_line,
+    engine_placement,
+    engine_placements,
+    engine_share,
+    engine_shares,
+    snapshot_memory,
+    trained_memory,
+)
 from plumbing.weights import (
     BUCKET_BYTES,
     SnapshotPlace,
@@ -90,6 +100,86 @@ def test_placement_past_one_node_counts_the_gpus_of_rank_0s_node(monkeypatch, lo
             match=r"8 training process\(es\) on rank 0's node, of 16 in all, and the engine need 9 GPUs there",
         ):
             engine_placement("separate", [str(i) for i in range(gpus)], total, None)
+
+
+def test_several_engines_of_several_gpus_each_get_gpus_of_their_own_after_training(monkeypatch):
+    """--vllm_num_engines E x --vllm_tensor_parallel_size P, hand-computed: with N + E x P GPUs, engine e gets GPUs
+    N + e P .. N + e P + P - 1, its bucket on the first; with fewer, the engines share the first P (rank 0's among
+    them); a layout that cannot be is one line naming the flags."""
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    eight = [str(i) for i in range(8)]
+    assert engine_placements("auto", eight, 4, None, engines=2, tensor_parallel=2) == [
+        Placement("4,5", False, 4, None),
+        Placement("6,7", False, 6, None),
+    ]
+    assert engine_placements("auto", eight, 6, 0.8, engines=2, tensor_parallel=1) == [
+        Placement("6", False, 6, 0.8),
+        Placement("7", False, 7, 0.8),
+    ]
+    assert engine_placements("auto", eight, 1, None, engines=1, tensor_parallel=4) == [
+        Placement("1,2,3,4", False, 1, None)
+    ]
+    # 7 training processes and 2 engines: 9 GPUs needed, 8 visible: both share rank 0's
+    assert (
+        engine_placements("auto", eight, 7, None, engines=2, tensor_parallel=1) == [Placement("0", True, 0, None)] * 2
+    )
+    # one GPU, two engines (the GPU check's stage): both on it
+    assert (
+        engine_placements("auto", ["3"], 1, None, engines=2, tensor_parallel=1) == [Placement("3", True, 0, None)] * 2
+    )
+    assert (
+        engine_placements("shared", eight, 4, None, engines=2, tensor_parallel=2)
+        == [Placement("0,1", True, 0, None)] * 2
+    )
+    # a CPU: every engine on it (the tests' two engines)
+    assert engine_placements("auto", [], 1, None, engines=2, tensor_parallel=1) == [Placement(None, False, 0, 0.9)] * 2
+    with pytest.raises(
+        plumbing.UsageError,
+        match=r"^--vllm_placement separate: 7 training process\(es\) and 4 engine GPUs \(--vllm_num_engines 2 x "
+        r"--vllm_tensor_parallel_size 2\) need 11 GPUs there, 8 are visible; use --vllm_placement shared or fewer "
+        r"engines or training processes$",
+    ):
+        engine_placements("separate", eight, 7, None, engines=2, tensor_parallel=2)
+    with pytest.raises(
+        plumbing.UsageError,
+        match=r"^--vllm_tensor_parallel_size 2: each engine needs 2 GPUs, 1 are visible on rank 0's node$",
+    ):
+        engine_placements("auto", ["0"], 1, None, engines=1, tensor_parallel=2)
+    with pytest.raises(plumbing.UsageError, match=r"^--vllm_tensor_parallel_size 2: no GPU is visible"):
+        engine_placements("auto", [], 1, None, engines=1, tensor_parallel=2)
+
+
+def test_a_batch_is_cut_into_contiguous_parts_one_per_engine_in_order():
+    assert contiguous_parts(10, 2) == [slice(0, 5), slice(5, 10)]
+    assert contiguous_parts(10, 3) == [slice(0, 4), slice(4, 7), slice(7, 10)]
+    assert contiguous_parts(1, 2) == [slice(0, 1), slice(1, 1)]  # an engine with nothing to do is not called
+    for count in range(12):
+        for parts in range(1, 5):
+            cut = contiguous_parts(count, parts)
+            assert [i for part in cut for i in range(count)[part]] == list(range(count))
+            assert max(len(range(count)[part]) for part in cut) - min(len(range(count)[part]) for part in cut) <= 1
+
+
+def test_engines_sharing_rank_0s_gpu_share_one_budget(monkeypatch):
+    """Two engines on rank 0's 80 GiB GPU, 40 GiB free, training to add 12 GiB, two buckets of 1 GiB and the CUDA
+    contexts 2 GiB, 5 % (4 GiB) kept: (40 - 16 - 4) / 80 = 0.25 for both, 0.12 each; asked 0.1 each, 0.2 together
+    fits, asked 0.15 each does not; six engines, with six buckets, would get (40 - 20 - 4) / 80 / 6 = 0.03 each."""
+    gib = 2**30
+    gpu = (40 * gib, 80 * gib)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: gpu)
+    to_come = {"gradients": 8 * gib, "optimizer state": 4 * gib}
+    shared = [Placement("0", True, 0, None)] * 2
+    assert engine_shares(shared, to_come, gib) == ([Placement("0", True, 0, 0.12)] * 2, [80 * gib] * 2)
+    asked = [Placement("0", True, 0, 0.1)] * 2
+    assert engine_shares(asked, to_come, gib)[0] == asked
+    with pytest.raises(
+        plumbing.UsageError,
+        match=r"^--vllm_num_engines 2 at --vllm_gpu_memory_utilization 0.15 each take 0.3 .*at most 0.25",
+    ):
+        engine_shares([Placement("0", True, 0, 0.15)] * 2, to_come, gib)
+    many = [Placement("0", True, 0, None)] * 6
+    with pytest.raises(plumbing.UsageError, match=r"^--vllm_num_engines 6: .* 0.03 of it each, less than 0.05"):
+        engine_shares(many, to_come, gib)
 
 
 def test_the_gpu_memory_check_counts_what_training_allocates_later():
@@ -391,11 +481,11 @@ assert processes.zero_stage == 3
 with processes.whole_models():
     whole = AutoModelForCausalLM.from_pretrained({policy!r})
 model = AutoModelForCausalLM.from_pretrained({policy!r})  # sharded as it loads
-snapshots = plumbing.PolicySnapshots(processes, model)  # as the script's main() makes them
 optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-model, optimizer = accelerator.prepare(model, optimizer)
+policy, (model, optimizer) = model, accelerator.prepare(model, optimizer)
 module = accelerator.unwrap_model(model)
-place = snapshots.place = SnapshotPlace(pinned=False, folder=tempfile.gettempdir())
+place = SnapshotPlace(pinned=False, folder=tempfile.gettempdir())
+snapshots = plumbing.PolicySnapshots(processes, policy, place)  # as the script's main() makes them: once prepared
 assert all(p.numel() == 0 for p in module.parameters()), "not sharded"
 sharded = snapshots.take(model, 1)
 plain = model_snapshot(whole, 1, torch.float32, place)
@@ -425,12 +515,12 @@ with processes.whole_models():
     whole = AutoModelForCausalLM.from_pretrained({policy!r})
 policy = AutoModelForCausalLM.from_pretrained({policy!r})
 value = AutoModelForSequenceClassification.from_pretrained({policy!r}, num_labels=1)
-snapshots = plumbing.PolicySnapshots(processes, policy, prefix="policy.")  # as ppo_async.py's main() makes them
 model = algo.PolicyAndValue(policy, value)
 optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
 model, optimizer = accelerator.prepare(model, optimizer)
 module = accelerator.unwrap_model(model)
-place = snapshots.place = SnapshotPlace(pinned=False, folder=tempfile.gettempdir())
+place = SnapshotPlace(pinned=False, folder=tempfile.gettempdir())
+snapshots = plumbing.PolicySnapshots(processes, policy, place, prefix="policy.")  # as ppo_async.py's main(): prepared
 gathered.clear()  # loading sharded models gathers too: only the push's gathers count
 sharded = snapshots.take(model, 1)
 plain = model_snapshot(whole, 1, torch.float32, place)

@@ -234,8 +234,10 @@ def test_plan_spells_out_every_flag_that_defines_a_run(script):
     # how long processes wait for each other and for the engine: no result
     not_defining |= {"num_sample_completions", "collective_timeout_minutes", "engine_timeout_minutes"}
     # GPU flags added after the reproduction ran; on a CPU their defaults are what it ran with (float32, an engine
-    # without CUDA graphs and GPU placement, no recomputation; the memory fraction, given as 0.9, is not used)
+    # without CUDA graphs and GPU placement, one engine of one GPU, no recomputation; the memory fraction, given as
+    # 0.9, is not used)
     gpu_flags = {"dtype", "vllm_placement", "vllm_enforce_eager", "gradient_checkpointing"}
+    gpu_flags |= {"vllm_num_engines", "vllm_tensor_parallel_size"}
     # added after the reproduction ran too: the evaluation prompts of a file of their own; the tiny task's folder
     # has its test split, and left out (None) is what the runs used
     later = {"dataset_eval_file"}

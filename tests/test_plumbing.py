@@ -26,7 +26,9 @@ from plumbing.weights import (
     SnapshotPlace,
     Weights,
     check_loaded,
+    combined_fingerprints,
     fingerprint,
+    snapshot_sizes,
     unmatched_fingerprints,
     views,
 )
@@ -217,12 +219,11 @@ def test_snapshots_are_taken_in_the_engine_s_dtype_from_the_trainer_s_weights(to
     processes = plumbing.Processes(dpo.Args(dtype="float32", vllm_dtype="bfloat16", local_micro_batch_size=1))
     assert (processes.dtype, processes.engine_dtype) == (torch.float32, torch.bfloat16)
     policy = perturbed_policy(tokenizer, "llama", tied=False, seed=0)
-    snapshots = plumbing.PolicySnapshots(processes, policy)
-    snapshots.place = SnapshotPlace(pinned=False, folder=str(tmp_path))
+    snapshots = plumbing.PolicySnapshots(processes, policy, SnapshotPlace(pinned=False, folder=str(tmp_path)))
     taken = snapshots.take(policy, 1)
     state = policy.state_dict()
     assert taken.flat.dtype == torch.bfloat16 and taken.version == 1
-    assert snapshots.sizes() == {name: state[name].numel() for name in state}
+    assert snapshot_sizes(snapshots.saved) == {name: state[name].numel() for name in state}
     for name, tensor in views(taken.flat, taken.layout):
         assert torch.equal(tensor, state[name].to(torch.bfloat16)), name
         assert taken.fingerprint[name] == pytest.approx(exact_fingerprint(state[name], torch.bfloat16), rel=1e-13)
@@ -309,7 +310,9 @@ def reduce_on_two_processes(rank: int, port: int, out: str) -> None:
         gpus = rank_0s if rank == 0 else ["0"]
         plumbing.engine.visible_gpus = lambda: gpus
         try:
-            result.setdefault("placements", []).append(list(plumbing.Engine(args, processes, None).placement))
+            result.setdefault("placements", []).append(
+                [list(p) for p in plumbing.Engine(args, processes, None).placements]
+            )
         except plumbing.UsageError as refused:
             result["placements"].append(str(refused))
     Path(out).write_text(json.dumps(result))
@@ -337,7 +340,7 @@ def test_two_processes_reduce_their_statistics_to_the_hand_computed_means(tmp_pa
         assert result["broadcast"] == "from rank 0"
         assert result["scores"] == "the reward model gave nan/inf scores at step 4 (1 of 4 completions: -inf)"
         assert result["placements"] == [
-            ["1", False, 1, None],
+            [["1", False, 1, None]],
             "--vllm_placement separate: 1 training process(es) on rank 0's node, of 2 in all, and the engine need 2 "
             "GPUs there, 1 are visible; use --vllm_placement shared or one training process fewer on that node",
         ]
@@ -470,3 +473,28 @@ def test_a_step_s_timings_by_hand(monkeypatch):
         "throughput/episodes_per_second": 8.0,
         "throughput/tokens_per_second": 100.0,
     }
+
+
+def test_an_engine_over_several_gpus_is_fingerprinted_from_all_its_workers():
+    """vLLM's tensor parallelism, hand-computed: a replicated parameter (a norm) is held alike by both workers and counts
+    once; a sharded one (a projection's rows) is the sum of its two parts; one worker's fingerprint is itself. Then
+    check_loaded passes the combined fingerprint against the trainer's."""
+    norm, rows = torch.tensor([1.0, 2.0]), torch.tensor([[1.0, 2.0], [3.0, 4.0]])
+    worker = lambda shard: {  # noqa: E731
+        "held": {
+            "norm.weight": fingerprint(norm, torch.float32).tolist(),
+            "proj.weight": fingerprint(shard, torch.float32).tolist(),
+        },
+        "renamed": {},
+    }
+    combined = combined_fingerprints([worker(rows[:1]), worker(rows[1:])])
+    assert combined == {"held": {"norm.weight": [3.0, 5.0], "proj.weight": [10.0, 30.0]}, "renamed": {}}
+    assert combined_fingerprints([worker(rows)]) == worker(rows)
+    layout = [("norm.weight", [2], 0), ("proj.weight", [2, 2], 2)]
+    weights = Weights(
+        1, torch.cat([norm, rows.flatten()]), layout, {"norm.weight": (3.0, 5.0), "proj.weight": (10.0, 30.0)}
+    )
+    loads = [{"version": 1, "run": 0, "compared": 1, "differ": []}]
+    check_loaded(weights, loads, combined, cache_reset=True)
+    with pytest.raises(RuntimeError, match="1 of 2 differ from the trainer's fingerprint, first proj.weight"):
+        check_loaded(weights, loads, combined_fingerprints([worker(rows[:1]), worker(rows[:1])]), cache_reset=True)
