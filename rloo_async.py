@@ -23,7 +23,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, set_seed
 import plumbing
 from plumbing import UsageError
 
-TINY_TASK = Path(__file__).resolve().parent / "benchmark" / "tiny_task"
+TINY_TASK = Path(__file__).resolve().parent / "tasks" / "tiny"
 # The dataset columns each --task reads (docs/tasks.md): text, or a conversation of {"role", "content"} texts.
 TASK_COLUMNS = {
     "tiny": {"query": str, "reference_response": str},

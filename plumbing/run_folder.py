@@ -677,7 +677,7 @@ class MetricsLogger:
 
 def write_eval_completions(output_dir: str, step: int, episode: int, prompts, completions, references) -> str:
     """eval_completions/step_NNNNNN.jsonl, one row per eval prompt, for judges that run after training
-    (benchmark/llm_judge.py); a resumed run replaces a step's file."""
+    (tasks/llm_judge.py); a resumed run replaces a step's file."""
     folder = os.path.join(output_dir, "eval_completions")
     os.makedirs(folder, exist_ok=True)
     rows = [

@@ -318,14 +318,14 @@ def test_at_load_time_a_score_head_initialised_at_random_is_refused():
 def test_an_sft_policy_as_reward_model_or_gold_judge_is_refused_in_one_line(flag, name, tmp_path):
     """From the shell (the check is the same text in all three files): exit 1, one line naming the flag, no run folder."""
     proc = subprocess.run(
-        [sys.executable, name, flag, "benchmark/tiny_task/sft", "--output_dir", str(tmp_path / "run")],
+        [sys.executable, name, flag, "tasks/tiny/sft", "--output_dir", str(tmp_path / "run")],
         cwd=ROOT,
         capture_output=True,
         text=True,
         timeout=120,
     )
     assert proc.returncode == 1
-    assert proc.stderr.strip().splitlines() == [f"error: {not_a_reward_model(flag, 'benchmark/tiny_task/sft')}"]
+    assert proc.stderr.strip().splitlines() == [f"error: {not_a_reward_model(flag, 'tasks/tiny/sft')}"]
     assert not (tmp_path / "run" / "args.json").exists() and not (tmp_path / "run").exists()
 
 
@@ -403,7 +403,7 @@ def test_one_file_for_both_splits_is_refused_unless_the_evaluation_has_a_file_of
     assert dataset["query"] == ["sort: eel ->"]
     with pytest.raises(UsageError, match=f"^--dataset_eval_file {train} is --dataset_name: evaluate on other prompts$"):
         split_of(train, "test", evaluation=True, dataset_eval_file=train)
-    with pytest.raises(UsageError, match="^--dataset_eval_file .*tiny_task/data is not a file: give one file"):
+    with pytest.raises(UsageError, match="^--dataset_eval_file .*tasks/tiny/data is not a file: give one file"):
         split_of(train, "test", evaluation=True, dataset_eval_file=str(TINY / "data"))
 
 

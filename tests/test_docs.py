@@ -458,3 +458,39 @@ def test_the_docs_list_the_flags_by_the_help_groups():
             title = title.split(" (")[0]
             expected[title] = sorted(set(expected.get(title, [])) | {flag for flag, _ in flags})
     assert len(documented) == len(dict(documented)) and dict(documented) == expected
+
+
+# Paths of other projects that the docs and comments cite (they name no file here): PRIME-RL's page on its
+# asynchronous objective, the paper's code's TRL configs; and the tiny task's folder before it moved, which the
+# committed miniature runs recorded (benchmark/miniature.py reads it as tasks/tiny/).
+OTHER_PATHS = {
+    "docs/async.md",
+    "configs/onlinedpo_pythia410m_tldr_4gpu.yml",
+    "configs/onlinedpo_pythia410m_tldr_vllm_4gpu.yml",
+    "configs/rloo_pythia410m_tldr.yml",
+    "configs/ppo_pythia410m_tldr.yml",
+    "configs/onlinedpo_rho1b_gsm8k_4a100s_async.yml",
+    "benchmark/tiny_task/",
+}
+REPO_PATH = re.compile(r"(?<![\w/.-])((?:benchmark|tasks|plumbing|tests|docs|configs)/[\w./-]*+)(?![<{*])")
+
+
+def missing_repo_paths(text: str) -> list[str]:
+    """The paths into this repository's folders that a text names and that do not exist (a placeholder such as
+    `runs/<run>/` or a glob is not a path)."""
+    named = [match.group(1).rstrip(".-") for match in REPO_PATH.finditer(text)]
+    return [path for path in named if path not in OTHER_PATHS and not (ROOT / path).exists()]
+
+
+def test_every_path_the_docs_scripts_and_comments_name_exists():
+    """A moved or renamed file leaves no stale path behind: in the README, docs/, the tasks' READMEs, the code
+    (--help is its Args' comments), the benchmark scripts, the tests and the configs."""
+    texts = [ROOT / "README.md", ROOT / ".ci" / "run", ROOT / "pyproject.toml", *sorted((ROOT / "docs").glob("*.md"))]
+    for pattern in ("*.py", "*/*.py", "*/*/*.py", "*/*.sh", "*/*.md", "*/*/*.md", "*/ruff.toml", "configs/*"):
+        texts += [path for path in sorted(ROOT.glob(pattern)) if ".venv" not in path.parts]
+    texts.remove(Path(__file__))  # this file names a missing path on purpose, below
+    stale = [
+        f"{path.relative_to(ROOT)}: {missing}" for path in texts for missing in missing_repo_paths(path.read_text())
+    ]
+    assert not stale, "paths that name no file:\n" + "\n".join(stale)
+    assert missing_repo_paths("see benchmark/train_sft.py and tasks/tiny/sft") == ["benchmark/train_sft.py"]

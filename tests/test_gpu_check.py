@@ -26,7 +26,7 @@ import gpu_check  # noqa: E402
 import timing  # noqa: E402
 
 ALGORITHMS = {"online_dpo_async.py", "rloo_async.py", "ppo_async.py"}
-STABLE_FILE = "benchmark/tiny_task/README.md"  # committed, and no part of the fake parts' work changes it
+STABLE_FILE = "tasks/tiny/README.md"  # committed, and no part of the fake parts' work changes it
 
 
 def check(*flags: str, env: dict | None = None, timeout: float = 120) -> subprocess.CompletedProcess:
@@ -550,7 +550,7 @@ TWO_PARTS = {
         "depends": [STABLE_FILE],
         "steps": [[fake_stage("run", 30, sys.executable, __file__, "write-run", "{out}/run")]],
     },
-    "2": {"title": "two", "depends": ["benchmark/tiny_task/"], "steps": [[fake_stage("other", 30, "true")]]},
+    "2": {"title": "two", "depends": ["tasks/tiny/"], "steps": [[fake_stage("other", 30, "true")]]},
 }
 
 
@@ -617,9 +617,9 @@ def test_the_code_hash_follows_a_parts_files_and_stages_only(tmp_path):
         (root / path).write_text(f"{path} changed")
         assert code() != first, path
         first = code()
-    patterns = ("benchmark/tiny_task/", "plumbing/*.py", "configs/multi_gpu.yaml")
+    patterns = ("tasks/tiny/", "plumbing/*.py", "configs/multi_gpu.yaml")
     changed = subprocess.run(
-        ["git", "status", "--porcelain", "--untracked-files=all", "--", "benchmark/tiny_task", "plumbing", "configs"],
+        ["git", "status", "--porcelain", "--untracked-files=all", "--", "tasks/tiny", "plumbing", "configs"],
         cwd=ROOT,
         capture_output=True,
         text=True,

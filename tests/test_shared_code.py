@@ -124,9 +124,9 @@ def test_each_file_and_its_main_stay_within_their_line_budget():
 
 
 def test_the_tiny_task_builder_judges_as_the_files_do():
-    """benchmark/tiny_task/build.py keeps its own copy of the tiny task's gold judge (it builds the task without
+    """tasks/tiny/build.py keeps its own copy of the tiny task's gold judge (it builds the task without
     importing an algorithm file): the same text as theirs, so the data it labels is judged as the runs judge."""
-    builder = top_level_blocks((ROOT / "benchmark" / "tiny_task" / "build.py").read_text())
+    builder = top_level_blocks((ROOT / "tasks" / "tiny" / "build.py").read_text())
     assert builder["tiny_gold_score"] == top_level_blocks((ROOT / FILES[0]).read_text())["tiny_gold_score"]
 
 

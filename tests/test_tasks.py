@@ -510,7 +510,7 @@ def test_gsm8k_run_verifier_rewards_greedy_pass_at_1_and_reference_perplexity(to
 @pytest.mark.slow
 def test_no_robots_run_chat_prompts_completions_file_and_reward_model_win_rate(chat_tokenizer, tmp_path):
     """Online DPO on the No Robots fixture with a chat-templated policy, the tiny reward model as proxy and as
-    gold judge: the eval completions file is what benchmark/llm_judge.py reads."""
+    gold judge: the eval completions file is what tasks/llm_judge.py reads."""
     policy = save_random_policy(chat_tokenizer, tmp_path / "policy", seed=2)
     out = tmp_path / "run"
     run_script(
