@@ -105,7 +105,33 @@ class Args(plumbing.RunArgs):  # and the plumbing's flags: run, engine, checkpoi
     num_sample_completions: int = 4
 
 
-# The domains of this algorithm's own numeric flags (the others': COMMON_DOMAINS, plumbing/command_line.py).
+# The domains of the numeric flags the three files share (the plumbing's own: COMMON_DOMAINS, plumbing/
+# command_line.py): flag -> (domain, why).
+SHARED_DOMAINS = {
+    "num_eval_prompts": (">= 1", "a count of prompts (left out: all of the split)"),
+    "max_prompt_length": (">= 1", "a count of tokens"),
+    "response_length": (">= 1", "a count of tokens"),
+    "total_episodes": (">= 1", "a count of completions"),
+    "local_micro_batch_size": (">= 1", "a count of prompts"),
+    "gradient_accumulation_steps": (">= 1", "a count of micro-batches"),
+    "num_mini_batches": (">= 1", "a count of mini-batches"),
+    "num_ppo_epochs": (">= 1", "a count of passes"),
+    "local_rollout_forward_batch_size": (">= 1", "a count of sequences"),
+    "learning_rate": ("> 0", "0 would not train, < 0 would climb the loss"),
+    "adam_epsilon": ("> 0", "AdamW divides by the root of the second moment plus it"),
+    "weight_decay": (">= 0", "< 0 would push the weights away from 0"),
+    "max_grad_norm": ("> 0", "the norm the gradients are clipped to (left out: no clipping)"),
+    "async_level": (">= 0", "a count of policy versions"),
+    # vLLM 0.32 raises a temperature under 0.01 to 0.01 (vllm/sampling_params.py:30 `_MAX_TEMP`, applied at
+    # 557-565) and samples greedily under 1e-5 (:29 `_SAMPLING_EPS`, :612; vllm/v1/sample/sampler.py:300):
+    # the engine would not sample the policy whose logprobs the trainer computes, and a prompt's K samples
+    # would be alike, so that DPO's pairs tie and RLOO's advantages are 0 (the loss and the KL 0 every step)
+    "temperature": (">= 0.01", "below it vLLM samples at 0.01, not at the trainer's temperature"),
+    "missing_eos_penalty": ("finite", "a score"),
+    "eval_freq": (">= 0", "0 evaluates at step 0 and at the end only"),
+    "num_sample_completions": (">= 0", "a count of completions"),
+}
+# The domains of this algorithm's own numeric flags.
 ALGORITHM_DOMAINS = {
     "num_samples": (">= 2", "DPO needs a best and a worst completion"),
     "beta": ("> 0", "0 learns nothing, < 0 learns to prefer the rejected completion"),
@@ -128,7 +154,7 @@ class Sizes(NamedTuple):
 
 def compute_sizes(args: Args, world_size: int) -> Sizes:
     """Check every flag's domain and derive every batch size; errors name the flags to change."""
-    plumbing.check_domains(asdict(args), ALGORITHM_DOMAINS)
+    plumbing.check_domains(asdict(args), SHARED_DOMAINS | ALGORITHM_DOMAINS)
     samples = completions_per_prompt(args)
     local_mini_batch_size = args.local_micro_batch_size * args.gradient_accumulation_steps
     local_batch_size = local_mini_batch_size * args.num_mini_batches
@@ -194,7 +220,13 @@ def load_inputs(args: Args, sizes: Sizes) -> Inputs:
     if args.task in ("tldr", "no_robots") and args.gold_judge == "tiny":  # which judges the tiny task only
         what = "pass a reward model as --gold_judge, or judge eval_completions/ afterwards (docs/tasks.md)"
         print(f"--task {args.task} with --gold_judge tiny logs no eval/win_rate: {what}")
-    tokenizer, reward_tokenizer = plumbing.load_tokenizers(args, reward_model=args.task != "gsm8k")
+    tokenizer, reward_tokenizer = plumbing.load_tokenizers(
+        sft_model_path=args.sft_model_path,
+        reward_model_path=args.reward_model_path if args.task != "gsm8k" else None,  # gsm8k: its verifier
+        gold_judge=args.gold_judge if args.gold_judge != "tiny" else None,  # tiny: the exact scorer
+        lengths=(args.max_prompt_length, args.response_length),
+        trust_remote_code=args.trust_remote_code,
+    )
     train = load_prompts(args, args.dataset_train_split, tokenizer)
     evaluation = load_prompts(args, args.dataset_eval_split, tokenizer, evaluation=True)
     if (n := len(train.token_ids)) < sizes.batch_size:
@@ -236,7 +268,16 @@ def load_prompts(args: Args, split: str, tokenizer, evaluation: bool = False) ->
     split, or of --dataset_eval_file), every row checked (plumbing's load_split), in the format of --task; but
     those over --max_prompt_length tokens."""
     task, max_prompt_length = args.task, args.max_prompt_length
-    dataset, where = plumbing.load_split(args, split, TASK_COLUMNS[task], evaluation)
+    dataset, where = plumbing.load_split(
+        args.dataset_name,
+        args.dataset_config,
+        split,
+        TASK_COLUMNS[task],
+        task=task,
+        evaluation=evaluation,
+        eval_file=args.dataset_eval_file,
+        num_prompts=args.num_eval_prompts,
+    )
     queries, references = task_prompts(dataset, task, tokenizer, where)
     # A chat template writes the BOS token itself (Llama 3.1's does): encoding the text must not add another.
     token_ids = tokenizer(queries, add_special_tokens=task != "no_robots").input_ids
@@ -758,10 +799,17 @@ def step_flops(policy, models: Models, sizes: Sizes, args: Args) -> dict[str, in
 
 def main(args: Args) -> None:
     # setup: the training processes, every input checked before any model loads, the models
-    processes = plumbing.Processes(args)  # accelerate's processes, the dtypes (bf16 autocast on GPUs)
+    # accelerate's processes, the dtypes (bf16 autocast on GPUs), DeepSpeed's batch and clipping
+    processes = plumbing.Processes(
+        args,
+        local_micro_batch_size=args.local_micro_batch_size,
+        gradient_accumulation_steps=args.gradient_accumulation_steps,
+        max_grad_norm=args.max_grad_norm,
+    )
     accelerator, device = processes.accelerator, processes.accelerator.device
     sizes = compute_sizes(args, accelerator.num_processes)
-    folder = plumbing.RunFolder(args, processes)  # locked, and the checkpoint --resume continues from
+    # locked, and the checkpoint --resume continues from; checkpoints hold the policy and its optimizer
+    folder = plumbing.RunFolder(args, processes, trained=[args.sft_model_path], async_level=args.async_level)
     engine = plumbing.Engine(args, processes, folder)  # its GPU and cores, the stop signals, the deadlines
     inputs = load_inputs(args, sizes)
     set_seed(args.seed + accelerator.process_index)
@@ -783,7 +831,7 @@ def main(args: Args) -> None:
 
     # rank 0 starts the engine (it takes the GPU memory the run leaves), writes the run folder, then generates
     engine.start(model, snapshots)
-    folder.open(sizes._asdict(), progress, origin=engine.started)
+    folder.open(sizes._asdict(), progress, origin=engine.started, episodes_per_step=sizes.episodes_per_step)
     channels = Channels(weights=queue.Queue(), rollouts=queue.Queue(), evals=queue.Queue())
     engine.run_thread(generation_thread, engine, channels, schedule, inputs, args, sizes)
     for weights in snapshots.owed_at_start(model, to_publish, start_step, folder.checkpoint):  # on resume

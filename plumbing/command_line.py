@@ -213,44 +213,22 @@ class RunArgs:
 
 
 # == The domain of each numeric flag =========================================================================
-# The flags every algorithm file has: flag -> (domain, why). Each file adds its own (ALGORITHM_DOMAINS).
+# The plumbing's own flags (RunArgs): flag -> (domain, why). Each algorithm file adds those of its own flags.
 COMMON_DOMAINS = {
     "seed": (">= 0", "numpy's generators take no negative seed"),
     "collective_timeout_minutes": ("> 0", "a time to wait"),
-    "num_eval_prompts": (">= 1", "a count of prompts (left out: all of the split)"),
-    "max_prompt_length": (">= 1", "a count of tokens"),
-    "response_length": (">= 1", "a count of tokens"),
-    "total_episodes": (">= 1", "a count of completions"),
-    "local_micro_batch_size": (">= 1", "a count of prompts"),
-    "gradient_accumulation_steps": (">= 1", "a count of micro-batches"),
-    "num_mini_batches": (">= 1", "a count of mini-batches"),
-    "num_ppo_epochs": (">= 1", "a count of passes"),
-    "local_rollout_forward_batch_size": (">= 1", "a count of sequences"),
-    "learning_rate": ("> 0", "0 would not train, < 0 would climb the loss"),
-    "adam_epsilon": ("> 0", "AdamW divides by the root of the second moment plus it"),
-    "weight_decay": (">= 0", "< 0 would push the weights away from 0"),
-    "max_grad_norm": ("> 0", "the norm the gradients are clipped to (left out: no clipping)"),
-    "async_level": (">= 0", "a count of policy versions"),
-    # vLLM 0.32 raises a temperature under 0.01 to 0.01 (vllm/sampling_params.py:30 `_MAX_TEMP`, applied at
-    # 557-565) and samples greedily under 1e-5 (:29 `_SAMPLING_EPS`, :612; vllm/v1/sample/sampler.py:300):
-    # the engine would not sample the policy whose logprobs the trainer computes, and a prompt's K samples
-    # would be alike, so that DPO's pairs tie and RLOO's advantages are 0 (the loss and the KL 0 every step)
-    "temperature": (">= 0.01", "below it vLLM samples at 0.01, not at the trainer's temperature"),
     "vllm_gpu_memory_utilization": ("in (0, 1]", "a share of the GPU"),
     "engine_timeout_minutes": ("> 0", "a time to wait"),
-    "missing_eos_penalty": ("finite", "a score"),
-    "eval_freq": (">= 0", "0 evaluates at step 0 and at the end only"),
     "save_freq": (">= 0", "0 writes no periodic checkpoint"),
     "keep_checkpoints": (">= 1", "the latest checkpoint is the one a resume needs"),
-    "num_sample_completions": (">= 0", "a count of completions"),
 }
 
 
 def check_domains(flags: dict, domains: dict[str, tuple[str, str]]) -> None:
-    """Each flag's value in its domain (`domains`: flag -> (domain, why); with COMMON_DOMAINS), as the maths
-    of the flag reads it: "> 0", ">= 1", "in [0, 1]", "in (0, 1]" or "finite" (every bound finite too); None
-    (an optional flag left out) is not checked. A value outside is a UsageError naming the flag, its domain
-    and why."""
+    """Each flag's value in its domain (`domains`: flag -> (domain, why), the algorithm file's; with
+    COMMON_DOMAINS, the plumbing's own), as the maths of the flag reads it: "> 0", ">= 1", "in [0, 1]", "in
+    (0, 1]" or "finite" (every bound finite too); None (an optional flag left out) is not checked. A value
+    outside is a UsageError naming the flag, its domain and why."""
     for flag, (domain, why) in (COMMON_DOMAINS | domains).items():
         value = flags[flag]
         if value is None:
@@ -277,18 +255,28 @@ def check_local(path: str, flag: str) -> None:
             raise UsageError(f"{flag} {path}: no such file or folder")
 
 
-def load_split(args, split: str, columns: dict[str, type], evaluation: bool = False) -> tuple:
-    """The rows of a split of --dataset_name: a hub id, a local dataset folder (its README declares its
-    configs, as on the hub) or one file; with `evaluation`, the first --num_eval_prompts of the evaluation
-    split, from --dataset_eval_file if given. One file would serve every split: evaluation then needs a file
-    of its own. Every row read is checked (check_rows): `columns` maps the names a task reads to str (text) or
+def load_split(
+    dataset_name: str,
+    dataset_config: str | None,
+    split: str,
+    columns: dict[str, type],
+    task: str,
+    evaluation: bool = False,
+    eval_file: str | None = None,
+    num_prompts: int | None = None,
+) -> tuple:
+    """The rows of a split of `dataset_name` (--dataset_name, --dataset_config): a hub id, a local dataset
+    folder (its README declares its configs, as on the hub) or one file; with `evaluation`, the first
+    `num_prompts` (--num_eval_prompts; None: all) of the evaluation split, from `eval_file`
+    (--dataset_eval_file) if given. One file would serve every split: evaluation then needs a file of its own.
+    Every row read is checked (check_rows): `columns` maps the names --task `task` reads to str (text) or
     CHAT. Returns the rows and where they are, as an error names them."""
-    name, config, flag = args.dataset_name, args.dataset_config, "--dataset_name"
-    if evaluation and args.dataset_eval_file is not None:
-        name, config, flag = args.dataset_eval_file, None, "--dataset_eval_file"
+    name, config, flag = dataset_name, dataset_config, "--dataset_name"
+    if evaluation and eval_file is not None:
+        name, config, flag = eval_file, None, "--dataset_eval_file"
         if not os.path.isfile(name):
             raise UsageError(f"--dataset_eval_file {name} is not a file: give one file of evaluation prompts")
-        if os.path.exists(args.dataset_name) and os.path.samefile(name, args.dataset_name):
+        if os.path.exists(dataset_name) and os.path.samefile(name, dataset_name):
             raise UsageError(f"--dataset_eval_file {name} is --dataset_name: evaluate on other prompts")
     elif evaluation and os.path.isfile(name):
         raise UsageError(
@@ -299,9 +287,9 @@ def load_split(args, split: str, columns: dict[str, type], evaluation: bool = Fa
     where = f"{flag} {name}" + ("" if flag == "--dataset_eval_file" else f" split {split}")
     if missing := [column for column in columns if column not in dataset.column_names]:
         has = dataset.column_names
-        raise UsageError(f"{where} lacks column(s) {missing} of --task {args.task}; it has {has}")
-    if evaluation and args.num_eval_prompts is not None:
-        dataset = dataset.select(range(min(args.num_eval_prompts, len(dataset))))
+        raise UsageError(f"{where} lacks column(s) {missing} of --task {task}; it has {has}")
+    if evaluation and num_prompts is not None:
+        dataset = dataset.select(range(min(num_prompts, len(dataset))))
     check_rows(dataset, columns, where)
     return dataset, where
 
@@ -438,19 +426,27 @@ def load_tokenizer(path: str, flag: str, trust_remote_code: bool):
     return tokenizer
 
 
-def load_tokenizers(args, reward_model: bool) -> tuple:
-    """The policy's tokenizer and the reward model's (None without one: `reward_model`), once every model of
-    the run (--sft_model_path, --reward_model_path, --gold_judge unless `tiny`) is checked (check_model)."""
-    lengths, remote = (args.max_prompt_length, args.response_length), args.trust_remote_code
-    check_model(args.sft_model_path, "--sft_model_path", lengths, remote)
-    if reward_model:
-        check_model(args.reward_model_path, "--reward_model_path", lengths, remote, reward=True)
-    if args.gold_judge != "tiny":
-        check_model(args.gold_judge, "--gold_judge", lengths, remote, reward=True)
-    tokenizer = load_tokenizer(args.sft_model_path, "--sft_model_path", remote)
-    if not reward_model:
+def load_tokenizers(
+    sft_model_path: str,
+    reward_model_path: str | None,
+    gold_judge: str | None,
+    lengths: tuple[int, int],
+    trust_remote_code: bool,
+) -> tuple:
+    """The policy's tokenizer and the reward model's (None without one), once every model of the run is
+    checked (check_model): the policy `sft_model_path` (--sft_model_path), the reward model
+    `reward_model_path` (--reward_model_path; None: the task has none) and the judge `gold_judge`
+    (--gold_judge; None: no model), each with room for `lengths`, the prompt's and the response's
+    most tokens."""
+    check_model(sft_model_path, "--sft_model_path", lengths, trust_remote_code)
+    if reward_model_path is not None:
+        check_model(reward_model_path, "--reward_model_path", lengths, trust_remote_code, reward=True)
+    if gold_judge is not None:
+        check_model(gold_judge, "--gold_judge", lengths, trust_remote_code, reward=True)
+    tokenizer = load_tokenizer(sft_model_path, "--sft_model_path", trust_remote_code)
+    if reward_model_path is None:
         return tokenizer, None
-    return tokenizer, load_tokenizer(args.reward_model_path, "--reward_model_path", remote)
+    return tokenizer, load_tokenizer(reward_model_path, "--reward_model_path", trust_remote_code)
 
 
 def same_tokenizer(a, b) -> bool:

@@ -12,14 +12,23 @@ import torch
 from accelerate import Accelerator, PartialState
 from accelerate.utils import broadcast_object_list, parse_flag_from_env
 
+from plumbing.command_line import RunArgs
+
 
 class Processes:
     """The training processes of a run, made first: accelerate's process group (see process_state) and its
     Accelerator; the dtype of the trainer's models (--dtype auto: bfloat16 on GPUs, as autocast over fp32
     weights for the policy and the reference, and bf16 weights for the reward and gold models) and of the
-    engine's."""
+    engine's. DeepSpeed's config takes the trainer's batch and clipping (`local_micro_batch_size`,
+    `gradient_accumulation_steps`, `max_grad_norm`: None, no clipping) as its own."""
 
-    def __init__(self, args):
+    def __init__(
+        self,
+        args: RunArgs,
+        local_micro_batch_size: int,
+        gradient_accumulation_steps: int,
+        max_grad_norm: float | None,
+    ):
         state = process_state(args.collective_timeout_minutes)
         self.on_gpu = state.device.type == "cuda"
         bf16 = args.dtype == "bfloat16" or (args.dtype == "auto" and self.on_gpu)
@@ -27,16 +36,16 @@ class Processes:
         dtypes = {"auto": self.dtype, "float32": torch.float32, "bfloat16": torch.bfloat16}
         self.engine_dtype = dtypes[args.vllm_dtype]
         self.accelerator = Accelerator(
-            gradient_accumulation_steps=args.gradient_accumulation_steps,
+            gradient_accumulation_steps=gradient_accumulation_steps,
             mixed_precision="bf16" if bf16 else "no",
         )
         # fp32 matmuls on tensor cores
         torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
         # DeepSpeed wants these in its own config
         if (deepspeed := self.accelerator.state.deepspeed_plugin) is not None:
-            deepspeed.deepspeed_config["train_micro_batch_size_per_gpu"] = args.local_micro_batch_size
-            deepspeed.deepspeed_config["gradient_accumulation_steps"] = args.gradient_accumulation_steps
-            deepspeed.deepspeed_config["gradient_clipping"] = args.max_grad_norm or 0.0  # 0: no clipping
+            deepspeed.deepspeed_config["train_micro_batch_size_per_gpu"] = local_micro_batch_size
+            deepspeed.deepspeed_config["gradient_accumulation_steps"] = gradient_accumulation_steps
+            deepspeed.deepspeed_config["gradient_clipping"] = max_grad_norm or 0.0  # 0: no clipping
         self.is_main = self.accelerator.is_main_process
         self.zero_stage = zero_stage(self.accelerator)
 

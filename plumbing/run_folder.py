@@ -31,7 +31,7 @@ from accelerate.utils import broadcast_object_list, gather_object
 from safetensors.torch import load_file, save_file
 from tqdm import tqdm
 
-from plumbing.command_line import UsageError
+from plumbing.command_line import RunArgs, UsageError
 
 # Flags that may change when a run is resumed; any other must be what the run started with.
 RESUMABLE_CHANGES = {"resume", "output_dir", "track", "wandb_project", "wandb_entity", "save_freq"}
@@ -52,10 +52,11 @@ class RunFolder:
     """The run's folder (module docstring): its name and path, its lock (rank 0's), the checkpoint --resume
     continues from, the metrics' logs (rank 0's), the checkpoints and the final policy."""
 
-    def __init__(self, args, processes, trained: list[str] | None = None):
+    def __init__(self, args: RunArgs, processes, trained: list[str], async_level: int):
         """Before any model loads, the run's name and folder, which rank 0 claims (claim) for the run's
         `processes` (plumbing.Processes): `trained` are the models a checkpoint holds with their optimizer
-        state (None: the policy, --sft_model_path), from which it estimates the space the run needs."""
+        state (the policy's first), from which, with the `async_level` policy versions the engine may be
+        behind, it estimates the space the run needs."""
         if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_.-]*", args.exp_name):
             raise UsageError(
                 f"--exp_name {args.exp_name!r} must be a plain name (letters, digits, '_', '.', '-'): it "
@@ -67,7 +68,7 @@ class RunFolder:
         self.lock, claimed = None, None
         if processes.is_main:
             try:
-                claimed = self.claim(processes, trained or [args.sft_model_path])
+                claimed = self.claim(processes, trained, async_level)
             except (UsageError, SystemExit) as exc:  # every process stops with it
                 claimed = exc
         claimed = processes.broadcast(claimed)
@@ -76,7 +77,7 @@ class RunFolder:
         self.checkpoint = claimed
         self.last_checkpoint = self.checkpoint  # the newest on disk, which a NaN loss names
 
-    def claim(self, processes, trained: list[str]) -> str | None:
+    def claim(self, processes, trained: list[str], async_level: int) -> str | None:
         """Rank 0's checks of the folder, which it locks first (FolderLock: writable, and no other run in
         it): the run it holds, and the checkpoint --resume continues from (checkpoint_to_resume), with a
         line for a cut-off last line of metrics.jsonl, which is dropped; and the free space, against the
@@ -103,7 +104,7 @@ class RunFolder:
             with processes.whole_models():  # no ZeRO-3 partitioning, whose collectives rank 1 is not in
                 parameters = [parameter_count(model, args.trust_remote_code) for model in trained]
             deepspeed, engine_bytes = processes.zero_stage > 0, processes.engine_dtype.itemsize
-            each = checkpoint_bytes(parameters, engine_bytes, args.async_level, deepspeed)
+            each = checkpoint_bytes(parameters, engine_bytes, async_level, deepspeed)
             at_most = args.keep_checkpoints + 1 if args.save_freq else 1  # the kept ones and a new one
             count = max(0, at_most - len(checkpoints_in(path)))
             check_space(path, each, count, final_policy=4 * parameters[0])
@@ -125,11 +126,12 @@ class RunFolder:
             print(f"--resume: no checkpoint in {self.path} yet, starting at step 0")
         return progress
 
-    def open(self, sizes: dict, progress: "Progress", origin: float) -> None:
+    def open(self, sizes: dict, progress: "Progress", origin: float, episodes_per_step: int) -> None:
         """Rank 0 writes args.json (the flags, `sizes`, the git revision) and opens the logs; on resume,
         metrics.jsonl loses what the interrupted run logged after its checkpoint: those steps are trained
-        again. `origin`: the time.perf_counter() the timeline counts from (the engine up)."""
-        self.origin, self.episodes_per_step = origin, sizes["episodes_per_step"]
+        again. `origin`: the time.perf_counter() the timeline counts from (the engine up);
+        `episodes_per_step`: the completions a step trains on, which count a step's episode."""
+        self.origin, self.episodes_per_step = origin, episodes_per_step
         if not PartialState().is_main_process:
             return
         args, metrics = self.args, os.path.join(self.path, "metrics.jsonl")

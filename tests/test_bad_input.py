@@ -89,11 +89,13 @@ def edges(domain: str, kind: type) -> tuple[list, list]:
 
 def test_every_numeric_flag_has_a_domain_and_both_sides_of_each_bound_are_checked(script):
     """A flag added without a domain fails here; every domain is exercised just inside and just outside its bounds.
-    check_domains gets the file's own domains, as the file passes them, and adds COMMON_DOMAINS itself."""
-    own = script.ALGORITHM_DOMAINS
+    check_domains gets the file's domains, as the file passes them, and adds COMMON_DOMAINS (the plumbing's) itself."""
+    own = script.SHARED_DOMAINS | script.ALGORITHM_DOMAINS
     domains = COMMON_DOMAINS | own
     numbers = numeric_flags(script)
-    assert sorted(numbers) == sorted(domains), "give each numeric flag a domain in COMMON_DOMAINS or ALGORITHM_DOMAINS"
+    assert sorted(numbers) == sorted(domains), (
+        "give each numeric flag a domain in COMMON_DOMAINS, SHARED_DOMAINS or ALGORITHM_DOMAINS"
+    )
     defaults = vars(script.Args())
     check_domains(defaults, own)  # the defaults are in their domains
     for flag, (domain, why) in domains.items():
@@ -153,12 +155,13 @@ def test_a_tokenizer_without_eos_is_refused_and_one_without_pad_pads_with_eos(to
         load_tokenizer(str(tmp_path / "tok"), "--sft_model_path", False)
 
 
-def split_of(name: str, split: str = "train", evaluation: bool = False, **flags):
+def split_of(name: str, split: str = "train", evaluation: bool = False, dataset_eval_file: str | None = None):
     """plumbing's load_split, which the three files call, on --dataset_name `name` as the tiny task reads it."""
     import online_dpo_async as dpo
 
-    args = dpo.Args(dataset_name=name, **flags)
-    return load_split(args, split, dpo.TASK_COLUMNS["tiny"], evaluation)
+    return load_split(
+        name, None, split, dpo.TASK_COLUMNS["tiny"], task="tiny", evaluation=evaluation, eval_file=dataset_eval_file
+    )
 
 
 def test_datasets_of_an_unknown_kind_or_split_name_the_flag(tmp_path):
@@ -367,7 +370,7 @@ def test_every_row_read_is_checked_naming_the_file_split_row_and_column(task, ba
     }
     name = rows_file(tmp_path / "rows.jsonl", [good[task], bad])
     with pytest.raises(UsageError) as error:
-        load_split(dpo.Args(task=task, dataset_name=name), "train", dpo.TASK_COLUMNS[task])
+        load_split(name, None, "train", dpo.TASK_COLUMNS[task], task=task)
     assert str(error.value) == f"--dataset_name {name} split train, row 1, column {column}: {problem}"
 
 
@@ -377,11 +380,13 @@ def test_the_evaluation_split_is_checked_as_far_as_it_is_read(tmp_path):
 
     train = rows_file(tmp_path / "train.jsonl", [SORT])
     evaluation = rows_file(tmp_path / "eval.jsonl", [SORT, SORT, {**SORT, "query": " "}])
-    args = dict(dataset_name=train, dataset_eval_file=evaluation)
-    dataset, where = load_split(dpo.Args(**args, num_eval_prompts=2), "test", dpo.TASK_COLUMNS["tiny"], evaluation=True)
+    columns = dpo.TASK_COLUMNS["tiny"]
+    dataset, where = load_split(
+        train, None, "test", columns, task="tiny", evaluation=True, eval_file=evaluation, num_prompts=2
+    )
     assert (len(dataset), where) == (2, f"--dataset_eval_file {evaluation}")
     with pytest.raises(UsageError, match=rf"^--dataset_eval_file {evaluation}, row 2, column query: ' ' is empty$"):
-        load_split(dpo.Args(**args), "test", dpo.TASK_COLUMNS["tiny"], evaluation=True)
+        load_split(train, None, "test", columns, task="tiny", evaluation=True, eval_file=evaluation)
 
 
 def test_one_file_for_both_splits_is_refused_unless_the_evaluation_has_a_file_of_its_own(tmp_path):

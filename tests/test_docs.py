@@ -323,13 +323,13 @@ def test_docs_commands_run_dry_or_name_flags_their_script_has(command, tmp_path)
 
 
 def domain_table() -> str:
-    """docs/flags.md's table of the flags' domains, from COMMON_DOMAINS and each file's
+    """docs/flags.md's table of the flags' domains, from COMMON_DOMAINS and each file's SHARED_DOMAINS and
     ALGORITHM_DOMAINS."""
     scripts = ["online_dpo_async.py", "rloo_async.py", "ppo_async.py"]
     modules = {name: importlib.import_module(name.removesuffix(".py")) for name in scripts}
     rows = {}
     for name, module in modules.items():
-        for flag, (domain, why) in (COMMON_DOMAINS | module.ALGORITHM_DOMAINS).items():
+        for flag, (domain, why) in (COMMON_DOMAINS | module.SHARED_DOMAINS | module.ALGORITHM_DOMAINS).items():
             rows.setdefault((flag, domain, why), []).append(name)
     lines = ["| flag | must be | why | files |", "|---|---|---|---|"]
     for (flag, domain, why), names in rows.items():
@@ -418,7 +418,7 @@ def test_help_is_grouped_the_same_way_in_the_three_files_and_says_what_every_fla
         assert names[5].startswith("batch sizes (in prompts; each gets "), names[5]
     where = {}  # flag -> {(section index, help)}
     for name, module in SCRIPTS.items():
-        domains = COMMON_DOMAINS | module.ALGORITHM_DOMAINS
+        domains = COMMON_DOMAINS | module.SHARED_DOMAINS | module.ALGORITHM_DOMAINS
         for index, (title, flags) in enumerate(sections[name]):
             for flag, text in flags:
                 assert text, f"{name} --{flag} has no help"

@@ -212,9 +212,17 @@ def test_snapshots_are_taken_in_the_engine_s_dtype_from_the_trainer_s_weights(to
     others go."""
     from safetensors.torch import save_file
 
-    on_cpu = plumbing.Processes(dpo.Args(local_micro_batch_size=1))  # --dtype and --vllm_dtype auto: float32 on CPUs
+    # --dtype and --vllm_dtype auto: float32 on CPUs
+    on_cpu = plumbing.Processes(
+        plumbing.RunArgs(), local_micro_batch_size=1, gradient_accumulation_steps=1, max_grad_norm=1.0
+    )
     assert (on_cpu.dtype, on_cpu.engine_dtype) == (torch.float32, torch.float32)
-    processes = plumbing.Processes(dpo.Args(dtype="float32", vllm_dtype="bfloat16", local_micro_batch_size=1))
+    processes = plumbing.Processes(
+        plumbing.RunArgs(dtype="float32", vllm_dtype="bfloat16"),
+        local_micro_batch_size=1,
+        gradient_accumulation_steps=1,
+        max_grad_norm=1.0,
+    )
     assert (processes.dtype, processes.engine_dtype) == (torch.float32, torch.bfloat16)
     policy = perturbed_policy(tokenizer, "llama", tied=False, seed=0)
     snapshots = plumbing.PolicySnapshots(processes, policy)
@@ -270,7 +278,9 @@ def test_the_fingerprint_is_of_the_trainer_s_weights_not_of_their_copy(tokenizer
 # ---------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("loss", [float("nan"), float("inf"), float("-inf")])
 def test_a_non_finite_loss_stops_the_run_before_a_checkpoint_has_it(loss):
-    processes = plumbing.Processes(dpo.Args(dtype="float32", local_micro_batch_size=1))
+    processes = plumbing.Processes(
+        plumbing.RunArgs(dtype="float32"), local_micro_batch_size=1, gradient_accumulation_steps=1, max_grad_norm=1.0
+    )
     stats = {"loss": torch.tensor(0.25), "kl": torch.tensor(2.0)}
     assert processes.mean(stats, 3, None) == {"loss": 0.25, "kl": 2.0}  # one process: its own numbers
     with pytest.raises(RuntimeError) as raised:
@@ -295,7 +305,12 @@ def reduce_on_two_processes(rank: int, port: int, out: str) -> None:
         RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", LOCAL_WORLD_SIZE="2", MASTER_ADDR="127.0.0.1"
     )
     os.environ.update(MASTER_PORT=str(port), ACCELERATE_USE_CPU="true")
-    processes = plumbing.Processes(dpo.Args(dtype="float32", local_micro_batch_size=1, collective_timeout_minutes=2))
+    processes = plumbing.Processes(
+        plumbing.RunArgs(dtype="float32", collective_timeout_minutes=2),
+        local_micro_batch_size=1,
+        gradient_accumulation_steps=1,
+        max_grad_norm=1.0,
+    )
     stats = {"loss": torch.tensor(1.0 + 2 * rank), "kl": torch.tensor(10.0 * rank), "tied": torch.tensor(0.25)}
     result = {"mean": processes.mean(stats, 0, None), "broadcast": processes.broadcast(f"from rank {rank}")}
     scores = torch.tensor([0.5, 1.0]) if rank == 0 else torch.tensor([float("-inf"), 2.0])
