@@ -291,7 +291,8 @@ def load_prompts(args: Args, split: str, tokenizer, evaluation: bool = False) ->
     """The prompts of a split of --dataset_name (`evaluation`: the first --num_eval_prompts of the evaluation
     split, or of --dataset_eval_file), every row checked (plumbing's load_split), in the format of --task; but
     those over --max_prompt_length tokens."""
-    task, max_prompt_length = args.task, args.max_prompt_length
+    task = args.task
+    max_prompt_length = args.max_prompt_length
     dataset, where = plumbing.load_split(
         args.dataset_name,
         args.dataset_config,
@@ -369,7 +370,8 @@ class Batch(NamedTuple):
 def to_batch(prompts: list[list[int]], responses, repeat: int, args: Args, tokenizer, device):
     """Prompts (each repeated for its `repeat` consecutive completions) and completions as a Batch."""
     query_ids, query_mask = left_pad(prompts, args.max_prompt_length, tokenizer.pad_token_id)
-    query_ids, query_mask = query_ids.repeat_interleave(repeat, 0), query_mask.repeat_interleave(repeat, 0)
+    query_ids = query_ids.repeat_interleave(repeat, 0)
+    query_mask = query_mask.repeat_interleave(repeat, 0)
     eos, pad = tokenizer.eos_token_id, tokenizer.pad_token_id
     response_ids, response_mask, contain_eos = truncate_responses(responses, args.response_length, eos, pad)
     return Batch(*(t.to(device) for t in (query_ids, query_mask, response_ids, response_mask, contain_eos)))
@@ -392,7 +394,8 @@ def load_models(args: Args, inputs: Inputs, processes: plumbing.Processes) -> tu
     """The policy and the frozen models (safetensors only), dropout off. The policy and the reference keep
     fp32 weights (the optimizer's, the policy's numbers at step 0) under autocast; the reward and gold models
     hold --dtype weights. Under ZeRO-3 every model is sharded but the gold judge, which only rank 0 holds."""
-    remote, safe = args.trust_remote_code, dict(use_safetensors=True)
+    remote = args.trust_remote_code
+    safe = dict(use_safetensors=True)
     load = partial(AutoModelForCausalLM.from_pretrained, args.sft_model_path, dtype=torch.float32, **safe)
     policy, ref_policy = load(trust_remote_code=remote), load(trust_remote_code=remote)
     scoring = dict(dtype=processes.dtype, trust_remote_code=remote, **safe)
@@ -438,7 +441,8 @@ def response_logprobs(model, batch: Batch, temperature: float, entropy: bool = F
     0 after EOS; with `entropy`, also the entropy of pi(. | query, y_<t) (a diagnostic: no gradient). Only the
     logits that predict the response: over a 50k vocabulary the others would be the largest tensor."""
     ids, mask = batch.sequences()
-    positions, keep = position_ids_from(mask), batch.response_ids.shape[1] + 1
+    positions = position_ids_from(mask)
+    keep = batch.response_ids.shape[1] + 1  # the logits of the last prompt token and the response's
     logits = model(input_ids=ids, attention_mask=mask, position_ids=positions, logits_to_keep=keep).logits
     logits = logits[:, :-1].float() / temperature
     logprobs = logits.gather(2, batch.response_ids.unsqueeze(-1)).squeeze(-1) - logits.logsumexp(-1)
@@ -559,7 +563,8 @@ def evaluate(responses: list[list[int]], evaluation: Prompts, models: Models, ar
     """One evaluation (docs/metrics.md): the reference policy's perplexity on the completions, EOS included
     (the paper's KL proxy, section 3.1), their EOS rate and length; GSM8k's pass@1, or the proxy RM's score
     and, with a gold judge, the win rate against the references. Returns the metrics, samples, completions."""
-    tokenizer, bs = models.tokenizer, args.local_rollout_forward_batch_size
+    tokenizer = models.tokenizer
+    bs = args.local_rollout_forward_batch_size
     queries, references = evaluation.queries, evaluation.references
     batch = to_batch(evaluation.token_ids, responses, 1, args, tokenizer, device)
     ids = [r[m.bool()].tolist() for r, m in zip(batch.response_ids, batch.response_mask)]
@@ -583,7 +588,8 @@ def evaluate(responses: list[list[int]], evaluation: Prompts, models: Models, ar
         extras["reference_gold"] = [round(g, 3) for g in reference_gold]
     if args.task == "gsm8k":
         correct = verify_completions(tokenizer, batch, evaluation.references)
-        metrics["eval/pass@1"], extras = correct.mean().item(), {"correct": correct.tolist()}
+        metrics["eval/pass@1"] = correct.mean().item()
+        extras = {"correct": correct.tolist()}
     logprobs = torch.cat([response_logprobs(models.ref_policy, part, temperature=1.0) for part in parts])
     perplexities = torch.exp(-logprobs.sum(1) / batch.response_mask.sum(1).clamp(min=1))
     metrics["eval/ref_perplexity"] = perplexities.mean().item()
@@ -898,7 +904,8 @@ def old_logprobs_and_values(model, batch: Batch, temperature: float, batch_size:
     """theta_step's per-token logprobs and values (PolicyAndValue), in no-grad passes of `batch_size`."""
     parts = [batch.rows(slice(i, i + batch_size)) for i in range(0, len(batch.query_ids), batch_size)]
     outputs = [model(part, temperature, entropy=False) for part in parts]  # logprobs, None, values
-    logprobs, values = [logprobs for logprobs, _, _ in outputs], [values for _, _, values in outputs]
+    logprobs = [logprobs for logprobs, _, _ in outputs]
+    values = [values for _, _, values in outputs]
     return torch.cat(logprobs), torch.cat(values)
 
 
@@ -1006,8 +1013,12 @@ def ppo_metrics(step: int, version: int, sizes: Sizes, lr: float, reduced: dict,
 # == main(): setup, then the training loop's numbered steps ==================================================
 def step_flops(model: "PolicyAndValue", models: Models, sizes: Sizes, args: Args) -> dict[str, int]:
     """The FLOPs of each phase of a step, per process (model FLOP utilisation: benchmark/timing.py)."""
-    L, R, B = args.max_prompt_length + args.response_length, args.response_length, sizes.local_batch_size
-    passes, flops = (4 if args.gradient_checkpointing else 3) * args.num_ppo_epochs, plumbing.forward_flops
+    R = args.response_length
+    L = args.max_prompt_length + R
+    B = sizes.local_batch_size
+    # a training pass is a forward and a backward (2 forwards), and one more forward with recomputation
+    passes = (4 if args.gradient_checkpointing else 3) * args.num_ppo_epochs
+    flops = plumbing.forward_flops
     trained = flops(model.policy, B, L, R + 1) + flops(model.value_model, B, L)
     return {
         "scoring": 0 if models.reward_model is None else flops(models.reward_model, B, L),
@@ -1075,7 +1086,8 @@ def main(args: Args) -> None:
             folder.log_evaluation(arrived, metrics, rows, texts, inputs.evaluation)
             evals_logged.add(arrived.version)
 
-    B, K, bs = sizes.local_batch_size, 1, args.local_rollout_forward_batch_size
+    B, K = sizes.local_batch_size, 1
+    bs = args.local_rollout_forward_batch_size
     with engine, folder:  # then the engine stops and the logs close, however the loop ends
         for step in folder.steps(start_step, sizes.num_steps):  # with a progress bar
             laps = plumbing.Laps()
