@@ -494,3 +494,20 @@ def test_every_path_the_docs_scripts_and_comments_name_exists():
     ]
     assert not stale, "paths that name no file:\n" + "\n".join(stale)
     assert missing_repo_paths("see benchmark/train_sft.py and tasks/tiny/sft") == ["benchmark/train_sft.py"]
+
+
+def test_the_picture_of_the_layout_is_what_the_code_imports():
+    """docs/import_graph.svg, which the README's Layout shows, is what docs/import_graph.py draws from the code
+    now; and the layout's rules hold: the plumbing and the tasks import nothing of the other folders, the algorithm
+    files only the plumbing."""
+    sys.path.insert(0, str(ROOT / "docs"))
+    import import_graph
+
+    imports, runs = import_graph.dependencies()
+    assert "(docs/import_graph.svg)" in README
+    assert (ROOT / "docs" / "import_graph.svg").read_text() == import_graph.draw(imports, runs), (
+        "run python docs/import_graph.py"
+    )
+    assert {target for source, target in imports if source == import_graph.METHOD} == {"plumbing/"}
+    assert not {target for source, target in imports if source in ("plumbing/", "tasks/")}
+    assert len(imports[(import_graph.METHOD, "plumbing/")]) == 3
