@@ -105,7 +105,7 @@ class Args(plumbing.RunArgs):  # and the plumbing's flags: run, engine, checkpoi
     num_sample_completions: int = 4
 
 
-# The domains of the numeric flags the three files share (the plumbing's own: COMMON_DOMAINS, plumbing/
+# The domains of the numeric flags the three files share (the plumbing's own: _COMMON_DOMAINS, plumbing/
 # command_line.py): flag -> (domain, why).
 SHARED_DOMAINS = {
     "num_eval_prompts": (">= 1", "a count of prompts (left out: all of the split)"),

@@ -25,6 +25,9 @@ sys.path.insert(0, str(ROOT / "benchmark"))
 import gpu_check  # noqa: E402
 import timing  # noqa: E402
 
+# A private plumbing name (_parse_args) on purpose: the GPU check's parts are planned from the flags as the files
+# parse them.
+
 ALGORITHMS = {"online_dpo_async.py", "rloo_async.py", "ppo_async.py"}
 STABLE_FILE = "tasks/tiny/README.md"  # committed, and no part of the fake parts' work changes it
 
@@ -112,10 +115,10 @@ def parse_algorithm(script: str, flags: list[str], world_size: int = 1):
     """The flags as the script reads them (an unknown flag or a bad value stops it) and its sizes."""
     import importlib
 
-    from plumbing.command_line import parse_args
+    from plumbing.command_line import _parse_args
 
     module = importlib.import_module(script.removesuffix(".py"))
-    args = parse_args(module.Args, module.__doc__, flags)
+    args = _parse_args(module.Args, module.__doc__, flags)
     return args, module.compute_sizes(args, world_size)
 
 

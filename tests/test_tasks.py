@@ -12,6 +12,8 @@ from conftest import ROOT, TINY, run_script, save_random_policy
 
 import plumbing
 
+# A private plumbing name (_write_eval_completions) on purpose: the completions file's rows are checked without a run.
+
 SCRIPTS = ["online_dpo_async.py", "rloo_async.py", "ppo_async.py"]
 FIXTURES = ROOT / "tests" / "fixtures"
 # A chat template for the tiny word-level tokenizer; like Llama 3.1's, it writes the BOS token itself.
@@ -392,7 +394,7 @@ def test_the_optimizer_is_the_paper_codes(script):
 
 
 def test_eval_completions_are_written_atomically_one_file_per_step(tmp_path):
-    write_eval_completions = plumbing.run_folder.write_eval_completions
+    write_eval_completions = plumbing.run_folder._write_eval_completions
     first = write_eval_completions(str(tmp_path), 3, 96, ["p1", "p2"], ["c1", "c2"], ["r1", "r2"])
     assert first == str(tmp_path / "eval_completions" / "step_000003.jsonl")
     assert rows_of(tmp_path / "eval_completions" / "step_000003.jsonl") == [
