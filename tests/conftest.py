@@ -1,6 +1,7 @@
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -167,15 +168,25 @@ def run_script(
     """Run a command (from the repository root unless told); fail with its output if it fails. `all_cores`: on every
     core of the machine, as a user runs it (the scripts then split them between the engine and training), rather
     than on the xdist worker's one."""
-    proc = subprocess.run(
+    with subprocess.Popen(
         argv,
         cwd=cwd,
-        capture_output=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
         text=True,
-        timeout=timeout,
         env={**os.environ, **(env or {})},
         preexec_fn=(lambda: os.sched_setaffinity(0, ALL_CORES)) if all_cores else None,
-    )
+        start_new_session=True,  # a session of its own: on a timeout, what it started (a launcher's ranks) dies too
+    ) as popen:
+        try:
+            stdout, stderr = popen.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(popen.pid, signal.SIGKILL)
+            stdout, stderr = popen.communicate()
+            raise AssertionError(
+                f"{' '.join(argv)} ran past {timeout} s:\n{stdout[-4000:]}\n{stderr[-8000:]}"
+            ) from None
+    proc = subprocess.CompletedProcess(argv, popen.returncode, stdout, stderr)
     assert proc.returncode == 0, (
         f"{' '.join(argv)} failed ({proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}"
     )

@@ -8,6 +8,7 @@ IN (torch.save): the policy's folder, rloo_async.Args' fields, the Batch's and t
 learning rate of plain SGD; OUT: the updated policy's state dict.
 """
 
+import os
 import sys
 from pathlib import Path
 
@@ -37,8 +38,17 @@ def main(inputs: str, output: str) -> None:
     if accelerator.is_main_process:
         torch.save(accelerator.unwrap_model(model).state_dict(), output)
     accelerator.wait_for_everyone()
-    torch.distributed.destroy_process_group()  # gloo's threads, left running at exit, would abort it
+
+
+def leave() -> None:
+    """Exit without the interpreter's teardown. Destroying the gloo process group there deadlocks now and then: the
+    DDP reducer's release (holding the GIL) joins gloo's thread while it waits for the GIL to free the barrier's
+    tensors; gloo's threads left running abort the exit instead. What this run writes is written by now."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 if __name__ == "__main__":
     main(*sys.argv[1:])
+    leave()
