@@ -24,7 +24,7 @@ from transformers import AutoModelForCausalLM, AutoModelForSequenceClassificatio
 import plumbing
 from plumbing import UsageError
 
-TINY_TASK = Path(__file__).resolve().parent / "benchmark" / "tiny_task"
+TINY_TASK = Path(__file__).resolve().parent / "tasks" / "tiny"
 # The dataset columns each --task reads (docs/tasks.md): text, or a conversation of {"role", "content"} texts.
 TASK_COLUMNS = {
     "tiny": {"query": str, "reference_response": str},
@@ -122,7 +122,33 @@ class Args(plumbing.RunArgs):  # and the plumbing's flags: run, engine, checkpoi
     num_sample_completions: int = 4
 
 
-# The domains of this algorithm's own numeric flags (the others': COMMON_DOMAINS, plumbing/command_line.py).
+# The domains of the numeric flags the three files share (the plumbing's own: _COMMON_DOMAINS, plumbing/
+# command_line.py): flag -> (domain, why).
+SHARED_DOMAINS = {
+    "num_eval_prompts": (">= 1", "a count of prompts (left out: all of the split)"),
+    "max_prompt_length": (">= 1", "a count of tokens"),
+    "response_length": (">= 1", "a count of tokens"),
+    "total_episodes": (">= 1", "a count of completions"),
+    "local_micro_batch_size": (">= 1", "a count of prompts"),
+    "gradient_accumulation_steps": (">= 1", "a count of micro-batches"),
+    "num_mini_batches": (">= 1", "a count of mini-batches"),
+    "num_ppo_epochs": (">= 1", "a count of passes"),
+    "local_rollout_forward_batch_size": (">= 1", "a count of sequences"),
+    "learning_rate": ("> 0", "0 would not train, < 0 would climb the loss"),
+    "adam_epsilon": ("> 0", "AdamW divides by the root of the second moment plus it"),
+    "weight_decay": (">= 0", "< 0 would push the weights away from 0"),
+    "max_grad_norm": ("> 0", "the norm the gradients are clipped to (left out: no clipping)"),
+    "async_level": (">= 0", "a count of policy versions"),
+    # vLLM 0.32 raises a temperature under 0.01 to 0.01 (vllm/sampling_params.py:30 `_MAX_TEMP`, applied at
+    # 557-565) and samples greedily under 1e-5 (:29 `_SAMPLING_EPS`, :612; vllm/v1/sample/sampler.py:300):
+    # the engine would not sample the policy whose logprobs the trainer computes, and a prompt's K samples
+    # would be alike, so that DPO's pairs tie and RLOO's advantages are 0 (the loss and the KL 0 every step)
+    "temperature": (">= 0.01", "below it vLLM samples at 0.01, not at the trainer's temperature"),
+    "missing_eos_penalty": ("finite", "a score"),
+    "eval_freq": (">= 0", "0 evaluates at step 0 and at the end only"),
+    "num_sample_completions": (">= 0", "a count of completions"),
+}
+# The domains of this algorithm's own numeric flags.
 ALGORITHM_DOMAINS = {
     "kl_coef": (">= 0", "< 0 would reward moving away from the reference"),
     "kl_target": ("> 0", "the adaptive controller divides by it"),
@@ -152,7 +178,7 @@ class Sizes(NamedTuple):
 
 def compute_sizes(args: Args, world_size: int) -> Sizes:
     """Check every flag's domain and derive every batch size; errors name the flags to change."""
-    plumbing.check_domains(asdict(args), ALGORITHM_DOMAINS)
+    plumbing.check_domains(asdict(args), SHARED_DOMAINS | ALGORITHM_DOMAINS)
     samples = completions_per_prompt(args)
     local_mini_batch_size = args.local_micro_batch_size * args.gradient_accumulation_steps
     local_batch_size = local_mini_batch_size * args.num_mini_batches
@@ -218,7 +244,13 @@ def load_inputs(args: Args, sizes: Sizes) -> Inputs:
     if args.task in ("tldr", "no_robots") and args.gold_judge == "tiny":  # which judges the tiny task only
         what = "pass a reward model as --gold_judge, or judge eval_completions/ afterwards (docs/tasks.md)"
         print(f"--task {args.task} with --gold_judge tiny logs no eval/win_rate: {what}")
-    tokenizer, reward_tokenizer = plumbing.load_tokenizers(args, reward_model=args.task != "gsm8k")
+    tokenizer, reward_tokenizer = plumbing.load_tokenizers(
+        sft_model_path=args.sft_model_path,
+        reward_model_path=args.reward_model_path if args.task != "gsm8k" else None,  # gsm8k: its verifier
+        gold_judge=args.gold_judge if args.gold_judge != "tiny" else None,  # tiny: the exact scorer
+        lengths=(args.max_prompt_length, args.response_length),
+        trust_remote_code=args.trust_remote_code,
+    )
     train = load_prompts(args, args.dataset_train_split, tokenizer)
     evaluation = load_prompts(args, args.dataset_eval_split, tokenizer, evaluation=True)
     if (n := len(train.token_ids)) < sizes.batch_size:
@@ -259,8 +291,18 @@ def load_prompts(args: Args, split: str, tokenizer, evaluation: bool = False) ->
     """The prompts of a split of --dataset_name (`evaluation`: the first --num_eval_prompts of the evaluation
     split, or of --dataset_eval_file), every row checked (plumbing's load_split), in the format of --task; but
     those over --max_prompt_length tokens."""
-    task, max_prompt_length = args.task, args.max_prompt_length
-    dataset, where = plumbing.load_split(args, split, TASK_COLUMNS[task], evaluation)
+    task = args.task
+    max_prompt_length = args.max_prompt_length
+    dataset, where = plumbing.load_split(
+        args.dataset_name,
+        args.dataset_config,
+        split,
+        TASK_COLUMNS[task],
+        task=task,
+        evaluation=evaluation,
+        eval_file=args.dataset_eval_file,
+        num_prompts=args.num_eval_prompts,
+    )
     queries, references = task_prompts(dataset, task, tokenizer, where)
     # A chat template writes the BOS token itself (Llama 3.1's does): encoding the text must not add another.
     token_ids = tokenizer(queries, add_special_tokens=task != "no_robots").input_ids
@@ -328,7 +370,8 @@ class Batch(NamedTuple):
 def to_batch(prompts: list[list[int]], responses, repeat: int, args: Args, tokenizer, device):
     """Prompts (each repeated for its `repeat` consecutive completions) and completions as a Batch."""
     query_ids, query_mask = left_pad(prompts, args.max_prompt_length, tokenizer.pad_token_id)
-    query_ids, query_mask = query_ids.repeat_interleave(repeat, 0), query_mask.repeat_interleave(repeat, 0)
+    query_ids = query_ids.repeat_interleave(repeat, 0)
+    query_mask = query_mask.repeat_interleave(repeat, 0)
     eos, pad = tokenizer.eos_token_id, tokenizer.pad_token_id
     response_ids, response_mask, contain_eos = truncate_responses(responses, args.response_length, eos, pad)
     return Batch(*(t.to(device) for t in (query_ids, query_mask, response_ids, response_mask, contain_eos)))
@@ -351,7 +394,8 @@ def load_models(args: Args, inputs: Inputs, processes: plumbing.Processes) -> tu
     """The policy and the frozen models (safetensors only), dropout off. The policy and the reference keep
     fp32 weights (the optimizer's, the policy's numbers at step 0) under autocast; the reward and gold models
     hold --dtype weights. Under ZeRO-3 every model is sharded but the gold judge, which only rank 0 holds."""
-    remote, safe = args.trust_remote_code, dict(use_safetensors=True)
+    remote = args.trust_remote_code
+    safe = dict(use_safetensors=True)
     load = partial(AutoModelForCausalLM.from_pretrained, args.sft_model_path, dtype=torch.float32, **safe)
     policy, ref_policy = load(trust_remote_code=remote), load(trust_remote_code=remote)
     scoring = dict(dtype=processes.dtype, trust_remote_code=remote, **safe)
@@ -397,7 +441,8 @@ def response_logprobs(model, batch: Batch, temperature: float, entropy: bool = F
     0 after EOS; with `entropy`, also the entropy of pi(. | query, y_<t) (a diagnostic: no gradient). Only the
     logits that predict the response: over a 50k vocabulary the others would be the largest tensor."""
     ids, mask = batch.sequences()
-    positions, keep = position_ids_from(mask), batch.response_ids.shape[1] + 1
+    positions = position_ids_from(mask)
+    keep = batch.response_ids.shape[1] + 1  # the logits of the last prompt token and the response's
     logits = model(input_ids=ids, attention_mask=mask, position_ids=positions, logits_to_keep=keep).logits
     logits = logits[:, :-1].float() / temperature
     logprobs = logits.gather(2, batch.response_ids.unsqueeze(-1)).squeeze(-1) - logits.logsumexp(-1)
@@ -518,7 +563,8 @@ def evaluate(responses: list[list[int]], evaluation: Prompts, models: Models, ar
     """One evaluation (docs/metrics.md): the reference policy's perplexity on the completions, EOS included
     (the paper's KL proxy, section 3.1), their EOS rate and length; GSM8k's pass@1, or the proxy RM's score
     and, with a gold judge, the win rate against the references. Returns the metrics, samples, completions."""
-    tokenizer, bs = models.tokenizer, args.local_rollout_forward_batch_size
+    tokenizer = models.tokenizer
+    bs = args.local_rollout_forward_batch_size
     queries, references = evaluation.queries, evaluation.references
     batch = to_batch(evaluation.token_ids, responses, 1, args, tokenizer, device)
     ids = [r[m.bool()].tolist() for r, m in zip(batch.response_ids, batch.response_mask)]
@@ -542,7 +588,8 @@ def evaluate(responses: list[list[int]], evaluation: Prompts, models: Models, ar
         extras["reference_gold"] = [round(g, 3) for g in reference_gold]
     if args.task == "gsm8k":
         correct = verify_completions(tokenizer, batch, evaluation.references)
-        metrics["eval/pass@1"], extras = correct.mean().item(), {"correct": correct.tolist()}
+        metrics["eval/pass@1"] = correct.mean().item()
+        extras = {"correct": correct.tolist()}
     logprobs = torch.cat([response_logprobs(models.ref_policy, part, temperature=1.0) for part in parts])
     perplexities = torch.exp(-logprobs.sum(1) / batch.response_mask.sum(1).clamp(min=1))
     metrics["eval/ref_perplexity"] = perplexities.mean().item()
@@ -858,7 +905,8 @@ def old_logprobs_and_values(model, batch: Batch, temperature: float, batch_size:
     """theta_step's per-token logprobs and values (PolicyAndValue), in no-grad passes of `batch_size`."""
     parts = [batch.rows(slice(i, i + batch_size)) for i in range(0, len(batch.query_ids), batch_size)]
     outputs = [model(part, temperature, entropy=False) for part in parts]  # logprobs, None, values
-    logprobs, values = [logprobs for logprobs, _, _ in outputs], [values for _, _, values in outputs]
+    logprobs = [logprobs for logprobs, _, _ in outputs]
+    values = [values for _, _, values in outputs]
     return torch.cat(logprobs), torch.cat(values)
 
 
@@ -966,8 +1014,12 @@ def ppo_metrics(step: int, version: int, sizes: Sizes, lr: float, reduced: dict,
 # == main(): setup, then the training loop's numbered steps ==================================================
 def step_flops(model: "PolicyAndValue", models: Models, sizes: Sizes, args: Args) -> dict[str, int]:
     """The FLOPs of each phase of a step, per process (model FLOP utilisation: benchmark/timing.py)."""
-    L, R, B = args.max_prompt_length + args.response_length, args.response_length, sizes.local_batch_size
-    passes, flops = (4 if args.gradient_checkpointing else 3) * args.num_ppo_epochs, plumbing.forward_flops
+    R = args.response_length
+    L = args.max_prompt_length + R
+    B = sizes.local_batch_size
+    # a training pass is a forward and a backward (2 forwards), and one more forward with recomputation
+    passes = (4 if args.gradient_checkpointing else 3) * args.num_ppo_epochs
+    flops = plumbing.forward_flops
     trained = flops(model.policy, B, L, R + 1) + flops(model.value_model, B, L)
     return {
         "scoring": 0 if models.reward_model is None else flops(models.reward_model, B, L),
@@ -979,12 +1031,20 @@ def step_flops(model: "PolicyAndValue", models: Models, sizes: Sizes, args: Args
 
 def main(args: Args) -> None:
     # setup: the training processes, every input checked before any model loads, the models
-    processes = plumbing.Processes(args)  # accelerate's processes, the dtypes (bf16 autocast on GPUs)
+    # accelerate's processes, the dtypes (bf16 autocast on GPUs), DeepSpeed's batch and clipping
+    processes = plumbing.Processes(
+        args,
+        local_micro_batch_size=args.local_micro_batch_size,
+        gradient_accumulation_steps=args.gradient_accumulation_steps,
+        max_grad_norm=args.max_grad_norm,
+    )
     accelerator, device = processes.accelerator, processes.accelerator.device
     sizes = compute_sizes(args, accelerator.num_processes)
     value_start = args.sft_model_path if args.task == "gsm8k" else args.reward_model_path  # load_value_model
     # locked, and the checkpoint --resume continues from, which holds the policy and the value model
-    folder = plumbing.RunFolder(args, processes, trained=[args.sft_model_path, value_start])
+    folder = plumbing.RunFolder(
+        args, processes, trained=[args.sft_model_path, value_start], async_level=args.async_level
+    )
     engine = plumbing.Engine(args, processes, folder)  # its GPU and cores, the stop signals, the deadlines
     inputs = load_inputs(args, sizes)
     check_value_model(inputs, args)
@@ -1010,7 +1070,7 @@ def main(args: Args) -> None:
     length = args.max_prompt_length + args.response_length  # of a sequence, for the engine
     engine.start(model, policy, path=args.sft_model_path, max_model_len=length, async_level=args.async_level)
     snapshots = plumbing.PolicySnapshots(processes, policy, engine.snapshot_place, prefix="policy.")
-    folder.open(sizes._asdict(), progress, origin=engine.started)
+    folder.open(sizes._asdict(), progress, origin=engine.started, episodes_per_step=sizes.episodes_per_step)
     channels = Channels(weights=queue.Queue(), rollouts=queue.Queue(), evals=queue.Queue())
     engine.run_thread(generation_thread, engine, channels, schedule, inputs, args, sizes)
     for weights in snapshots.owed_at_start(model, to_publish, start_step, folder.checkpoint):  # on resume
@@ -1028,7 +1088,8 @@ def main(args: Args) -> None:
             folder.log_evaluation(arrived, metrics, rows, texts, inputs.evaluation)
             evals_logged.add(arrived.version)
 
-    B, K, bs = sizes.local_batch_size, 1, args.local_rollout_forward_batch_size
+    B, K = sizes.local_batch_size, 1
+    bs = args.local_rollout_forward_batch_size
     with engine, folder:  # then the engine stops and the logs close, however the loop ends
         for step in folder.steps(start_step, sizes.num_steps):  # with a progress bar
             laps = plumbing.Laps()

@@ -381,7 +381,7 @@ def part_8(c: Context) -> list[list[Stage]]:
 
 
 # what each part's results depend on (Part.depends), with the algorithm files it runs
-COMMON = ("plumbing/*.py", "benchmark/tiny_task/", "configs/multi_gpu.yaml")
+COMMON = ("plumbing/*.py", "tasks/tiny/", "configs/multi_gpu.yaml")
 TESTS = ("tests/test_gpu.py", "tests/conftest.py")
 SPEED = (
     "benchmark/speed.py",

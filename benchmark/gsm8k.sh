@@ -56,7 +56,7 @@ GSM8K=(
 )
 # TINY=1: the local fixture in the real format (configs main/socratic, splits train/test) and the
 # tiny task's policy; its prompts are at most 31 tokens of the tiny tokenizer.
-TINY_SWAP=(--dataset_name tests/fixtures/gsm8k --sft_model_path benchmark/tiny_task/sft
+TINY_SWAP=(--dataset_name tests/fixtures/gsm8k --sft_model_path tasks/tiny/sft
     --max_prompt_length 32 --response_length 16)
 
 ASYNC_LEVELS=(0 1)

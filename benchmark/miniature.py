@@ -49,7 +49,7 @@ TASK = [
     "--task",
     "tiny",
     "--dataset_name",
-    "benchmark/tiny_task/data",
+    "tasks/tiny/data",
     "--dataset_config",
     "None",
     "--dataset_train_split",
@@ -57,9 +57,9 @@ TASK = [
     "--dataset_eval_split",
     "test",
     "--sft_model_path",
-    "benchmark/tiny_task/sft",
+    "tasks/tiny/sft",
     "--reward_model_path",
-    "benchmark/tiny_task/reward",
+    "tasks/tiny/reward",
     "--gold_judge",
     "tiny",
     "--max_prompt_length",
@@ -187,6 +187,8 @@ SAMPLES_FLAG = {"online_dpo_async.py": "--num_samples", "rloo_async.py": "--rloo
 ADDED_FLAGS = {
     "rloo_async.py": {"--loss_type": "proximal_rloo", "--advantage": "leave_one_out", "--token_ratio_cap": "8.0"}
 }
+# The tiny task's folder before it moved to tasks/tiny: a run recorded there used the same files.
+MOVED_TINY_TASK = "benchmark/tiny_task/"
 
 # Estimated seconds per run on 2 quiet CPU cores. Measured on real runs of each file (tiny task,
 # --total_episodes 4096, sync, N = 1 and 16, 5 evaluations of 512 prompts) while other work shared
@@ -317,7 +319,11 @@ def estimate_s(run: Run, num_evals: int) -> float:
 # ---------------------------------------------------------------------------------------------
 def same_flags(recorded: list[str], run: Run) -> bool:
     """The recorded run's flags are the run's, or the run's less ADDED_FLAGS at their values (a run recorded before
-    its file gained them)."""
+    its file gained them); a path under MOVED_TINY_TASK reads as the same path under tasks/tiny/."""
+    recorded = [
+        flag.replace(MOVED_TINY_TASK, "tasks/tiny/", 1) if flag.startswith(MOVED_TINY_TASK) else flag
+        for flag in recorded
+    ]
     older, added = list(run.flags), ADDED_FLAGS.get(run.script, {})
     for flag, value in added.items():
         at = older.index(flag) if flag in older else None

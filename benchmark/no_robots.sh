@@ -12,10 +12,10 @@
 #   ppo         table 9, figure 10: PPO, sync and async, KL coefficient 0.01
 #
 # The SFT policy and the reward model are yours to train first (tables 5-6), from Meta-Llama-3.1-8B:
-# benchmark/train_sft.py, then benchmark/label_preferences.py (4 completions per prompt including the
-# human one, 6 pairs judged by an LLM) and benchmark/train_reward.py; their docstrings have the
+# tasks/train_sft.py, then tasks/label_preferences.py (4 completions per prompt including the
+# human one, 6 pairs judged by an LLM) and tasks/train_reward.py; their docstrings have the
 # commands. Point NO_ROBOTS_SFT and NO_ROBOTS_RM at the results. The win rate against the human
-# answers (tables 1, 8, 9) is judged afterwards from each run's eval_completions/ by benchmark/llm_judge.py.
+# answers (tables 1, 8, 9) is judged afterwards from each run's eval_completions/ by tasks/llm_judge.py.
 set -euo pipefail
 BENCH=no_robots
 EXPERIMENTS=(online_dpo ppo)
@@ -83,21 +83,21 @@ DPO_ACCUMULATION=$(exact_div "$DPO_PROMPTS_PER_GPU" "$LOCAL_MICRO_BATCH_SIZE" "o
 PPO_ACCUMULATION=$(exact_div "$PPO_PROMPTS_PER_GPU" "$LOCAL_MICRO_BATCH_SIZE" "PPO's prompts per GPU over the micro-batch")
 
 # TINY=1: the local fixture in the real format (chat `messages`, splits train/test), the tiny
-# task's reward model, and its policy with a chat template added (the one benchmark/train_sft.py's
+# task's reward model, and its policy with a chat template added (the one tasks/train_sft.py's
 # `--chat_template tulu` gives a base model), as --task no_robots needs one.
 TINY_SFT="$RUNS_DIR/$BENCH/tiny_sft_chat"
 TINY_SWAP=(--dataset_name tests/fixtures/no_robots/data --sft_model_path "$TINY_SFT"
-    --reward_model_path benchmark/tiny_task/reward --max_prompt_length 48 --response_length 12)
+    --reward_model_path tasks/tiny/reward --max_prompt_length 48 --response_length 12)
 if [[ "$TINY" == 1 && "$DRY_RUN" != 1 ]]; then
     mkdir -p "$RUNS_DIR/$BENCH"
     rm -rf "$TINY_SFT"
-    cp -r benchmark/tiny_task/sft "$TINY_SFT"
+    cp -r tasks/tiny/sft "$TINY_SFT"
     python - "$TINY_SFT" <<'EOF'
 import ast, json, sys
 from pathlib import Path
 
-# TULU_CHAT_TEMPLATE read from benchmark/train_sft.py without importing it (and torch)
-tree = ast.parse(Path("benchmark/train_sft.py").read_text())
+# TULU_CHAT_TEMPLATE read from tasks/train_sft.py without importing it (and torch)
+tree = ast.parse(Path("tasks/train_sft.py").read_text())
 template = next(ast.literal_eval(node.value) for node in tree.body
                 if isinstance(node, ast.Assign) and getattr(node.targets[0], "id", None) == "TULU_CHAT_TEMPLATE")
 config_file = Path(sys.argv[1], "tokenizer_config.json")

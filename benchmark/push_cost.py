@@ -34,7 +34,7 @@ sys.path.insert(0, str(ROOT))
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model_path", default=str(ROOT / "benchmark" / "tiny_task" / "sft"))
+    parser.add_argument("--model_path", default=str(ROOT / "tasks" / "tiny" / "sft"))
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     parser.add_argument("--pushes", type=int, default=20)
     parser.add_argument("--bucket_fraction", type=float, default=1 / 8)

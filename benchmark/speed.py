@@ -36,7 +36,7 @@ import plot_timeline  # noqa: E402
 import timing  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
-TINY_TASK = ROOT / "benchmark" / "tiny_task"
+TINY_TASK = ROOT / "tasks" / "tiny"
 SCRIPTS = ("online_dpo_async.py", "rloo_async.py", "ppo_async.py")
 # hidden size, layers, attention heads, MLP width of the Pythia suite (Biderman et al. 2023, table 1)
 PYTHIA = {"pythia-160m": (768, 12, 12, 3072), "pythia-410m": (1024, 24, 16, 4096), "pythia-1b": (2048, 16, 8, 8192)}

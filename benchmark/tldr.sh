@@ -60,8 +60,8 @@ TLDR=(
 )
 # TINY=1: the tiny task, which mirrors this controlled setup (SFT policy, proxy reward model, exact
 # gold judge); TLDR's texts do not fit its 64-token models (the loader is tested on tests/fixtures/tldr).
-TINY_SWAP=(--task tiny --dataset_name benchmark/tiny_task/data --dataset_eval_split test
-    --sft_model_path benchmark/tiny_task/sft --reward_model_path benchmark/tiny_task/reward --gold_judge tiny
+TINY_SWAP=(--task tiny --dataset_name tasks/tiny/data --dataset_eval_split test
+    --sft_model_path tasks/tiny/sft --reward_model_path tasks/tiny/reward --gold_judge tiny
     --max_prompt_length 12 --response_length 12)
 
 # tldr METHOD POLICY RM N T K ASYNC_LEVEL LR: one run per seed.

@@ -9,7 +9,9 @@
 
 A package, not one module: each part reads alone, and the watchdog runs as its own program, importing
 nothing of the rest. Nothing runs at import. An algorithm file uses the names below, no others; a fork of one
-uses this package unchanged. What each algorithm does is in its own file (docs/)."""
+uses this package unchanged. The package reads only the flags it declares (RunArgs): what else it needs of a
+file's flags is passed by name, so that a fork may rename any of them. A name with a leading underscore is its
+module's own. What each algorithm does is in its own file (docs/)."""
 
 from plumbing.command_line import (
     RunArgs,

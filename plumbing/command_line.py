@@ -1,6 +1,6 @@
 """1. The command line and the checks of every flag and input file, before any model loads.
 
-`run` is an algorithm file's entry point: it parses the flags (`parse_args`: tyro, --help in the sections of
+`run` is an algorithm file's entry point: it parses the flags (`_parse_args`: tyro, --help in the sections of
 the file's Args), quiets the third-party messages known to be harmless, and reports a bad input (`UsageError`)
 in one line, a failure after its traceback in one last line."""
 
@@ -33,12 +33,12 @@ class UsageError(ValueError):
 
 
 def run(main, args_class: type, doc: str) -> None:
-    """main(args) with the flags of `args_class` (parse_args; --exp_name left out: main's file's name). A
+    """main(args) with the flags of `args_class` (_parse_args; --exp_name left out: main's file's name). A
     bad input (UsageError) ends the process with one line, `error: ...`, exit status 1; a failure during the
     run (a NaN score, a dead engine, any exception) with its traceback, which helps, and then one line saying
     what failed, last."""
     try:
-        args = parse_args(args_class, doc)
+        args = _parse_args(args_class, doc)
         args.exp_name = args.exp_name or Path(inspect.getfile(main)).stem
         quiet_known_noise()
         main(args)
@@ -50,10 +50,10 @@ def run(main, args_class: type, doc: str) -> None:
         raise SystemExit(1)
     finally:
         gc.freeze()  # the exit would garbage-collect the whole heap (seconds); the OS frees it anyway
-    leave_process_group()
+    _leave_process_group()
 
 
-def leave_process_group() -> None:
+def _leave_process_group() -> None:
     """Every process leaves the process group at the end of a run: torch's gloo threads, left running into the
     interpreter's exit after a collective, abort it ("terminate called without an active exception", status
     -6). Only at a clean end: after a failure another process may still wait in a collective."""
@@ -81,8 +81,8 @@ def quiet_known_noise() -> None:
     logging.getLogger("DeepSpeed").addFilter(
         lambda record: not record.getMessage().startswith("Setting accelerator")
     )
-    # datasets' JSON builder logs a file that does not parse before it raises, which read_split reports in its
-    # one line with the file and the line
+    # datasets' JSON builder logs a file that does not parse before it raises, which _read_split reports in
+    # its one line with the file and the line
     logging.getLogger("datasets.packaged_modules.json.json").setLevel(logging.CRITICAL)
     # progress bars of every model loaded or saved and of the datasets' caches: seconds each, in every run
     transformers.utils.logging.disable_progress_bar()
@@ -93,7 +93,7 @@ REDUCE_OP_WARNING = "`torch.distributed.reduce_op` is deprecated"
 
 
 # == The flags and their --help ==============================================================================
-def flag_sections(cls: type) -> list[tuple[str, list[tuple[str, str]]]]:
+def _flag_sections(cls: type) -> list[tuple[str, list[tuple[str, str]]]]:
     """The sections of the dataclass `cls`'s body, and of its dataclass bases' before them, as [(title,
     [(field, help)])]: a section starts at the first field or after a blank line, with a comment line naming
     it; a field's help is its trailing comment, or the comment lines right above it."""
@@ -121,12 +121,12 @@ def flag_sections(cls: type) -> list[tuple[str, list[tuple[str, str]]]]:
     return sections
 
 
-def parse_args(cls: type, doc: str, args: list[str] | None = None):
-    """tyro's command line of the dataclass `cls`, its --help in the class's sections (flag_sections) and
+def _parse_args(cls: type, doc: str, args: list[str] | None = None):
+    """tyro's command line of the dataclass `cls`, its --help in the class's sections (_flag_sections) and
     headed by the first paragraph of `doc`. Returns a `cls`."""
     fields = {field.name: field for field in dataclasses.fields(cls)}
     groups = []
-    for title, flags in flag_sections(cls):
+    for title, flags in _flag_sections(cls):
         members = [
             (
                 name,
@@ -144,7 +144,7 @@ def parse_args(cls: type, doc: str, args: list[str] | None = None):
         )
         for i, group in enumerate(groups)
     ]
-    description = doc.strip().split("\n\n")[0] + "\n\n" + NONE_FLAGS
+    description = doc.strip().split("\n\n")[0] + "\n\n" + _NONE_FLAGS
     parsed = tyro.cli(
         dataclasses.make_dataclass(cls.__name__, sections),
         args=args,
@@ -160,7 +160,7 @@ def parse_args(cls: type, doc: str, args: list[str] | None = None):
     )
 
 
-NONE_FLAGS = "A flag shown {None}|INT (STR, FLOAT) is optional: left out, it is None, as its text explains."
+_NONE_FLAGS = "A flag shown {None}|INT (STR, FLOAT) is optional: left out, it is None, as its text explains."
 
 
 @dataclasses.dataclass
@@ -219,47 +219,25 @@ class RunArgs:
 
 
 # == The domain of each numeric flag =========================================================================
-# The flags every algorithm file has: flag -> (domain, why). Each file adds its own (ALGORITHM_DOMAINS).
-COMMON_DOMAINS = {
+# The plumbing's own flags (RunArgs): flag -> (domain, why). Each algorithm file adds those of its own flags.
+_COMMON_DOMAINS = {
     "seed": (">= 0", "numpy's generators take no negative seed"),
     "collective_timeout_minutes": ("> 0", "a time to wait"),
-    "num_eval_prompts": (">= 1", "a count of prompts (left out: all of the split)"),
-    "max_prompt_length": (">= 1", "a count of tokens"),
-    "response_length": (">= 1", "a count of tokens"),
-    "total_episodes": (">= 1", "a count of completions"),
-    "local_micro_batch_size": (">= 1", "a count of prompts"),
-    "gradient_accumulation_steps": (">= 1", "a count of micro-batches"),
-    "num_mini_batches": (">= 1", "a count of mini-batches"),
-    "num_ppo_epochs": (">= 1", "a count of passes"),
-    "local_rollout_forward_batch_size": (">= 1", "a count of sequences"),
-    "learning_rate": ("> 0", "0 would not train, < 0 would climb the loss"),
-    "adam_epsilon": ("> 0", "AdamW divides by the root of the second moment plus it"),
-    "weight_decay": (">= 0", "< 0 would push the weights away from 0"),
-    "max_grad_norm": ("> 0", "the norm the gradients are clipped to (left out: no clipping)"),
-    "async_level": (">= 0", "a count of policy versions"),
-    # vLLM 0.32 raises a temperature under 0.01 to 0.01 (vllm/sampling_params.py:30 `_MAX_TEMP`, applied at
-    # 557-565) and samples greedily under 1e-5 (:29 `_SAMPLING_EPS`, :612; vllm/v1/sample/sampler.py:300):
-    # the engine would not sample the policy whose logprobs the trainer computes, and a prompt's K samples
-    # would be alike, so that DPO's pairs tie and RLOO's advantages are 0 (the loss and the KL 0 every step)
-    "temperature": (">= 0.01", "below it vLLM samples at 0.01, not at the trainer's temperature"),
     "vllm_gpu_memory_utilization": ("in (0, 1]", "a share of the GPU"),
     "vllm_num_engines": (">= 1", "a count of engines"),
     "vllm_tensor_parallel_size": (">= 1", "a count of GPUs per engine"),
     "engine_timeout_minutes": ("> 0", "a time to wait"),
-    "missing_eos_penalty": ("finite", "a score"),
-    "eval_freq": (">= 0", "0 evaluates at step 0 and at the end only"),
     "save_freq": (">= 0", "0 writes no periodic checkpoint"),
     "keep_checkpoints": (">= 1", "the latest checkpoint is the one a resume needs"),
-    "num_sample_completions": (">= 0", "a count of completions"),
 }
 
 
 def check_domains(flags: dict, domains: dict[str, tuple[str, str]]) -> None:
-    """Each flag's value in its domain (`domains`: flag -> (domain, why); with COMMON_DOMAINS), as the maths
-    of the flag reads it: "> 0", ">= 1", "in [0, 1]", "in (0, 1]" or "finite" (every bound finite too); None
-    (an optional flag left out) is not checked. A value outside is a UsageError naming the flag, its domain
-    and why."""
-    for flag, (domain, why) in (COMMON_DOMAINS | domains).items():
+    """Each flag's value in its domain (`domains`: flag -> (domain, why), the algorithm file's; with
+    _COMMON_DOMAINS, the plumbing's own), as the maths of the flag reads it: "> 0", ">= 1", "in [0, 1]", "in
+    (0, 1]" or "finite" (every bound finite too); None (an optional flag left out) is not checked. A value
+    outside is a UsageError naming the flag, its domain and why."""
+    for flag, (domain, why) in (_COMMON_DOMAINS | domains).items():
         value = flags[flag]
         if value is None:
             continue
@@ -277,7 +255,7 @@ def check_domains(flags: dict, domains: dict[str, tuple[str, str]]) -> None:
 
 
 # == The data, the model files and their tokenizers ==========================================================
-def check_local(path: str, flag: str) -> None:
+def _check_local(path: str, flag: str) -> None:
     """A path that cannot be a hub id (org/name) must exist: "/nowhere" or "models/x/y" is a missing folder,
     and saying so beats the hub client's complaint about repository names."""
     if path.startswith(("/", ".", "~")) or path.count("/") > 1:
@@ -285,39 +263,49 @@ def check_local(path: str, flag: str) -> None:
             raise UsageError(f"{flag} {path}: no such file or folder")
 
 
-def load_split(args, split: str, columns: dict[str, type], evaluation: bool = False) -> tuple:
-    """The rows of a split of --dataset_name: a hub id, a local dataset folder (its README declares its
-    configs, as on the hub) or one file; with `evaluation`, the first --num_eval_prompts of the evaluation
-    split, from --dataset_eval_file if given. One file would serve every split: evaluation then needs a file
-    of its own. Every row read is checked (check_rows): `columns` maps the names a task reads to str (text) or
-    CHAT. Returns the rows and where they are, as an error names them."""
-    name, config, flag = args.dataset_name, args.dataset_config, "--dataset_name"
-    if evaluation and args.dataset_eval_file is not None:
-        name, config, flag = args.dataset_eval_file, None, "--dataset_eval_file"
+def load_split(
+    dataset_name: str,
+    dataset_config: str | None,
+    split: str,
+    columns: dict[str, type],
+    task: str,
+    evaluation: bool = False,
+    eval_file: str | None = None,
+    num_prompts: int | None = None,
+) -> tuple:
+    """The rows of a split of `dataset_name` (--dataset_name, --dataset_config): a hub id, a local dataset
+    folder (its README declares its configs, as on the hub) or one file; with `evaluation`, the first
+    `num_prompts` (--num_eval_prompts; None: all) of the evaluation split, from `eval_file`
+    (--dataset_eval_file) if given. One file would serve every split: evaluation then needs a file of its own.
+    Every row read is checked (_check_rows): `columns` maps the names --task `task` reads to str (text) or
+    _CHAT. Returns the rows and where they are, as an error names them."""
+    name, config, flag = dataset_name, dataset_config, "--dataset_name"
+    if evaluation and eval_file is not None:
+        name, config, flag = eval_file, None, "--dataset_eval_file"
         if not os.path.isfile(name):
             raise UsageError(f"--dataset_eval_file {name} is not a file: give one file of evaluation prompts")
-        if os.path.exists(args.dataset_name) and os.path.samefile(name, args.dataset_name):
+        if os.path.exists(dataset_name) and os.path.samefile(name, dataset_name):
             raise UsageError(f"--dataset_eval_file {name} is --dataset_name: evaluate on other prompts")
     elif evaluation and os.path.isfile(name):
         raise UsageError(
             f"--dataset_name {name} is one file, which would serve the evaluation split too: the evaluation "
             "would run on the training prompts; give its prompts as another file, --dataset_eval_file"
         )
-    dataset = read_split(name, split, config, flag)
+    dataset = _read_split(name, split, config, flag)
     where = f"{flag} {name}" + ("" if flag == "--dataset_eval_file" else f" split {split}")
     if missing := [column for column in columns if column not in dataset.column_names]:
         has = dataset.column_names
-        raise UsageError(f"{where} lacks column(s) {missing} of --task {args.task}; it has {has}")
-    if evaluation and args.num_eval_prompts is not None:
-        dataset = dataset.select(range(min(args.num_eval_prompts, len(dataset))))
-    check_rows(dataset, columns, where)
+        raise UsageError(f"{where} lacks column(s) {missing} of --task {task}; it has {has}")
+    if evaluation and num_prompts is not None:
+        dataset = dataset.select(range(min(num_prompts, len(dataset))))
+    _check_rows(dataset, columns, where)
     return dataset, where
 
 
-def read_split(name: str, split: str, config: str | None, flag: str):
+def _read_split(name: str, split: str, config: str | None, flag: str):
     """A split of the dataset `name`, as load_split describes. A file that does not parse is a UsageError
-    naming it, and the line of a JSON Lines file (unparsable_line), not the builder's chained tracebacks."""
-    check_local(name, flag)
+    naming it, and the line of a JSON Lines file (_unparsable_line), not the builder's chained tracebacks."""
+    _check_local(name, flag)
     builder = dict(path=name, name=config)
     if os.path.isfile(name):
         builders = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".csv": "csv"}
@@ -331,7 +319,7 @@ def read_split(name: str, split: str, config: str | None, flag: str):
     except DatasetGenerationError as exc:  # the builder could not read one of its files
         files = [Path(name)] if os.path.isfile(name) else sorted(Path(name).rglob("*.json*"))
         for file in files:
-            if file.suffix in (".json", ".jsonl") and (bad := unparsable_line(file)):
+            if file.suffix in (".json", ".jsonl") and (bad := _unparsable_line(file)):
                 raise UsageError(f"{flag} {name}: {file} does not parse at {bad}")
         cause = exc.__cause__ or exc.__context__ or exc
         raise UsageError(f"{flag} {name} split {split} does not parse: {str(cause).strip().splitlines()[0]}")
@@ -343,7 +331,7 @@ def read_split(name: str, split: str, config: str | None, flag: str):
         raise UsageError(f"{where} split {split}: {detail}") from exc
 
 
-def unparsable_line(path: Path) -> str | None:
+def _unparsable_line(path: Path) -> str | None:
     """Where a JSON Lines file stops parsing, "line N (row R): why" (R counts the rows before it); None when
     every line is a JSON value, or the file is one JSON document (it then says its line, without a row)."""
     text, row = path.read_text(errors="replace"), 0
@@ -366,21 +354,21 @@ def unparsable_line(path: Path) -> str | None:
 
 
 # A conversation: [{"role": ..., "content": ...}, ...], as --task no_robots's `messages`.
-CHAT = list[dict[str, str]]
-CHAT_KEYS = ("role", "content")
+_CHAT = list[dict[str, str]]
+_CHAT_KEYS = ("role", "content")
 
 
-def check_rows(dataset, columns: dict[str, type], where: str) -> None:
-    """Each value of `columns` (name -> str or CHAT) of its type and not empty: a bad row is a UsageError
+def _check_rows(dataset, columns: dict[str, type], where: str) -> None:
+    """Each value of `columns` (name -> str or _CHAT) of its type and not empty: a bad row is a UsageError
     naming it and its column. Unchecked, a value that is not text fails in the tokenizer with a traceback
     naming neither, and an empty prompt is trained on or divides an evaluation by zero."""
     for column, kind in columns.items():
         for row, value in enumerate(dataset[column]):
-            if problem := text_problem(value) if kind is str else chat_problem(value):
+            if problem := _text_problem(value) if kind is str else _chat_problem(value):
                 raise UsageError(f"{where}, row {row}, column {column}: {problem}")
 
 
-def text_problem(value) -> str | None:
+def _text_problem(value) -> str | None:
     if value is None:
         return "missing (null)"
     if not isinstance(value, str):
@@ -388,11 +376,11 @@ def text_problem(value) -> str | None:
     return None if value.strip() else f"{value!r} is empty"
 
 
-def chat_problem(value) -> str | None:
+def _chat_problem(value) -> str | None:
     if not isinstance(value, list) or not value:
         return f"{shown(value)} is not a list of messages"
     for i, message in enumerate(value):
-        if not (isinstance(message, dict) and all(isinstance(message.get(k), str) for k in CHAT_KEYS)):
+        if not (isinstance(message, dict) and all(isinstance(message.get(k), str) for k in _CHAT_KEYS)):
             return f"message {i}, {shown(message)}, is not {{'role': text, 'content': text}}"
         if not message["content"].strip():
             return f"message {i}'s content {message['content']!r} is empty"
@@ -404,13 +392,13 @@ def shown(value) -> str:
     return f"{type(value).__name__} {text if len(text) <= 40 else text[:37] + '...'}"
 
 
-def check_model(
+def _check_model(
     path: str, flag: str, lengths: tuple[int, int], trust_remote_code: bool, reward: bool = False
 ):
     """The model exists, has safetensors weights (pickled ones are never loaded), prompt + response
     (`lengths`) fit its positions, and a reward model is a sequence classifier (its config says so; a causal
     LM is not)."""
-    check_local(path, flag)
+    _check_local(path, flag)
     if os.path.isdir(path) and not list(Path(path).glob("*.safetensors")):
         raise UsageError(f"{flag} {path} has no .safetensors weights (pickled .bin weights are not loaded)")
     try:
@@ -428,16 +416,16 @@ def check_model(
         and config.architectures
         and not any("ForSequenceClassification" in a for a in config.architectures)
     ):
-        raise UsageError(not_a_reward_model(path, flag))
+        raise UsageError(_not_a_reward_model(path, flag))
 
 
-def not_a_reward_model(path: str, flag: str) -> str:
+def _not_a_reward_model(path: str, flag: str) -> str:
     return (
         f"{flag} {path} is not a reward model: it has no score head, which loading would initialise at random"
     )
 
 
-def load_tokenizer(path: str, flag: str, trust_remote_code: bool):
+def _load_tokenizer(path: str, flag: str, trust_remote_code: bool):
     tokenizer = AutoTokenizer.from_pretrained(path, padding_side="left", trust_remote_code=trust_remote_code)
     if tokenizer.eos_token_id is None:
         raise UsageError(f"the tokenizer of {flag} {path} has no EOS token: completions could never end")
@@ -446,19 +434,27 @@ def load_tokenizer(path: str, flag: str, trust_remote_code: bool):
     return tokenizer
 
 
-def load_tokenizers(args, reward_model: bool) -> tuple:
-    """The policy's tokenizer and the reward model's (None without one: `reward_model`), once every model of
-    the run (--sft_model_path, --reward_model_path, --gold_judge unless `tiny`) is checked (check_model)."""
-    lengths, remote = (args.max_prompt_length, args.response_length), args.trust_remote_code
-    check_model(args.sft_model_path, "--sft_model_path", lengths, remote)
-    if reward_model:
-        check_model(args.reward_model_path, "--reward_model_path", lengths, remote, reward=True)
-    if args.gold_judge != "tiny":
-        check_model(args.gold_judge, "--gold_judge", lengths, remote, reward=True)
-    tokenizer = load_tokenizer(args.sft_model_path, "--sft_model_path", remote)
-    if not reward_model:
+def load_tokenizers(
+    sft_model_path: str,
+    reward_model_path: str | None,
+    gold_judge: str | None,
+    lengths: tuple[int, int],
+    trust_remote_code: bool,
+) -> tuple:
+    """The policy's tokenizer and the reward model's (None without one), once every model of the run is
+    checked (_check_model): the policy `sft_model_path` (--sft_model_path), the reward model
+    `reward_model_path` (--reward_model_path; None: the task has none) and the judge `gold_judge`
+    (--gold_judge; None: no model), each with room for `lengths`, the prompt's and the response's
+    most tokens."""
+    _check_model(sft_model_path, "--sft_model_path", lengths, trust_remote_code)
+    if reward_model_path is not None:
+        _check_model(reward_model_path, "--reward_model_path", lengths, trust_remote_code, reward=True)
+    if gold_judge is not None:
+        _check_model(gold_judge, "--gold_judge", lengths, trust_remote_code, reward=True)
+    tokenizer = _load_tokenizer(sft_model_path, "--sft_model_path", trust_remote_code)
+    if reward_model_path is None:
         return tokenizer, None
-    return tokenizer, load_tokenizer(args.reward_model_path, "--reward_model_path", remote)
+    return tokenizer, _load_tokenizer(reward_model_path, "--reward_model_path", trust_remote_code)
 
 
 def same_tokenizer(a, b) -> bool:
@@ -482,5 +478,5 @@ def load_reward_model(path: str, flag: str, **kwargs):
         path, num_labels=1, output_loading_info=True, **kwargs
     )
     if any(key == "score.weight" or key.startswith("classifier.") for key in info["missing_keys"]):
-        raise UsageError(not_a_reward_model(path, flag))
+        raise UsageError(_not_a_reward_model(path, flag))
     return model

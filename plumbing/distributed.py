@@ -12,33 +12,42 @@ import torch
 from accelerate import Accelerator, PartialState
 from accelerate.utils import broadcast_object_list, parse_flag_from_env
 
+from plumbing.command_line import RunArgs
+
 
 class Processes:
-    """The training processes of a run, made first: accelerate's process group (see process_state) and its
+    """The training processes of a run, made first: accelerate's process group (see _process_state) and its
     Accelerator; the dtype of the trainer's models (--dtype auto: bfloat16 on GPUs, as autocast over fp32
     weights for the policy and the reference, and bf16 weights for the reward and gold models) and of the
-    engine's."""
+    engine's. DeepSpeed's config takes the trainer's batch and clipping (`local_micro_batch_size`,
+    `gradient_accumulation_steps`, `max_grad_norm`: None, no clipping) as its own."""
 
-    def __init__(self, args):
-        state = process_state(args.collective_timeout_minutes)
+    def __init__(
+        self,
+        args: RunArgs,
+        local_micro_batch_size: int,
+        gradient_accumulation_steps: int,
+        max_grad_norm: float | None,
+    ):
+        state = _process_state(args.collective_timeout_minutes)
         self.on_gpu = state.device.type == "cuda"
         bf16 = args.dtype == "bfloat16" or (args.dtype == "auto" and self.on_gpu)
         self.dtype = torch.bfloat16 if bf16 else torch.float32
         dtypes = {"auto": self.dtype, "float32": torch.float32, "bfloat16": torch.bfloat16}
         self.engine_dtype = dtypes[args.vllm_dtype]
         self.accelerator = Accelerator(
-            gradient_accumulation_steps=args.gradient_accumulation_steps,
+            gradient_accumulation_steps=gradient_accumulation_steps,
             mixed_precision="bf16" if bf16 else "no",
         )
         # fp32 matmuls on tensor cores
         torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
         # DeepSpeed wants these in its own config
         if (deepspeed := self.accelerator.state.deepspeed_plugin) is not None:
-            deepspeed.deepspeed_config["train_micro_batch_size_per_gpu"] = args.local_micro_batch_size
-            deepspeed.deepspeed_config["gradient_accumulation_steps"] = args.gradient_accumulation_steps
-            deepspeed.deepspeed_config["gradient_clipping"] = args.max_grad_norm or 0.0  # 0: no clipping
+            deepspeed.deepspeed_config["train_micro_batch_size_per_gpu"] = local_micro_batch_size
+            deepspeed.deepspeed_config["gradient_accumulation_steps"] = gradient_accumulation_steps
+            deepspeed.deepspeed_config["gradient_clipping"] = max_grad_norm or 0.0  # 0: no clipping
         self.is_main = self.accelerator.is_main_process
-        self.zero_stage = zero_stage(self.accelerator)
+        self.zero_stage = _zero_stage(self.accelerator)
 
     @property
     def evaluates(self) -> bool:
@@ -51,10 +60,10 @@ class Processes:
         return broadcast_object_list([value])[0]
 
     def prepare_frozen(self, model):
-        return prepare_frozen(model, self.accelerator)
+        return _prepare_frozen(model, self.accelerator)
 
     def whole_models(self):
-        return whole_models(self.accelerator)
+        return _whole_models(self.accelerator)
 
     def check_scores(self, scores: torch.Tensor, source: str, step: int) -> None:
         """Stop on a NaN or infinite reward before it is paired or turned into advantages, naming the step and
@@ -83,7 +92,7 @@ def check_scores(scores: torch.Tensor, source: str, step: int) -> None:
         )
 
 
-def process_state(timeout_minutes: float) -> PartialState:
+def _process_state(timeout_minutes: float) -> PartialState:
     """accelerate's process group and device (made before the Accelerator, which needs the dtype, which needs
     the device), with DeepSpeed's processes counted on CPUs too: accelerate 1.15 picks no backend for them
     there (it picks gloo only under ACCELERATE_USE_CPU, which turns DeepSpeed off), so each would take itself
@@ -99,12 +108,12 @@ def process_state(timeout_minutes: float) -> PartialState:
         state.process_index = torch.distributed.get_rank()
         state.local_process_index = int(os.environ.get("LOCAL_RANK", 0))
     if state.num_processes > 1 and state.is_main_process:
-        waits = collective_timeout()
+        waits = _collective_timeout()
         print(f"{state.num_processes} training processes; a collective waits {waits} for them at most")
     return state
 
 
-def collective_timeout() -> datetime.timedelta | None:
+def _collective_timeout() -> datetime.timedelta | None:
     """How long a collective of the default process group waits, as its backend holds it (None: no group)."""
     if not torch.distributed.is_initialized():
         return None
@@ -113,18 +122,18 @@ def collective_timeout() -> datetime.timedelta | None:
     return group._get_backend(device).options._timeout
 
 
-def zero_stage(accelerator: Accelerator) -> int:
+def _zero_stage(accelerator: Accelerator) -> int:
     plugin = accelerator.state.deepspeed_plugin
     return 0 if plugin is None else plugin.zero_stage
 
 
-def prepare_frozen(model, accelerator: Accelerator):
+def _prepare_frozen(model, accelerator: Accelerator):
     """A frozen model (reference, reward model) on the training device. Under ZeRO-3 transformers loads every
     model sharded across the processes: DeepSpeed's engine, without an optimizer, then gathers a layer at a
     time for its forward passes (as TRL prepares its reference models), in the dtype of the run's mixed
     precision. All processes must run those forward passes together."""
     model = model.to(accelerator.device).eval().requires_grad_(False)
-    if zero_stage(accelerator) != 3:
+    if _zero_stage(accelerator) != 3:
         # accelerate's autocast does nothing under DeepSpeed (1.15), whose bf16 runs the policy on bf16
         # parameters (buffers, such as the rotary frequencies, stay fp32): a frozen model runs on the same, or
         # the reference's logprobs would not be the policy's at step 0
@@ -146,10 +155,10 @@ def prepare_frozen(model, accelerator: Accelerator):
 
 
 @contextmanager
-def whole_models(accelerator: Accelerator):
+def _whole_models(accelerator: Accelerator):
     """A context in which models load whole, not sharded by ZeRO-3 (accelerate tells transformers to shard
     every model it loads): the gold judge, which only rank 0 runs."""
-    if zero_stage(accelerator) != 3:
+    if _zero_stage(accelerator) != 3:
         yield
         return
     from transformers.integrations import unset_hf_deepspeed_config
@@ -166,7 +175,7 @@ def gathered_tensors(accelerator: Accelerator, module, names):
     parameters are gathered a transformer layer at a time, each valid while the iteration is on its layer:
     never a whole copy of the model, never through the CPU, and never a parameter not asked for (PPO's value
     model). Every process must go through the whole iteration, as each gather is collective."""
-    if zero_stage(accelerator) != 3:
+    if _zero_stage(accelerator) != 3:
         yield from ((name, tensor) for name, tensor in module.state_dict().items() if name in names)
         return
     import deepspeed

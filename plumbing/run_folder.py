@@ -2,10 +2,10 @@
 
 <output_dir> (runs/<run name> by default) holds args.json, metrics.jsonl and TensorBoard's logs (wandb's with
 --track), eval_completions/, checkpoints/step_NNNNNN and, at the end, policy/ (docs/checkpoints.md). RunFolder
-is made before any model loads: rank 0 locks the folder (FolderLock), so a second run in it is refused, and
+is made before any model loads: rank 0 locks the folder (_FolderLock), so a second run in it is refused, and
 checks it, so a bad --output_dir, --exp_name or --resume, a damaged checkpoint or too little space is said in
 one line; it writes the folder once the engine is up (open), so a start stopped by a signal or a failure
-leaves none. A checkpoint proves itself by its manifest; a full disk stops the run in one line (DiskFull). A
+leaves none. A checkpoint proves itself by its manifest; a full disk stops the run in one line (_DiskFull). A
 step's timings (Laps) and FLOPs (forward_flops) are logged with its metrics."""
 
 import atexit
@@ -31,19 +31,19 @@ from accelerate.utils import broadcast_object_list, gather_object
 from safetensors.torch import load_file, save_file
 from tqdm import tqdm
 
-from plumbing.command_line import UsageError
+from plumbing.command_line import RunArgs, UsageError
 
 # Flags that may change when a run is resumed; any other must be what the run started with.
-RESUMABLE_CHANGES = {"resume", "output_dir", "track", "wandb_project", "wandb_entity", "save_freq"}
-RESUMABLE_CHANGES |= {"keep_checkpoints", "num_sample_completions", "collective_timeout_minutes"}
-RESUMABLE_CHANGES |= {"engine_timeout_minutes", "vllm_num_engines", "vllm_tensor_parallel_size"}
+_RESUMABLE_CHANGES = {"resume", "output_dir", "track", "wandb_project", "wandb_entity", "save_freq"}
+_RESUMABLE_CHANGES |= {"keep_checkpoints", "num_sample_completions", "collective_timeout_minutes"}
+_RESUMABLE_CHANGES |= {"engine_timeout_minutes", "vllm_num_engines", "vllm_tensor_parallel_size"}
 # 4: manifest.json, each file's size and sha256; 3: the LR schedule steps once a step; 2: the shuffle
 # generators in Progress; 1: in files
-CHECKPOINT_FORMAT = 4
-MANIFEST = "manifest.json"  # a checkpoint's files with their sizes and hashes, written last
+_CHECKPOINT_FORMAT = 4
+_MANIFEST = "manifest.json"  # a checkpoint's files with their sizes and hashes, written last
 
 
-class DiskFull(UsageError):
+class _DiskFull(UsageError):
     """The disk of --output_dir filled up during the run: said in one line (plumbing.run), like bad input,
     once the temporary files are removed."""
 
@@ -52,22 +52,23 @@ class RunFolder:
     """The run's folder (module docstring): its name and path, its lock (rank 0's), the checkpoint --resume
     continues from, the metrics' logs (rank 0's), the checkpoints and the final policy."""
 
-    def __init__(self, args, processes, trained: list[str] | None = None):
+    def __init__(self, args: RunArgs, processes, trained: list[str], async_level: int):
         """Before any model loads, the run's name and folder, which rank 0 claims (claim) for the run's
         `processes` (plumbing.Processes): `trained` are the models a checkpoint holds with their optimizer
-        state (None: the policy, --sft_model_path), from which it estimates the space the run needs."""
+        state (the policy's first), from which, with the `async_level` policy versions the engine may be
+        behind, it estimates the space the run needs."""
         if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_.-]*", args.exp_name):
             raise UsageError(
                 f"--exp_name {args.exp_name!r} must be a plain name (letters, digits, '_', '.', '-'): it "
                 "names the run and its folder runs/<exp_name>__<seed>__<time>"
             )
         self.args, self.logger, self.bar, self.origin, self.episodes_per_step = args, None, None, 0.0, 0
-        self.name = name_run(args.exp_name, args.seed)
+        self.name = _name_run(args.exp_name, args.seed)
         self.path = args.output_dir or os.path.join("runs", self.name)
         self.lock, claimed = None, None
         if processes.is_main:
             try:
-                claimed = self.claim(processes, trained or [args.sft_model_path])
+                claimed = self.claim(processes, trained, async_level)
             except (UsageError, SystemExit) as exc:  # every process stops with it
                 claimed = exc
         claimed = processes.broadcast(claimed)
@@ -76,11 +77,11 @@ class RunFolder:
         self.checkpoint = claimed
         self.last_checkpoint = self.checkpoint  # the newest on disk, which a NaN loss names
 
-    def claim(self, processes, trained: list[str]) -> str | None:
-        """Rank 0's checks of the folder, which it locks first (FolderLock: writable, and no other run in
-        it): the run it holds, and the checkpoint --resume continues from (checkpoint_to_resume), with a
+    def claim(self, processes, trained: list[str], async_level: int) -> str | None:
+        """Rank 0's checks of the folder, which it locks first (_FolderLock: writable, and no other run in
+        it): the run it holds, and the checkpoint --resume continues from (_checkpoint_to_resume), with a
         line for a cut-off last line of metrics.jsonl, which is dropped; and the free space, against the
-        run's own estimate of what its checkpoints and final policy need (check_space). Returns the
+        run's own estimate of what its checkpoints and final policy need (_check_space). Returns the
         checkpoint."""
         args, path = self.args, self.path
         if os.path.exists(path) and not os.path.isdir(path):
@@ -92,21 +93,21 @@ class RunFolder:
                 f"--resume: --output_dir {path} holds no run (no args.json): check the folder, or leave out "
                 "--resume to start a new run"
             )
-        self.lock = FolderLock(path)
+        self.lock = _FolderLock(path)
         try:
             world_size = processes.accelerator.num_processes
-            checkpoint = checkpoint_to_resume(path, asdict(args), args.resume, world_size)
-            if (cut := metrics_lines(os.path.join(path, "metrics.jsonl"))[1]) is not None:
+            checkpoint = _checkpoint_to_resume(path, asdict(args), args.resume, world_size)
+            if (cut := _metrics_lines(os.path.join(path, "metrics.jsonl"))[1]) is not None:
                 print(
                     f"--resume: the last line of metrics.jsonl was cut off ({len(cut)} characters): dropped"
                 )
             with processes.whole_models():  # no ZeRO-3 partitioning, whose collectives rank 1 is not in
-                parameters = [parameter_count(model, args.trust_remote_code) for model in trained]
+                parameters = [_parameter_count(model, args.trust_remote_code) for model in trained]
             deepspeed, engine_bytes = processes.zero_stage > 0, processes.engine_dtype.itemsize
-            each = checkpoint_bytes(parameters, engine_bytes, args.async_level, deepspeed)
+            each = _checkpoint_bytes(parameters, engine_bytes, async_level, deepspeed)
             at_most = args.keep_checkpoints + 1 if args.save_freq else 1  # the kept ones and a new one
-            count = max(0, at_most - len(checkpoints_in(path)))
-            check_space(path, each, count, final_policy=4 * parameters[0])
+            count = max(0, at_most - len(_checkpoints_in(path)))
+            _check_space(path, each, count, final_policy=4 * parameters[0])
         except BaseException:
             self.lock.release()
             raise
@@ -128,20 +129,21 @@ class RunFolder:
             print(f"--resume: no checkpoint in {self.path} yet, starting at step 0")
         return progress
 
-    def open(self, sizes: dict, progress: "Progress", origin: float) -> None:
+    def open(self, sizes: dict, progress: "Progress", origin: float, episodes_per_step: int) -> None:
         """Rank 0 writes args.json (the flags, `sizes`, the git revision) and opens the logs; on resume,
         metrics.jsonl loses what the interrupted run logged after its checkpoint: those steps are trained
-        again. `origin`: the time.perf_counter() the timeline counts from (the engine up)."""
-        self.origin, self.episodes_per_step = origin, sizes["episodes_per_step"]
+        again. `origin`: the time.perf_counter() the timeline counts from (the engine up);
+        `episodes_per_step`: the completions a step trains on, which count a step's episode."""
+        self.origin, self.episodes_per_step = origin, episodes_per_step
         if not PartialState().is_main_process:
             return
         args, metrics = self.args, os.path.join(self.path, "metrics.jsonl")
         with self.writing("args.json and the logs"):
-            keep_metrics_before(metrics, progress.step, progress.evals_logged)
-            run_args = asdict(args) | sizes | {"output_dir": self.path, "git_revision": git_revision()}
-            write_atomically(os.path.join(self.path, "args.json"), json.dumps(run_args, indent=2))
+            _keep_metrics_before(metrics, progress.step, progress.evals_logged)
+            run_args = asdict(args) | sizes | {"output_dir": self.path, "git_revision": _git_revision()}
+            _write_atomically(os.path.join(self.path, "args.json"), json.dumps(run_args, indent=2))
             tracking = (args.track, args.wandb_project, args.wandb_entity)
-            self.logger = MetricsLogger(self.path, self.name, asdict(args), *tracking)
+            self.logger = _MetricsLogger(self.path, self.name, asdict(args), *tracking)
 
     def steps(self, start: int, end: int):
         """The steps from `start` to `end`, with rank 0's progress bar, which `log` annotates."""
@@ -150,9 +152,10 @@ class RunFolder:
         return self.bar
 
     def log(self, metrics: dict, laps: "Laps", generator: dict, flops: dict, tokens: float) -> None:
-        """A training step's line of metrics.jsonl, rank 0's: `metrics` and its timings (pipeline_metrics)."""
+        """A training step's line of metrics.jsonl, rank 0's: `metrics` and its timings
+        (_pipeline_metrics)."""
         if self.logger is not None:
-            timings = pipeline_metrics(laps, generator, self.origin, flops, self.episodes_per_step, tokens)
+            timings = _pipeline_metrics(laps, generator, self.origin, flops, self.episodes_per_step, tokens)
             with self.writing("metrics.jsonl"):
                 self.logger.log(metrics | timings)
             score, kl = f"{metrics['objective/scores']:.3f}", f"{metrics['objective/kl']:.2f}"
@@ -175,10 +178,10 @@ class RunFolder:
                 self.logger.log_evaluation(arrived.version, episode, metrics, rows, texts)
 
     def save_checkpoint(self, accelerator: Accelerator, progress: "Progress", owed: dict[int, list]) -> None:
-        """A checkpoint for a trainer about to run step `progress.step` (save_checkpoint), with `owed`."""
+        """A checkpoint for a trainer about to run step `progress.step` (_save_checkpoint), with `owed`."""
         with self.writing(f"checkpoints/step_{progress.step:06d}"):
             keep = self.args.keep_checkpoints
-            self.last_checkpoint = save_checkpoint(accelerator, self.path, progress, owed, keep)
+            self.last_checkpoint = _save_checkpoint(accelerator, self.path, progress, owed, keep)
 
     def stopped(self, step: int) -> None:
         """Rank 0 says where the run stopped and what resumes it."""
@@ -187,23 +190,23 @@ class RunFolder:
             print(f"stopped before step {step}{resume}")
 
     def save_policy(self, accelerator: Accelerator, model, tokenizer, prefix: str = "") -> None:
-        """The trained policy, as policy/ (save_policy)."""
+        """The trained policy, as policy/ (_save_policy)."""
         with self.writing("policy/"):
-            save_policy(accelerator, model, tokenizer, os.path.join(self.path, "policy"), prefix)
+            _save_policy(accelerator, model, tokenizer, os.path.join(self.path, "policy"), prefix)
 
     @contextmanager
     def writing(self, what: str):
-        """Writes `what` into the folder: a full disk (disk_full) stops the run with one line naming the path
-        and the flag (DiskFull), once the temporary files are removed, so that the --resume that follows has
+        """Writes `what` into the folder: a full disk (_disk_full) stops the run with one line naming the path
+        and the flag (_DiskFull), once the temporary files are removed, so that the --resume that follows has
         the space they took."""
         try:
             yield
         except Exception as exc:
-            if not disk_full(exc, self.path):
+            if not _disk_full(exc, self.path):
                 raise
-            remove_temporary_files(self.path)
+            _remove_temporary_files(self.path)
             then = f"continues from {self.last_checkpoint}" if self.last_checkpoint else "starts the run over"
-            raise DiskFull(
+            raise _DiskFull(
                 f"no space left on the device of --output_dir {self.path} (writing {what}): free some, and "
                 f"--resume {then}"
             ) from exc
@@ -230,31 +233,31 @@ class RunFolder:
 
 
 # == Naming, resuming ========================================================================================
-def name_run(exp_name: str, seed: int) -> str:
+def _name_run(exp_name: str, seed: int) -> str:
     """<exp_name>__<seed>__<unix time>, as rank 0 sees it: another rank's clock may be in the next second."""
     return broadcast_object_list([f"{exp_name}__{seed}__{int(time.time())}"])[0]
 
 
-def holds_a_run(output_dir: str) -> bool:
+def _holds_a_run(output_dir: str) -> bool:
     """Whether a run logged or saved anything there (one stopped while starting left only args.json)."""
     metrics, checkpoints = Path(output_dir, "metrics.jsonl"), Path(output_dir, "checkpoints")
     logged = metrics.exists() and metrics.stat().st_size > 0
     return logged or any(checkpoints.glob("step_*")) or Path(output_dir, "policy").exists()
 
 
-def checkpoints_in(output_dir: str) -> list[Path]:
+def _checkpoints_in(output_dir: str) -> list[Path]:
     return sorted(
         p for p in Path(output_dir, "checkpoints").glob("step_*") if re.fullmatch(r"step_\d{6}", p.name)
     )
 
 
-def checkpoint_to_resume(output_dir: str, flags: dict, resume: bool, world_size: int) -> str | None:
+def _checkpoint_to_resume(output_dir: str, flags: dict, resume: bool, world_size: int) -> str | None:
     """The checkpoint a run continues from (None: it starts at step 0); two runs never share a folder. Exits
     (0) on --resume of a finished run, whose final policy is saved at the very end. The newest checkpoint
-    that its manifest proves intact (checkpoint_damage): damaged ones are named with what is wrong, in the
+    that its manifest proves intact (_checkpoint_damage): damaged ones are named with what is wrong, in the
     one line that says which the run continues from; with none intact, the error says how to start over."""
     if not resume:
-        if holds_a_run(output_dir):
+        if _holds_a_run(output_dir):
             raise UsageError(
                 f"--output_dir {output_dir} holds another run: pass --resume to continue it, or choose "
                 "another --output_dir"
@@ -268,7 +271,7 @@ def checkpoint_to_resume(output_dir: str, flags: dict, resume: bool, world_size:
         changed = [
             f"--{k} {previous.get(k)!r} -> {v!r}"
             for k, v in flags.items()
-            if k not in RESUMABLE_CHANGES and previous.get(k) != v
+            if k not in _RESUMABLE_CHANGES and previous.get(k) != v
         ]
         if previous.get("world_size") != world_size:
             changed.append(f"training processes {previous.get('world_size')} -> {world_size}")
@@ -278,8 +281,8 @@ def checkpoint_to_resume(output_dir: str, flags: dict, resume: bool, world_size:
                 "with its own flags"
             )
     damaged = []
-    for checkpoint in reversed(checkpoints_in(output_dir)):
-        if (problem := checkpoint_damage(checkpoint)) is None:
+    for checkpoint in reversed(_checkpoints_in(output_dir)):
+        if (problem := _checkpoint_damage(checkpoint)) is None:
             if damaged:
                 print(f"--resume: {'; '.join(damaged)}: continuing from the newest intact one, {checkpoint}")
             return str(checkpoint)
@@ -292,51 +295,51 @@ def checkpoint_to_resume(output_dir: str, flags: dict, resume: bool, world_size:
     return None
 
 
-def checkpoint_damage(checkpoint: Path) -> str | None:
-    """What is wrong with a checkpoint, as its manifest (MANIFEST, written last) shows: a file missing, or of
+def _checkpoint_damage(checkpoint: Path) -> str | None:
+    """What is wrong with a checkpoint, as its manifest (_MANIFEST, written last) shows: a file missing, or of
     another size, or another sha256 than it had when written; the manifest itself missing (the checkpoint
     was never finished) or unreadable. None: nothing. A checkpoint of another format is refused."""
     other_version = UsageError(
-        f"--resume: {checkpoint} is not a checkpoint of this version (format {CHECKPOINT_FORMAT}): resume "
+        f"--resume: {checkpoint} is not a checkpoint of this version (format {_CHECKPOINT_FORMAT}): resume "
         "it with the version that wrote it"
     )
-    if not (checkpoint / MANIFEST).exists():
-        if read_json(checkpoint / "format.json") != {"format": CHECKPOINT_FORMAT}:  # formats 1-3 had none
+    if not (checkpoint / _MANIFEST).exists():
+        if _read_json(checkpoint / "format.json") != {"format": _CHECKPOINT_FORMAT}:  # formats 1-3 had none
             raise other_version
-        return f"{MANIFEST} is missing: it is written last, and the checkpoint was not finished"
+        return f"{_MANIFEST} is missing: it is written last, and the checkpoint was not finished"
     try:
-        files = json.loads((checkpoint / MANIFEST).read_text())["files"]
+        files = json.loads((checkpoint / _MANIFEST).read_text())["files"]
         files = {name: (int(file["bytes"]), str(file["sha256"])) for name, file in files.items()}
     except (ValueError, KeyError, TypeError, AttributeError):
-        return f"{MANIFEST} does not parse"
+        return f"{_MANIFEST} does not parse"
     for name, (size, sha256) in files.items():
         if not (file := checkpoint / name).is_file():
             return f"{name} is missing"
         if file.stat().st_size != size:
             return f"{name} has {file.stat().st_size} bytes, not the {size} written"
-        if file_sha256(file) != sha256:
+        if _file_sha256(file) != sha256:
             return f"{name} is not the file written: its sha256 differs"
-    if read_json(checkpoint / "format.json") != {"format": CHECKPOINT_FORMAT}:
+    if _read_json(checkpoint / "format.json") != {"format": _CHECKPOINT_FORMAT}:
         raise other_version
     return None
 
 
-def write_manifest(folder: str) -> None:
+def _write_manifest(folder: str) -> None:
     """`folder`'s manifest: every file under it with its size and sha256, which --resume checks."""
     files = {
-        str(file.relative_to(folder)): {"bytes": file.stat().st_size, "sha256": file_sha256(file)}
+        str(file.relative_to(folder)): {"bytes": file.stat().st_size, "sha256": _file_sha256(file)}
         for file in sorted(Path(folder).rglob("*"))
-        if file.is_file() and file.name != MANIFEST
+        if file.is_file() and file.name != _MANIFEST
     }
-    write_atomically(os.path.join(folder, MANIFEST), json.dumps({"files": files}, indent=1))
+    _write_atomically(os.path.join(folder, _MANIFEST), json.dumps({"files": files}, indent=1))
 
 
-def file_sha256(path: Path) -> str:
+def _file_sha256(path: Path) -> str:
     with open(path, "rb") as file:
         return hashlib.file_digest(file, "sha256").hexdigest()
 
 
-def read_json(path: Path):
+def _read_json(path: Path):
     """A JSON file's value; None if it is missing or does not parse."""
     try:
         return json.loads(path.read_text())
@@ -344,7 +347,7 @@ def read_json(path: Path):
         return None
 
 
-class FolderLock:
+class _FolderLock:
     """The run folder's lock, run.lock, held by the process that writes the folder (rank 0) from its first
     check to the run's end: an fcntl lock, and in the file the holder's pid and host, so that a second run or
     a second --resume in the folder is refused naming that process. The lock dies with its process: a file
@@ -418,7 +421,7 @@ class FolderLock:
 
 
 # == The space the run needs, a full disk ====================================================================
-def parameter_count(path: str, trust_remote_code: bool) -> int:
+def _parameter_count(path: str, trust_remote_code: bool) -> int:
     """The parameters of the model at `path` (a folder or a hub id), counted on the meta device from its
     config: no weight is read. 0 when its config cannot be read (load_inputs then names the path), or the
     model cannot be built from it there (its loading then says why): no estimate."""
@@ -439,7 +442,7 @@ def parameter_count(path: str, trust_remote_code: bool) -> int:
     return sum(p.numel() for p in model.parameters())
 
 
-def checkpoint_bytes(trained: list[int], engine_bytes: int, async_level: int, deepspeed: bool) -> int:
+def _checkpoint_bytes(trained: list[int], engine_bytes: int, async_level: int, deepspeed: bool) -> int:
     """A checkpoint's size by the run's own estimate: the `trained` models' parameters (the policy's first)
     as fp32 weights and AdamW's two fp32 moments, 12 bytes a parameter (16 under DeepSpeed, which also
     saves its own copy of the weights); and up to async_level + 1 older policies the generator still owes a
@@ -447,25 +450,25 @@ def checkpoint_bytes(trained: list[int], engine_bytes: int, async_level: int, de
     return sum(trained) * (16 if deepspeed else 12) + trained[0] * engine_bytes * (async_level + 1)
 
 
-def check_space(output_dir: str, checkpoint: int, count: int, final_policy: int) -> None:
+def _check_space(output_dir: str, checkpoint: int, count: int, final_policy: int) -> None:
     """`count` more checkpoints of `checkpoint` bytes and the final policy fit in `output_dir`'s free space,
     or the run is refused, saying how much is missing."""
     needed, free = count * checkpoint + final_policy, shutil.disk_usage(output_dir).free
     if needed > free:
         raise UsageError(
-            f"--output_dir {output_dir} has {size_text(free)} free, and this run would write about "
-            f"{size_text(needed)} there: {count} checkpoint(s) of {size_text(checkpoint)} at once "
+            f"--output_dir {output_dir} has {_size_text(free)} free, and this run would write about "
+            f"{_size_text(needed)} there: {count} checkpoint(s) of {_size_text(checkpoint)} at once "
             "(--keep_checkpoints and the one being written) and its final policy, "
-            f"{size_text(final_policy)}; free some space, choose another --output_dir, or lower "
+            f"{_size_text(final_policy)}; free some space, choose another --output_dir, or lower "
             "--keep_checkpoints"
         )
 
 
-def size_text(size: int) -> str:
+def _size_text(size: int) -> str:
     return f"{size / 2**30:.1f} GiB" if size >= 2**30 else f"{size / 2**20:.1f} MiB"
 
 
-def disk_full(error: BaseException, path: str) -> bool:
+def _disk_full(error: BaseException, path: str) -> bool:
     """Whether `error` came from a full disk under `path`: an OSError saying so (no space, or over quota)
     anywhere in its chain; or, as some writers lose the error's number (torch.save), no space left there."""
     chain = []
@@ -481,9 +484,9 @@ def disk_full(error: BaseException, path: str) -> bool:
     return False
 
 
-def remove_temporary_files(output_dir: str) -> None:
-    """The *.tmp files and folders the run writes before it renames them (write_atomically, save_checkpoint,
-    save_policy), in the folder and its subfolders (checkpoints/, eval_completions/)."""
+def _remove_temporary_files(output_dir: str) -> None:
+    """The *.tmp files and folders the run writes before it renames them (_write_atomically,
+    _save_checkpoint, _save_policy), in the folder and its subfolders (checkpoints/, eval_completions/)."""
     for temporary in [*Path(output_dir).glob("*.tmp"), *Path(output_dir).glob("*/*.tmp")]:
         if temporary.is_dir():
             shutil.rmtree(temporary, ignore_errors=True)
@@ -491,7 +494,7 @@ def remove_temporary_files(output_dir: str) -> None:
             temporary.unlink(missing_ok=True)
 
 
-def git_revision() -> str:
+def _git_revision() -> str:
     try:
         return subprocess.check_output(
             ["git", "rev-parse", "HEAD"], cwd=Path(__file__).parent, stderr=subprocess.DEVNULL, text=True
@@ -500,27 +503,27 @@ def git_revision() -> str:
         return "unknown"
 
 
-def write_atomically(path: str, text: str) -> None:
+def _write_atomically(path: str, text: str) -> None:
     """Temporary file, then rename: a reader (or a crash) never sees half a file."""
     Path(f"{path}.tmp").write_text(text)
     os.replace(f"{path}.tmp", path)
 
 
-def keep_metrics_before(metrics: str, start_step: int, evals_logged: set[int]) -> None:
+def _keep_metrics_before(metrics: str, start_step: int, evals_logged: set[int]) -> None:
     """metrics.jsonl without the training steps from `start_step` on and the evaluations not in
-    `evals_logged`, and without a last line cut off (metrics_lines)."""
+    `evals_logged`, and without a last line cut off (_metrics_lines)."""
     if not os.path.exists(metrics):
         return
     kept = []
-    for line in metrics_lines(metrics)[0]:
+    for line in _metrics_lines(metrics)[0]:
         logged = json.loads(line)
         is_eval = any(key.startswith("eval/") for key in logged)
         if (logged["step"] in evals_logged) if is_eval else (logged["step"] < start_step):
             kept.append(line + "\n")
-    write_atomically(metrics, "".join(kept))
+    _write_atomically(metrics, "".join(kept))
 
 
-def metrics_lines(metrics: str) -> tuple[list[str], str | None]:
+def _metrics_lines(metrics: str) -> tuple[list[str], str | None]:
     """The lines of metrics.jsonl (none if it is missing), and apart its last one when a kill or a full disk
     cut it off (it is not JSON). A line before the last that is not JSON is a UsageError naming it."""
     lines = Path(metrics).read_text(errors="replace").splitlines() if os.path.exists(metrics) else []
@@ -553,7 +556,7 @@ class Progress:
         self.shuffle.bit_generator.state = state["shuffle"][PartialState().process_index]
 
 
-def save_checkpoint(
+def _save_checkpoint(
     accelerator: Accelerator, output_dir: str, progress: Progress, owed: dict[int, list], keep: int
 ):
     """Everything a resumed run needs to go on exactly: accelerate's `save_state` (the trained weights as
@@ -561,7 +564,7 @@ def save_checkpoint(
     older policy versions the generator still owes batches or evaluations (`owed`: version -> [(name,
     tensor)]), so no engine state is needed. Written to a temporary folder, then renamed; then all but the
     `keep` newest checkpoints are deleted. Its manifest, written last, lists every file with its size and
-    sha256 (write_manifest). Returns its path."""
+    sha256 (_write_manifest). Returns its path."""
     path = os.path.join(output_dir, "checkpoints", f"step_{progress.step:06d}")
     if accelerator.is_main_process:
         shutil.rmtree(f"{path}.tmp", ignore_errors=True)
@@ -572,18 +575,18 @@ def save_checkpoint(
         for version, tensors in owed.items():
             tensors = {name: tensor.cpu().clone() for name, tensor in tensors}
             save_file(tensors, os.path.join(f"{path}.tmp", f"version_{version:06d}.safetensors"))
-        Path(f"{path}.tmp", "format.json").write_text(json.dumps({"format": CHECKPOINT_FORMAT}))
-        follow_umask(f"{path}.tmp")
-        write_manifest(f"{path}.tmp")  # last: a checkpoint without one was not finished
+        Path(f"{path}.tmp", "format.json").write_text(json.dumps({"format": _CHECKPOINT_FORMAT}))
+        _follow_umask(f"{path}.tmp")
+        _write_manifest(f"{path}.tmp")  # last: a checkpoint without one was not finished
         shutil.rmtree(path, ignore_errors=True)
         os.replace(f"{path}.tmp", path)
-        for old in checkpoints_in(output_dir)[:-keep]:  # the newest, just written, is the one a resume reads
+        for old in _checkpoints_in(output_dir)[:-keep]:  # the newest, just written, is the one a resume reads
             shutil.rmtree(old)
     accelerator.wait_for_everyone()
     return path
 
 
-def follow_umask(path: str) -> None:
+def _follow_umask(path: str) -> None:
     """Give the files under `path` the permissions the umask allows, as any file the run writes: safetensors
     (and so save_pretrained and save_state) creates its files with 0600, which another user of a shared
     cluster cannot read."""
@@ -598,7 +601,7 @@ def load_owed_version(checkpoint: str, version: int) -> dict[str, torch.Tensor]:
     return load_file(os.path.join(checkpoint, f"version_{version:06d}.safetensors"))
 
 
-def save_policy(accelerator: Accelerator, model, tokenizer, path: str, prefix: str = "") -> None:
+def _save_policy(accelerator: Accelerator, model, tokenizer, path: str, prefix: str = "") -> None:
     """save_pretrained (safetensors) into a temporary folder, then rename: no half-written model. `prefix`:
     the policy's submodule in `model` (PPO's `policy.`)."""
     state_dict = accelerator.get_state_dict(model)
@@ -609,14 +612,14 @@ def save_policy(accelerator: Accelerator, model, tokenizer, path: str, prefix: s
         shutil.rmtree(tmp := f"{path}.tmp", ignore_errors=True)
         policy.save_pretrained(tmp, state_dict=state_dict, safe_serialization=True)
         tokenizer.save_pretrained(tmp)
-        follow_umask(tmp)
+        _follow_umask(tmp)
         shutil.rmtree(path, ignore_errors=True)
         os.replace(tmp, path)
     accelerator.wait_for_everyone()
 
 
 # == Logging =================================================================================================
-class MetricsLogger:
+class _MetricsLogger:
     """metrics.jsonl (one JSON object per line, each with step and episode), TensorBoard, wandb. Written by
     hand, not with accelerate's trackers: `Accelerator.log` gives every backend one step, and wandb drops a
     row whose step goes back, which every evaluation does (it is logged after the training steps that followed
@@ -665,7 +668,7 @@ class MetricsLogger:
     def log_evaluation(self, step: int, episode: int, metrics: dict, rows: list[dict], texts: tuple) -> None:
         """An evaluation: its metrics and a sample table (both also printed), and `texts` (prompts,
         completions, references) to eval_completions/step_NNNNNN.jsonl."""
-        write_eval_completions(self.output_dir, step, episode, *texts)
+        _write_eval_completions(self.output_dir, step, episode, *texts)
         self.log_samples(step, episode, rows)
         self.log({"step": step, "episode": episode, **metrics})
         print(
@@ -680,9 +683,11 @@ class MetricsLogger:
             self.wandb.finish()
 
 
-def write_eval_completions(output_dir: str, step: int, episode: int, prompts, completions, references) -> str:
+def _write_eval_completions(
+    output_dir: str, step: int, episode: int, prompts, completions, references
+) -> str:
     """eval_completions/step_NNNNNN.jsonl, one row per eval prompt, for judges that run after training
-    (benchmark/llm_judge.py); a resumed run replaces a step's file."""
+    (tasks/llm_judge.py); a resumed run replaces a step's file."""
     folder = os.path.join(output_dir, "eval_completions")
     os.makedirs(folder, exist_ok=True)
     rows = [
@@ -690,7 +695,7 @@ def write_eval_completions(output_dir: str, step: int, episode: int, prompts, co
         for p, c, r in zip(prompts, completions, references)
     ]
     path = os.path.join(folder, f"step_{step:06d}.jsonl")
-    write_atomically(path, "".join(json.dumps(row) + "\n" for row in rows))
+    _write_atomically(path, "".join(json.dumps(row) + "\n" for row in rows))
     return path
 
 
@@ -707,7 +712,7 @@ class Laps:
         self.seconds[name], self.begun[name], self.last = now - self.last, self.last, now
 
 
-def pipeline_metrics(
+def _pipeline_metrics(
     laps: Laps, generator: dict, origin: float, flops: dict, episodes: int, tokens: float
 ) -> dict:
     """A step's figures of the async pipeline: the seconds of each phase, the trainer's (`laps`) and the

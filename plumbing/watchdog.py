@@ -30,7 +30,7 @@ def start_watchdog() -> subprocess.Popen:
     return subprocess.Popen(command, stdin=subprocess.PIPE, start_new_session=True, text=True)
 
 
-def watch() -> None:
+def _watch() -> None:
     """The watchdog's loop (module docstring), reading its stdin."""
     trainer, folder, received = psutil.Process(os.getppid()), None, b""
     watched, trackers, files = {}, {}, set()  # the trainer's children, its resource trackers, their files
@@ -45,7 +45,7 @@ def watch() -> None:
         try:
             for process in trainer.children(recursive=True):
                 if process.pid != os.getpid() and process.pid not in watched and process.pid not in trackers:
-                    (trackers if is_resource_tracker(process) else watched)[process.pid] = process
+                    (trackers if _is_resource_tracker(process) else watched)[process.pid] = process
             watched = {pid: process for pid, process in watched.items() if process.is_running()}
             files.update(shared_memory_files([trainer, *watched.values()]))
         except psutil.Error:
@@ -98,7 +98,7 @@ def kill_process_trees(processes: list[psutil.Process], timeout: float = 5) -> N
         time.sleep(0.02)
 
 
-def is_resource_tracker(process: psutil.Process) -> bool:
+def _is_resource_tracker(process: psutil.Process) -> bool:
     return "multiprocessing.resource_tracker" in " ".join(process.cmdline())
 
 
@@ -108,7 +108,7 @@ def started_processes(before: set[int]) -> list[psutil.Process]:
     started = []
     for process in psutil.Process().children(recursive=True):
         try:
-            if process.pid not in before and not is_resource_tracker(process):
+            if process.pid not in before and not _is_resource_tracker(process):
                 started.append(process)
         except psutil.Error:
             pass
@@ -129,7 +129,7 @@ def release_shared_memory(paths: list[str]) -> None:
         resource_tracker.unregister("/" + name.removeprefix("sem."), kind)  # the names Python registered
 
 
-def mapped_inodes(folder: str = "/dev/shm", pids: list[int] | None = None) -> set[int]:
+def _mapped_inodes(folder: str = "/dev/shm", pids: list[int] | None = None) -> set[int]:
     """The inodes of the files in `folder` that these processes (None: any process) map. By inode, not name:
     glibc creates a named semaphore under a temporary name and then links it to its own, so the maps show the
     temporary name, deleted."""
@@ -150,7 +150,7 @@ def mapped_inodes(folder: str = "/dev/shm", pids: list[int] | None = None) -> se
 def shared_memory_files(processes: list[psutil.Process], folder: str = "/dev/shm") -> list[str]:
     """The message queues (psm_*) and multiprocessing's named semaphores (sem.mp-*) in `folder` that these
     processes map: what their resource trackers would unlink at exit."""
-    inodes = mapped_inodes(folder, [process.pid for process in processes])
+    inodes = _mapped_inodes(folder, [process.pid for process in processes])
     paths = [p for pattern in ("psm_*", "sem.mp-*") for p in Path(folder).glob(pattern)]
     return sorted(str(p) for p in paths if p.exists() and p.stat().st_ino in inodes)
 
@@ -163,7 +163,7 @@ def release_orphaned_shared_memory(
     out-of-memory killer) leaves in RAM until the machine reboots (400 MiB an engine). `paths`: these (an
     engine's own), of any age; None: every such file of ours in `folder` unchanged for `min_age` seconds (a
     queue in use is written to, a newer one may belong to a run still starting). Returns what was unlinked."""
-    mapped = mapped_inodes(folder)
+    mapped = _mapped_inodes(folder)
     if paths is None:
         paths = [str(p) for pattern in ("psm_*", "sem.mp-*") for p in Path(folder).glob(pattern)]
         paths = [
@@ -195,4 +195,4 @@ def remove_stale_weights_folders(parent: str) -> list[str]:
 
 
 if __name__ == "__main__":
-    watch()
+    _watch()

@@ -11,7 +11,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 ALL_CORES = sorted(os.sched_getaffinity(0))  # before an xdist worker is pinned to one
-TINY = ROOT / "benchmark" / "tiny_task"
+TINY = ROOT / "tasks" / "tiny"
 sys.path.insert(0, str(ROOT))
 # No network anywhere in the tests; keep the engine's KV cache small.
 os.environ.update(

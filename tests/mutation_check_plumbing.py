@@ -16,6 +16,8 @@ import sys
 
 from mutation_check import MODULE, Mutant, Suite, main
 
+# The mutants name the plumbing's functions, private ones included (leading underscore): they plant bugs in them.
+
 WEIGHTS, ENGINE, RUN_FOLDER = "plumbing/weights.py", "plumbing/engine.py", "plumbing/run_folder.py"
 DISTRIBUTED, COMMAND_LINE = "plumbing/distributed.py", "plumbing/command_line.py"
 PLAN, MEMORY = "benchmark/plan.py", "benchmark/memory.py"
@@ -93,25 +95,25 @@ MUTANTS = [
     Mutant("W20", WEIGHTS, "combined_fingerprints", "first if all(part == first for part in parts)",
            "first if any(part == first for part in parts)", "a sharded parameter counted as one worker's part"),
     # -------- plumbing/run_folder.py: checkpoints, resuming, timings
-    Mutant("R01", RUN_FOLDER, "pipeline_metrics", "training_start = laps.start + next(iter(laps.seconds.values()))",
+    Mutant("R01", RUN_FOLDER, "_pipeline_metrics", "training_start = laps.start + next(iter(laps.seconds.values()))",
            "training_start = laps.start", "the step's training timed with its wait for rollouts"),
-    Mutant("R02", RUN_FOLDER, "pipeline_metrics", '"throughput/episodes_per_second": episodes / step',
+    Mutant("R02", RUN_FOLDER, "_pipeline_metrics", '"throughput/episodes_per_second": episodes / step',
            '"throughput/episodes_per_second": episodes / seconds["training"]',
            "the throughput over the training time, not the step"),
-    Mutant("R03", RUN_FOLDER, "save_checkpoint",
+    Mutant("R03", RUN_FOLDER, "_save_checkpoint",
            'shutil.rmtree(path, ignore_errors=True)\n        os.replace(f"{path}.tmp", path)',
            'shutil.copytree(f"{path}.tmp", path, dirs_exist_ok=True)',
            "the checkpoint copied into place, not renamed: a crash leaves half of one that --resume reads"),
-    Mutant("R04", RUN_FOLDER, "save_checkpoint", "checkpoints_in(output_dir)[:-keep]",
-           "checkpoints_in(output_dir)[: -keep - 1]", "off by one: a checkpoint more than --keep_checkpoints kept"),
+    Mutant("R04", RUN_FOLDER, "_save_checkpoint", "_checkpoints_in(output_dir)[:-keep]",
+           "_checkpoints_in(output_dir)[: -keep - 1]", "off by one: a checkpoint more than --keep_checkpoints kept"),
     Mutant("R05", RUN_FOLDER, MODULE, '"num_sample_completions", "collective_timeout_minutes"}',
            '"num_sample_completions", "collective_timeout_minutes", "eval_freq"}',
            "a flag that changes the schedule (--eval_freq: the versions owed) accepted on --resume"),
-    Mutant("R06", RUN_FOLDER, "checkpoint_to_resume", 'if previous.get("world_size") != world_size:', "if False:",
+    Mutant("R06", RUN_FOLDER, "_checkpoint_to_resume", 'if previous.get("world_size") != world_size:', "if False:",
            "a run resumed on another number of training processes (its shards and shuffles no longer match)"),
-    Mutant("R07", RUN_FOLDER, "write_atomically", 'Path(f"{path}.tmp").write_text(text)\n    os.replace(f"{path}.tmp", path)',
+    Mutant("R07", RUN_FOLDER, "_write_atomically", 'Path(f"{path}.tmp").write_text(text)\n    os.replace(f"{path}.tmp", path)',
            "Path(path).write_text(text)", "args.json written in place: a crash leaves half of it"),
-    Mutant("R08", RUN_FOLDER, "keep_metrics_before", '(logged["step"] < start_step)', '(logged["step"] <= start_step)',
+    Mutant("R08", RUN_FOLDER, "_keep_metrics_before", '(logged["step"] < start_step)', '(logged["step"] <= start_step)',
            "< vs <=: the step a resumed run trains again kept in metrics.jsonl, logged twice"),
     Mutant("R09", RUN_FOLDER, "forward_flops", "tied = head is not None and head.weight is embedding", "tied = False",
            "a tied head's parameters left out of the body twice"),

@@ -12,14 +12,17 @@ from conftest import ROOT, TINY, save_random_policy, small_config
 
 import plumbing
 from plumbing.command_line import (
-    COMMON_DOMAINS,
+    _COMMON_DOMAINS,
     UsageError,
     check_domains,
-    check_model,
+    _check_model,
     load_reward_model,
     load_split,
-    load_tokenizer,
+    _load_tokenizer,
 )
+
+# Private plumbing names (leading underscore) are used here on purpose: the checks of a model's files, a tokenizer
+# and a checkpoint are tested one by one, on the bad input each refuses, which a whole run would reach slowly.
 
 SCRIPTS = ["online_dpo_async.py", "rloo_async.py", "ppo_async.py"]
 
@@ -89,11 +92,13 @@ def edges(domain: str, kind: type) -> tuple[list, list]:
 
 def test_every_numeric_flag_has_a_domain_and_both_sides_of_each_bound_are_checked(script):
     """A flag added without a domain fails here; every domain is exercised just inside and just outside its bounds.
-    check_domains gets the file's own domains, as the file passes them, and adds COMMON_DOMAINS itself."""
-    own = script.ALGORITHM_DOMAINS
-    domains = COMMON_DOMAINS | own
+    check_domains gets the file's domains, as the file passes them, and adds _COMMON_DOMAINS (the plumbing's) itself."""
+    own = script.SHARED_DOMAINS | script.ALGORITHM_DOMAINS
+    domains = _COMMON_DOMAINS | own
     numbers = numeric_flags(script)
-    assert sorted(numbers) == sorted(domains), "give each numeric flag a domain in COMMON_DOMAINS or ALGORITHM_DOMAINS"
+    assert sorted(numbers) == sorted(domains), (
+        "give each numeric flag a domain in _COMMON_DOMAINS, SHARED_DOMAINS or ALGORITHM_DOMAINS"
+    )
     defaults = vars(script.Args())
     check_domains(defaults, own)  # the defaults are in their domains
     for flag, (domain, why) in domains.items():
@@ -120,12 +125,12 @@ def test_an_unknown_choice_is_refused_by_the_parser(script, flag, capsys):
 
 def test_a_response_beyond_the_models_context_is_refused(tokenizer, tmp_path):
     policy = save_random_policy(tokenizer, tmp_path / "policy")  # 128 positions
-    check_model(str(policy), "--sft_model_path", (12, 116), False)
+    _check_model(str(policy), "--sft_model_path", (12, 116), False)
     with pytest.raises(
         UsageError,
         match=r"--max_prompt_length 12 \+ --response_length 117 exceed the 128-token context of --sft_model_path",
     ):
-        check_model(str(policy), "--sft_model_path", (12, 117), False)
+        _check_model(str(policy), "--sft_model_path", (12, 117), False)
 
 
 def test_missing_models_and_pickled_weights_are_refused(script, tokenizer, tmp_path):
@@ -133,12 +138,12 @@ def test_missing_models_and_pickled_weights_are_refused(script, tokenizer, tmp_p
     from transformers import AutoModelForCausalLM
 
     with pytest.raises(UsageError, match=f"^--reward_model_path {tmp_path}/nowhere: no such file or folder$"):
-        check_model(str(tmp_path / "nowhere"), "--reward_model_path", (12, 12), False)
+        _check_model(str(tmp_path / "nowhere"), "--reward_model_path", (12, 12), False)
     model = AutoModelForCausalLM.from_config(small_config(tokenizer))
     model.config.save_pretrained(tmp_path / "bin")
     torch.save(model.state_dict(), tmp_path / "bin" / "pytorch_model.bin")  # the pickled format
     with pytest.raises(UsageError, match="--sft_model_path .*bin has no .safetensors weights"):
-        check_model(str(tmp_path / "bin"), "--sft_model_path", (12, 12), False)
+        _check_model(str(tmp_path / "bin"), "--sft_model_path", (12, 12), False)
     assert script.Args().trust_remote_code is False
 
 
@@ -146,19 +151,20 @@ def test_a_tokenizer_without_eos_is_refused_and_one_without_pad_pads_with_eos(to
     tokenizer.save_pretrained(tmp_path / "tok")
     config = json.loads((tmp_path / "tok" / "tokenizer_config.json").read_text())
     json.dump({**config, "pad_token": None}, open(tmp_path / "tok" / "tokenizer_config.json", "w"))
-    no_pad = load_tokenizer(str(tmp_path / "tok"), "--sft_model_path", False)
+    no_pad = _load_tokenizer(str(tmp_path / "tok"), "--sft_model_path", False)
     assert no_pad.pad_token_id == no_pad.eos_token_id == tokenizer.eos_token_id
     json.dump({**config, "pad_token": None, "eos_token": None}, open(tmp_path / "tok" / "tokenizer_config.json", "w"))
     with pytest.raises(UsageError, match="the tokenizer of --sft_model_path .*tok has no EOS token"):
-        load_tokenizer(str(tmp_path / "tok"), "--sft_model_path", False)
+        _load_tokenizer(str(tmp_path / "tok"), "--sft_model_path", False)
 
 
-def split_of(name: str, split: str = "train", evaluation: bool = False, **flags):
+def split_of(name: str, split: str = "train", evaluation: bool = False, dataset_eval_file: str | None = None):
     """plumbing's load_split, which the three files call, on --dataset_name `name` as the tiny task reads it."""
     import online_dpo_async as dpo
 
-    args = dpo.Args(dataset_name=name, **flags)
-    return load_split(args, split, dpo.TASK_COLUMNS["tiny"], evaluation)
+    return load_split(
+        name, None, split, dpo.TASK_COLUMNS["tiny"], task="tiny", evaluation=evaluation, eval_file=dataset_eval_file
+    )
 
 
 def test_datasets_of_an_unknown_kind_or_split_name_the_flag(tmp_path):
@@ -173,7 +179,7 @@ def test_datasets_of_an_unknown_kind_or_split_name_the_flag(tmp_path):
 
 def test_an_output_dir_holding_a_run_needs_resume_with_the_same_flags(script, tmp_path):
     flags = vars(script.Args(output_dir=str(tmp_path)))
-    resume = plumbing.run_folder.checkpoint_to_resume
+    resume = plumbing.run_folder._checkpoint_to_resume
     assert resume(str(tmp_path), flags, False, world_size=1) is None  # empty: a fresh run
     (tmp_path / "args.json").write_text(json.dumps({**flags, "world_size": 1}))
     (tmp_path / "metrics.jsonl").write_text("")
@@ -192,7 +198,7 @@ def test_an_output_dir_holding_a_run_needs_resume_with_the_same_flags(script, tm
     with pytest.raises(UsageError, match=r"step_000012 is not a checkpoint of this version"):
         resume(str(tmp_path), resumed, True, world_size=1)
     (tmp_path / "checkpoints" / "step_000012" / "format.json").write_text('{"format": 4}')
-    plumbing.run_folder.write_manifest(str(tmp_path / "checkpoints" / "step_000012"))
+    plumbing.run_folder._write_manifest(str(tmp_path / "checkpoints" / "step_000012"))
     assert resume(str(tmp_path), resumed, True, world_size=1) == str(tmp_path / "checkpoints" / "step_000012")
     with pytest.raises(
         UsageError,
@@ -292,16 +298,16 @@ def test_a_causal_lm_is_not_a_reward_model_and_the_tiny_reward_model_is(tmp_path
     """From the config, before any weights load: the tiny SFT policy is a causal LM, the tiny reward model a sequence
     classifier; a config that names no architecture cannot be told and is left to the check at load time."""
     lengths = (12, 12)
-    check_model(str(TINY / "reward"), "--reward_model_path", lengths, False, reward=True)
-    check_model(str(TINY / "sft"), "--sft_model_path", lengths, False)  # a policy need not be a classifier
+    _check_model(str(TINY / "reward"), "--reward_model_path", lengths, False, reward=True)
+    _check_model(str(TINY / "sft"), "--sft_model_path", lengths, False)  # a policy need not be a classifier
     for flag in ("--reward_model_path", "--gold_judge"):
         with pytest.raises(UsageError, match=f"^{re.escape(not_a_reward_model(flag, TINY / 'sft'))}$"):
-            check_model(str(TINY / "sft"), flag, lengths, False, reward=True)
+            _check_model(str(TINY / "sft"), flag, lengths, False, reward=True)
     unnamed = tmp_path / "unnamed"
     shutil.copytree(TINY / "sft", unnamed)
     config = json.loads((unnamed / "config.json").read_text())
     (unnamed / "config.json").write_text(json.dumps({k: v for k, v in config.items() if k != "architectures"}))
-    check_model(str(unnamed), "--reward_model_path", lengths, False, reward=True)
+    _check_model(str(unnamed), "--reward_model_path", lengths, False, reward=True)
 
 
 def test_at_load_time_a_score_head_initialised_at_random_is_refused():
@@ -318,14 +324,14 @@ def test_at_load_time_a_score_head_initialised_at_random_is_refused():
 def test_an_sft_policy_as_reward_model_or_gold_judge_is_refused_in_one_line(flag, name, tmp_path):
     """From the shell (the check is the same text in all three files): exit 1, one line naming the flag, no run folder."""
     proc = subprocess.run(
-        [sys.executable, name, flag, "benchmark/tiny_task/sft", "--output_dir", str(tmp_path / "run")],
+        [sys.executable, name, flag, "tasks/tiny/sft", "--output_dir", str(tmp_path / "run")],
         cwd=ROOT,
         capture_output=True,
         text=True,
         timeout=120,
     )
     assert proc.returncode == 1
-    assert proc.stderr.strip().splitlines() == [f"error: {not_a_reward_model(flag, 'benchmark/tiny_task/sft')}"]
+    assert proc.stderr.strip().splitlines() == [f"error: {not_a_reward_model(flag, 'tasks/tiny/sft')}"]
     assert not (tmp_path / "run" / "args.json").exists() and not (tmp_path / "run").exists()
 
 
@@ -367,7 +373,7 @@ def test_every_row_read_is_checked_naming_the_file_split_row_and_column(task, ba
     }
     name = rows_file(tmp_path / "rows.jsonl", [good[task], bad])
     with pytest.raises(UsageError) as error:
-        load_split(dpo.Args(task=task, dataset_name=name), "train", dpo.TASK_COLUMNS[task])
+        load_split(name, None, "train", dpo.TASK_COLUMNS[task], task=task)
     assert str(error.value) == f"--dataset_name {name} split train, row 1, column {column}: {problem}"
 
 
@@ -377,11 +383,13 @@ def test_the_evaluation_split_is_checked_as_far_as_it_is_read(tmp_path):
 
     train = rows_file(tmp_path / "train.jsonl", [SORT])
     evaluation = rows_file(tmp_path / "eval.jsonl", [SORT, SORT, {**SORT, "query": " "}])
-    args = dict(dataset_name=train, dataset_eval_file=evaluation)
-    dataset, where = load_split(dpo.Args(**args, num_eval_prompts=2), "test", dpo.TASK_COLUMNS["tiny"], evaluation=True)
+    columns = dpo.TASK_COLUMNS["tiny"]
+    dataset, where = load_split(
+        train, None, "test", columns, task="tiny", evaluation=True, eval_file=evaluation, num_prompts=2
+    )
     assert (len(dataset), where) == (2, f"--dataset_eval_file {evaluation}")
     with pytest.raises(UsageError, match=rf"^--dataset_eval_file {evaluation}, row 2, column query: ' ' is empty$"):
-        load_split(dpo.Args(**args), "test", dpo.TASK_COLUMNS["tiny"], evaluation=True)
+        load_split(train, None, "test", columns, task="tiny", evaluation=True, eval_file=evaluation)
 
 
 def test_one_file_for_both_splits_is_refused_unless_the_evaluation_has_a_file_of_its_own(tmp_path):
@@ -403,7 +411,7 @@ def test_one_file_for_both_splits_is_refused_unless_the_evaluation_has_a_file_of
     assert dataset["query"] == ["sort: eel ->"]
     with pytest.raises(UsageError, match=f"^--dataset_eval_file {train} is --dataset_name: evaluate on other prompts$"):
         split_of(train, "test", evaluation=True, dataset_eval_file=train)
-    with pytest.raises(UsageError, match="^--dataset_eval_file .*tiny_task/data is not a file: give one file"):
+    with pytest.raises(UsageError, match="^--dataset_eval_file .*tasks/tiny/data is not a file: give one file"):
         split_of(train, "test", evaluation=True, dataset_eval_file=str(TINY / "data"))
 
 

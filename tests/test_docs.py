@@ -17,7 +17,10 @@ from conftest import ROOT, SMALL_RUN, check_run, run_script, shared_run, shared_
 
 import online_dpo_async as dpo
 import plumbing
-from plumbing.command_line import COMMON_DOMAINS, RunArgs, flag_sections, parse_args
+from plumbing.command_line import _COMMON_DOMAINS, RunArgs, _flag_sections, _parse_args
+
+# Private plumbing names (leading underscore) on purpose: the grouped --help (_parse_args, _flag_sections) and the
+# plumbing's own flag domains are what the docs must show, so the docs are checked against them.
 
 README = (ROOT / "README.md").read_text()
 DOC_FILES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
@@ -177,9 +180,9 @@ if accelerator.process_index == 1:
 for name in ("online_dpo_async", "rloo_async", "ppo_async"):
     args = importlib.import_module(name).Args()
     assert args.exp_name is None
-    line = f"{{name}} rank {{accelerator.process_index}}: {{plumbing.run_folder.name_run(name, args.seed)}}\\n"
+    line = f"{{name}} rank {{accelerator.process_index}}: {{plumbing.run_folder._name_run(name, args.seed)}}\\n"
     os.write(1, line.encode())  # one write a line: the two processes share the pipe
-plumbing.command_line.leave_process_group()  # as a run ends
+plumbing.command_line._leave_process_group()  # as a run ends
 """)
     proc = run_script(
         [sys.executable, "-m", "accelerate.commands.launch", "--config_file", "configs/cpu_2proc.yaml", str(probe)],
@@ -323,13 +326,13 @@ def test_docs_commands_run_dry_or_name_flags_their_script_has(command, tmp_path)
 
 
 def domain_table() -> str:
-    """docs/flags.md's table of the flags' domains, from COMMON_DOMAINS and each file's
+    """docs/flags.md's table of the flags' domains, from _COMMON_DOMAINS and each file's SHARED_DOMAINS and
     ALGORITHM_DOMAINS."""
     scripts = ["online_dpo_async.py", "rloo_async.py", "ppo_async.py"]
     modules = {name: importlib.import_module(name.removesuffix(".py")) for name in scripts}
     rows = {}
     for name, module in modules.items():
-        for flag, (domain, why) in (COMMON_DOMAINS | module.ALGORITHM_DOMAINS).items():
+        for flag, (domain, why) in (_COMMON_DOMAINS | module.SHARED_DOMAINS | module.ALGORITHM_DOMAINS).items():
             rows.setdefault((flag, domain, why), []).append(name)
     lines = ["| flag | must be | why | files |", "|---|---|---|---|"]
     for (flag, domain, why), names in rows.items():
@@ -365,11 +368,11 @@ class Example:
 
 
 def test_flag_sections_read_the_titles_and_helps_of_the_class_body():
-    assert flag_sections(Example) == [
+    assert _flag_sections(Example) == [
         ("first", [("a", "a's help")]),
         ("second (with a note)", [("b", "b's help, on two lines"), ("c", "c's")]),
     ]
-    assert parse_args(Example, "Doc.\n\nMore.", ["--b", "x", "--c"]) == Example(1, "x", True)
+    assert _parse_args(Example, "Doc.\n\nMore.", ["--b", "x", "--c"]) == Example(1, "x", True)
 
 
 @dataclasses.dataclass
@@ -380,12 +383,12 @@ class Extended(Example):
 
 def test_flag_sections_put_the_base_classes_sections_first():
     """As RunArgs' sections come before each file's Args' own."""
-    assert [title for title, _ in flag_sections(Extended)] == [
+    assert [title for title, _ in _flag_sections(Extended)] == [
         "first",
         "second (with a note)",
         "third",
     ]
-    assert parse_args(Extended, "Doc.", ["--d", "2", "--a", "3"]) == Extended(a=3, d=2.0)
+    assert _parse_args(Extended, "Doc.", ["--d", "2", "--a", "3"]) == Extended(a=3, d=2.0)
 
 
 @pytest.mark.parametrize("name", SCRIPTS)
@@ -395,7 +398,7 @@ def test_the_grouped_command_line_reads_flags_as_tyro_reads_the_flat_args(name):
     module = SCRIPTS[name]
     for flags in [[], ["--seed", "3", "--track", "--output_dir", "x", "--num_eval_prompts", "8"], ["--resume"]]:
         expected = tyro.cli(module.Args, args=flags, use_underscores=True)
-        assert parse_args(module.Args, module.__doc__, flags) == expected
+        assert _parse_args(module.Args, module.__doc__, flags) == expected
 
 
 def test_help_is_grouped_the_same_way_in_the_three_files_and_says_what_every_flag_means():
@@ -403,9 +406,9 @@ def test_help_is_grouped_the_same_way_in_the_three_files_and_says_what_every_fla
     own section is named after it); a flag the files share has the same section and text (except SAID_PER_FILE);
     every flag has a text, an optional one says what None means, and one whose domain starts at 0 says what 0
     means."""
-    run_sections = [title for title, _ in flag_sections(RunArgs)]
+    run_sections = [title for title, _ in _flag_sections(RunArgs)]
     assert run_sections == RUN_SECTIONS
-    sections = {name: flag_sections(module.Args) for name, module in SCRIPTS.items()}
+    sections = {name: _flag_sections(module.Args) for name, module in SCRIPTS.items()}
     titles = {name: [title for title, _ in s] for name, s in sections.items()}
     for name, names in titles.items():
         assert names[:5] + names[6:] == RUN_SECTIONS + [
@@ -418,7 +421,7 @@ def test_help_is_grouped_the_same_way_in_the_three_files_and_says_what_every_fla
         assert names[5].startswith("batch sizes (in prompts; each gets "), names[5]
     where = {}  # flag -> {(section index, help)}
     for name, module in SCRIPTS.items():
-        domains = COMMON_DOMAINS | module.ALGORITHM_DOMAINS
+        domains = _COMMON_DOMAINS | module.SHARED_DOMAINS | module.ALGORITHM_DOMAINS
         for index, (title, flags) in enumerate(sections[name]):
             for flag, text in flags:
                 assert text, f"{name} --{flag} has no help"
@@ -440,7 +443,7 @@ def test_help_shows_each_section_as_a_box_of_its_flags(script):
     boxes = re.findall(r"╭─ ([^\n]+?) options ─+╮\n(.*?)╰", help_text(script), re.S)
     shown = [(title, re.findall(r"^│ --(\w+)", body, re.M)) for title, body in boxes if title != "options"]
     module = SCRIPTS[script.removesuffix(".py")]
-    sections = flag_sections(module.Args)
+    sections = _flag_sections(module.Args)
     assert shown == [(title, [flag for flag, _ in flags]) for title, flags in sections]
     assert "{None}|INT (STR, FLOAT) is optional" in help_text(script)
 
@@ -454,7 +457,60 @@ def test_the_docs_list_the_flags_by_the_help_groups():
     documented = [(title, sorted(set(re.findall(r"`--(\w+)`", body)))) for title, body in bullets]
     expected = {}
     for module in SCRIPTS.values():
-        for title, flags in flag_sections(module.Args):
+        for title, flags in _flag_sections(module.Args):
             title = title.split(" (")[0]
             expected[title] = sorted(set(expected.get(title, [])) | {flag for flag, _ in flags})
     assert len(documented) == len(dict(documented)) and dict(documented) == expected
+
+
+# Paths of other projects that the docs and comments cite (they name no file here): PRIME-RL's page on its
+# asynchronous objective, the paper's code's TRL configs; and the tiny task's folder before it moved, which the
+# committed miniature runs recorded (benchmark/miniature.py reads it as tasks/tiny/).
+OTHER_PATHS = {
+    "docs/async.md",
+    "configs/onlinedpo_pythia410m_tldr_4gpu.yml",
+    "configs/onlinedpo_pythia410m_tldr_vllm_4gpu.yml",
+    "configs/rloo_pythia410m_tldr.yml",
+    "configs/ppo_pythia410m_tldr.yml",
+    "configs/onlinedpo_rho1b_gsm8k_4a100s_async.yml",
+    "benchmark/tiny_task/",
+}
+REPO_PATH = re.compile(r"(?<![\w/.-])((?:benchmark|tasks|plumbing|tests|docs|configs)/[\w./-]*+)(?![<{*])")
+
+
+def missing_repo_paths(text: str) -> list[str]:
+    """The paths into this repository's folders that a text names and that do not exist (a placeholder such as
+    `runs/<run>/` or a glob is not a path)."""
+    named = [match.group(1).rstrip(".-") for match in REPO_PATH.finditer(text)]
+    return [path for path in named if path not in OTHER_PATHS and not (ROOT / path).exists()]
+
+
+def test_every_path_the_docs_scripts_and_comments_name_exists():
+    """A moved or renamed file leaves no stale path behind: in the README, docs/, the tasks' READMEs, the code
+    (--help is its Args' comments), the benchmark scripts, the tests and the configs."""
+    texts = [ROOT / "README.md", ROOT / ".ci" / "run", ROOT / "pyproject.toml", *sorted((ROOT / "docs").glob("*.md"))]
+    for pattern in ("*.py", "*/*.py", "*/*/*.py", "*/*.sh", "*/*.md", "*/*/*.md", "*/ruff.toml", "configs/*"):
+        texts += [path for path in sorted(ROOT.glob(pattern)) if ".venv" not in path.parts]
+    texts.remove(Path(__file__))  # this file names a missing path on purpose, below
+    stale = [
+        f"{path.relative_to(ROOT)}: {missing}" for path in texts for missing in missing_repo_paths(path.read_text())
+    ]
+    assert not stale, "paths that name no file:\n" + "\n".join(stale)
+    assert missing_repo_paths("see benchmark/train_sft.py and tasks/tiny/sft") == ["benchmark/train_sft.py"]
+
+
+def test_the_picture_of_the_layout_is_what_the_code_imports():
+    """docs/import_graph.svg, which the README's Layout shows, is what docs/import_graph.py draws from the code
+    now; and the layout's rules hold: the plumbing and the tasks import nothing of the other folders, the algorithm
+    files only the plumbing."""
+    sys.path.insert(0, str(ROOT / "docs"))
+    import import_graph
+
+    imports, runs = import_graph.dependencies()
+    assert "(docs/import_graph.svg)" in README
+    assert (ROOT / "docs" / "import_graph.svg").read_text() == import_graph.draw(imports, runs), (
+        "run python docs/import_graph.py"
+    )
+    assert {target for source, target in imports if source == import_graph.METHOD} == {"plumbing/"}
+    assert not {target for source, target in imports if source in ("plumbing/", "tasks/")}
+    assert len(imports[(import_graph.METHOD, "plumbing/")]) == 3

@@ -130,7 +130,8 @@ def test_the_engine_device_holds_one_bucket_at_every_async_level(engine, policy_
     num_steps = async_level + 4  # versions 1, 2 and 3 are pushed
     # a batch of 2 prompts (of 4) x 2 completions a step, in float32 as the engine
     args = dpo.Args(response_length=2, seed=0, local_micro_batch_size=2, total_episodes=4 * num_steps, dtype="float32")
-    policy, processes = AutoModelForCausalLM.from_pretrained(policy_a), plumbing.Processes(args)
+    policy = AutoModelForCausalLM.from_pretrained(policy_a)
+    processes = plumbing.Processes(args, local_micro_batch_size=2, gradient_accumulation_steps=1, max_grad_norm=1.0)
     folder = tmp_path
     place, bucket = SnapshotPlace(pinned=False, folder=str(folder)), WeightBucket(None, str(folder), 1)
     snapshots = plumbing.PolicySnapshots(processes, policy, place)  # as the scripts make them

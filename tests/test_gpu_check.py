@@ -25,8 +25,11 @@ sys.path.insert(0, str(ROOT / "benchmark"))
 import gpu_check  # noqa: E402
 import timing  # noqa: E402
 
+# A private plumbing name (_parse_args) on purpose: the GPU check's parts are planned from the flags as the files
+# parse them.
+
 ALGORITHMS = {"online_dpo_async.py", "rloo_async.py", "ppo_async.py"}
-STABLE_FILE = "benchmark/tiny_task/README.md"  # committed, and no part of the fake parts' work changes it
+STABLE_FILE = "tasks/tiny/README.md"  # committed, and no part of the fake parts' work changes it
 
 
 def check(*flags: str, env: dict | None = None, timeout: float = 120) -> subprocess.CompletedProcess:
@@ -117,10 +120,10 @@ def parse_algorithm(script: str, flags: list[str], world_size: int = 1):
     """The flags as the script reads them (an unknown flag or a bad value stops it) and its sizes."""
     import importlib
 
-    from plumbing.command_line import parse_args
+    from plumbing.command_line import _parse_args
 
     module = importlib.import_module(script.removesuffix(".py"))
-    args = parse_args(module.Args, module.__doc__, flags)
+    args = _parse_args(module.Args, module.__doc__, flags)
     return args, module.compute_sizes(args, world_size)
 
 
@@ -557,7 +560,7 @@ TWO_PARTS = {
         "depends": [STABLE_FILE],
         "steps": [[fake_stage("run", 30, sys.executable, __file__, "write-run", "{out}/run")]],
     },
-    "2": {"title": "two", "depends": ["benchmark/tiny_task/"], "steps": [[fake_stage("other", 30, "true")]]},
+    "2": {"title": "two", "depends": ["tasks/tiny/"], "steps": [[fake_stage("other", 30, "true")]]},
 }
 
 
@@ -624,9 +627,9 @@ def test_the_code_hash_follows_a_parts_files_and_stages_only(tmp_path):
         (root / path).write_text(f"{path} changed")
         assert code() != first, path
         first = code()
-    patterns = ("benchmark/tiny_task/", "plumbing/*.py", "configs/multi_gpu.yaml")
+    patterns = ("tasks/tiny/", "plumbing/*.py", "configs/multi_gpu.yaml")
     changed = subprocess.run(
-        ["git", "status", "--porcelain", "--untracked-files=all", "--", "benchmark/tiny_task", "plumbing", "configs"],
+        ["git", "status", "--porcelain", "--untracked-files=all", "--", "tasks/tiny", "plumbing", "configs"],
         cwd=ROOT,
         capture_output=True,
         text=True,

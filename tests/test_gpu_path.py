@@ -475,7 +475,7 @@ import plumbing
 from plumbing.weights import SnapshotPlace, model_snapshot, views
 import {module} as algo
 
-processes = plumbing.Processes(algo.Args(dtype="float32", local_micro_batch_size=1))
+processes = plumbing.Processes(plumbing.RunArgs(dtype="float32"), local_micro_batch_size=1, gradient_accumulation_steps=1, max_grad_norm=1.0)
 accelerator = processes.accelerator
 assert processes.zero_stage == 3
 with processes.whole_models():
@@ -509,7 +509,7 @@ def spy(params, *args, **kwargs):
     gathered.extend(id(p) for p in params)
     return Gather(params, *args, **kwargs)
 deepspeed.zero.GatheredParameters = spy
-processes = plumbing.Processes(algo.Args(dtype="float32", local_micro_batch_size=1))
+processes = plumbing.Processes(plumbing.RunArgs(dtype="float32"), local_micro_batch_size=1, gradient_accumulation_steps=1, max_grad_norm=1.0)
 accelerator = processes.accelerator
 with processes.whole_models():
     whole = AutoModelForCausalLM.from_pretrained({policy!r})

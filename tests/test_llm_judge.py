@@ -1,5 +1,5 @@
-"""The No Robots LLM judge (benchmark/llm_judge.py) and the judge-labelled preference data
-(benchmark/label_preferences.py): hand-written cases, a scripted HTTP endpoint on loopback for the
+"""The No Robots LLM judge (tasks/llm_judge.py) and the judge-labelled preference data
+(tasks/label_preferences.py): hand-written cases, a scripted HTTP endpoint on loopback for the
 request/retry logic, and a real vLLM OpenAI-compatible server serving a tiny random judge.
 
 The server and the labelling run start when this module starts (one of each, killed at its end):
@@ -25,7 +25,7 @@ from types import SimpleNamespace
 import pytest
 from conftest import ROOT, TINY, save_random_policy, small_config
 
-sys.path.insert(0, str(ROOT / "benchmark"))
+sys.path.insert(0, str(ROOT / "tasks"))
 import label_preferences  # noqa: E402
 import llm_judge  # noqa: E402
 
@@ -199,7 +199,7 @@ def labelling(judge_server, tmp_path_factory):
     output = folder / "preferences" / "train.jsonl"
     argv = [
         sys.executable,
-        "benchmark/label_preferences.py",
+        "tasks/label_preferences.py",
         "--sft_model_path",
         str(policy),
         "--dataset_name",
@@ -491,7 +491,7 @@ def test_bad_input_fails_in_one_line_before_any_request(tmp_path):
             proc = subprocess.run(
                 [
                     sys.executable,
-                    "benchmark/llm_judge.py",
+                    "tasks/llm_judge.py",
                     *files,
                     "--base_url",
                     endpoint.base_url,
@@ -626,7 +626,7 @@ def test_label_preferences_refuses_bad_input_before_loading_models(tmp_path, mon
     ]
     environ = {k: v for k, v in os.environ.items() if k != KEY_ENV}
     proc = subprocess.run(
-        [sys.executable, "benchmark/label_preferences.py", *common, "--sft_model_path", str(TINY / "sft")],
+        [sys.executable, "tasks/label_preferences.py", *common, "--sft_model_path", str(TINY / "sft")],
         cwd=ROOT,
         capture_output=True,
         text=True,
@@ -651,7 +651,7 @@ def test_label_preferences_refuses_bad_input_before_loading_models(tmp_path, mon
         (["--sft_model_path", str(TINY / "sft"), "--temperature", "0"], "--temperature must be > 0"),
     ]:
         with pytest.raises(SystemExit, match=f"^error: {message}"):
-            run_main("benchmark/label_preferences.py", common + flags, monkeypatch)
+            run_main("tasks/label_preferences.py", common + flags, monkeypatch)
     assert not (tmp_path / "out").exists()
 
 
@@ -663,7 +663,7 @@ def run_judge(judge_server, files: list[Path], flags: list[str], monkeypatch, ca
     judge_server.wait()
     monkeypatch.setenv(KEY_ENV, KEY)
     run_main(
-        "benchmark/llm_judge.py",
+        "tasks/llm_judge.py",
         [*map(str, files), "--base_url", judge_server.base_url, *JUDGE_FLAGS, *flags],
         monkeypatch,
     )
@@ -747,7 +747,7 @@ def test_a_wrong_api_key_is_refused_without_retries(judge_server, tmp_path, monk
     with pytest.raises(
         SystemExit, match=r"^error: .*step_000004.jsonl: judge request failed after 1 attempt\(s\): AuthenticationError"
     ):
-        run_main("benchmark/llm_judge.py", [str(path), "--base_url", judge_server.base_url, *JUDGE_FLAGS], monkeypatch)
+        run_main("tasks/llm_judge.py", [str(path), "--base_url", judge_server.base_url, *JUDGE_FLAGS], monkeypatch)
     assert sorted(p.name for p in tmp_path.iterdir()) == [path.name]  # nothing written
 
 

@@ -165,7 +165,7 @@ def test_the_engine_dying_surfaces_in_the_trainer(long_run):
 )
 def test_deepspeed_trains_pushes_and_resumes_exactly(config, processes, flags, tmp_path):
     """The shipped ZeRO-2 and ZeRO-3 configs on CPUs (DeepSpeed's CPU accelerator, gloo; bf16), ZeRO-3 over two
-    training processes (plumbing.distributed.process_state counts them: accelerate alone takes each for the only one on a CPU).
+    training processes (plumbing.distributed._process_state counts them: accelerate alone takes each for the only one on a CPU).
     Under ZeRO-3 every model but the gold judge is sharded, both processes evaluate, the push gathers a layer at a
     time on both, and each process's shuffle generator goes into the checkpoint. The checkpoints are accelerate's
     save_state, written by DeepSpeed, with a manifest of their files in DeepSpeed's subfolder too: the run resumed

@@ -33,6 +33,8 @@ from plumbing.weights import (
     views,
 )
 
+# Private plumbing names (leading underscore) on purpose: this file tests the plumbing's parts one by one, by hand.
+
 
 # ---------------------------------------------------------------------------------------------
 # The proof of a push
@@ -214,9 +216,17 @@ def test_snapshots_are_taken_in_the_engine_s_dtype_from_the_trainer_s_weights(to
     others go."""
     from safetensors.torch import save_file
 
-    on_cpu = plumbing.Processes(dpo.Args(local_micro_batch_size=1))  # --dtype and --vllm_dtype auto: float32 on CPUs
+    # --dtype and --vllm_dtype auto: float32 on CPUs
+    on_cpu = plumbing.Processes(
+        plumbing.RunArgs(), local_micro_batch_size=1, gradient_accumulation_steps=1, max_grad_norm=1.0
+    )
     assert (on_cpu.dtype, on_cpu.engine_dtype) == (torch.float32, torch.float32)
-    processes = plumbing.Processes(dpo.Args(dtype="float32", vllm_dtype="bfloat16", local_micro_batch_size=1))
+    processes = plumbing.Processes(
+        plumbing.RunArgs(dtype="float32", vllm_dtype="bfloat16"),
+        local_micro_batch_size=1,
+        gradient_accumulation_steps=1,
+        max_grad_norm=1.0,
+    )
     assert (processes.dtype, processes.engine_dtype) == (torch.float32, torch.bfloat16)
     policy = perturbed_policy(tokenizer, "llama", tied=False, seed=0)
     snapshots = plumbing.PolicySnapshots(processes, policy, SnapshotPlace(pinned=False, folder=str(tmp_path)))
@@ -271,7 +281,9 @@ def test_the_fingerprint_is_of_the_trainer_s_weights_not_of_their_copy(tokenizer
 # ---------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("loss", [float("nan"), float("inf"), float("-inf")])
 def test_a_non_finite_loss_stops_the_run_before_a_checkpoint_has_it(loss):
-    processes = plumbing.Processes(dpo.Args(dtype="float32", local_micro_batch_size=1))
+    processes = plumbing.Processes(
+        plumbing.RunArgs(dtype="float32"), local_micro_batch_size=1, gradient_accumulation_steps=1, max_grad_norm=1.0
+    )
     stats = {"loss": torch.tensor(0.25), "kl": torch.tensor(2.0)}
     assert processes.mean(stats, 3, None) == {"loss": 0.25, "kl": 2.0}  # one process: its own numbers
     with pytest.raises(RuntimeError) as raised:
@@ -297,7 +309,7 @@ def reduce_on_two_processes(rank: int, port: int, out: str) -> None:
     os.environ.update(RANK=str(rank), LOCAL_RANK="0", WORLD_SIZE="2", LOCAL_WORLD_SIZE="1", MASTER_ADDR="127.0.0.1")
     os.environ.update(MASTER_PORT=str(port), ACCELERATE_USE_CPU="true")
     args = dpo.Args(dtype="float32", local_micro_batch_size=1, collective_timeout_minutes=2, vllm_placement="separate")
-    processes = plumbing.Processes(args)
+    processes = plumbing.Processes(args, local_micro_batch_size=1, gradient_accumulation_steps=1, max_grad_norm=1.0)
     stats = {"loss": torch.tensor(1.0 + 2 * rank), "kl": torch.tensor(10.0 * rank), "tied": torch.tensor(0.25)}
     result = {"mean": processes.mean(stats, 0, None), "broadcast": processes.broadcast(f"from rank {rank}")}
     scores = torch.tensor([0.5, 1.0]) if rank == 0 else torch.tensor([float("-inf"), 2.0])
@@ -350,7 +362,7 @@ def test_two_processes_reduce_their_statistics_to_the_hand_computed_means(tmp_pa
 # The run folder: checkpoints, resuming, timings
 # ---------------------------------------------------------------------------------------------
 def test_checkpoints_are_written_whole_or_not_at_all_and_the_oldest_deleted(tmp_path, monkeypatch):
-    """plumbing.run_folder.save_checkpoint with a real Accelerator: the trainer's state, the versions owed and the
+    """plumbing.run_folder._save_checkpoint with a real Accelerator: the trainer's state, the versions owed and the
     format, in step_NNNNNN, all but the `keep` newest deleted; a machine that goes down before the rename (a failing
     os.replace, injected) leaves no step_NNNNNN of it, so --resume reads the newest whole one. args.json likewise."""
     from accelerate import Accelerator
@@ -362,11 +374,11 @@ def test_checkpoints_are_written_whole_or_not_at_all_and_the_oldest_deleted(tmp_
     owed = {1: [("w", torch.ones(2))]}
     for step in (2, 4, 6):
         progress.step = step
-        path = run_folder.save_checkpoint(accelerator, str(tmp_path), progress, owed, keep=2)
+        path = run_folder._save_checkpoint(accelerator, str(tmp_path), progress, owed, keep=2)
         assert path == str(tmp_path / "checkpoints" / f"step_{step:06d}")
-    assert [p.name for p in run_folder.checkpoints_in(str(tmp_path))] == ["step_000004", "step_000006"]
+    assert [p.name for p in run_folder._checkpoints_in(str(tmp_path))] == ["step_000004", "step_000006"]
     newest = tmp_path / "checkpoints" / "step_000006"
-    assert json.loads((newest / "format.json").read_text()) == {"format": run_folder.CHECKPOINT_FORMAT}
+    assert json.loads((newest / "format.json").read_text()) == {"format": run_folder._CHECKPOINT_FORMAT}
     assert torch.equal(load_file(newest / "version_000001.safetensors")["w"], torch.ones(2))
     assert not list((tmp_path / "checkpoints").glob("*.tmp"))
 
@@ -376,13 +388,13 @@ def test_checkpoints_are_written_whole_or_not_at_all_and_the_oldest_deleted(tmp_
     monkeypatch.setattr(run_folder.os, "replace", machine_down)
     progress.step = 8
     with pytest.raises(OSError, match="injected test fault"):
-        run_folder.save_checkpoint(accelerator, str(tmp_path), progress, owed, keep=2)
+        run_folder._save_checkpoint(accelerator, str(tmp_path), progress, owed, keep=2)
     assert not (tmp_path / "checkpoints" / "step_000008").exists()
-    assert run_folder.checkpoint_to_resume(str(tmp_path), {}, True, 1) == str(newest)
+    assert run_folder._checkpoint_to_resume(str(tmp_path), {}, True, 1) == str(newest)
     args_json = tmp_path / "args.json"
     args_json.write_text("the run's flags")
     with pytest.raises(OSError, match="injected test fault"):
-        run_folder.write_atomically(str(args_json), "another run's flags")
+        run_folder._write_atomically(str(args_json), "another run's flags")
     assert args_json.read_text() == "the run's flags"
 
 
@@ -424,14 +436,14 @@ def test_a_resumed_run_may_change_only_the_flags_that_change_nothing_it_computes
     for name, value in flags.items():
         changed = flags | {name: other_value(value)}
         try:
-            run_folder.checkpoint_to_resume(str(tmp_path), changed, True, 1)
+            run_folder._checkpoint_to_resume(str(tmp_path), changed, True, 1)
         except plumbing.UsageError as error:
             assert f"--{name} {value!r} -> {other_value(value)!r}" in str(error), str(error)
             refused.append(name)
     assert set(flags) - set(refused) == set(RESUMABLE) & set(flags)
     assert {"async_level", "total_episodes", "eval_freq", "num_mini_batches", "seed"} <= set(refused)
     with pytest.raises(plumbing.UsageError, match=r"training processes 1 -> 2 differ"):
-        run_folder.checkpoint_to_resume(str(tmp_path), flags, True, 2)
+        run_folder._checkpoint_to_resume(str(tmp_path), flags, True, 2)
 
 
 def test_a_resumed_run_s_metrics_keep_the_steps_before_its_checkpoint_and_the_evaluations_it_logged(tmp_path):
@@ -442,7 +454,7 @@ def test_a_resumed_run_s_metrics_keep_the_steps_before_its_checkpoint_and_the_ev
     lines += [{"step": version, "eval/win_rate": 0.5} for version in (0, 2, 4)]
     metrics = tmp_path / "metrics.jsonl"
     metrics.write_text("".join(json.dumps(line) + "\n" for line in lines))
-    run_folder.keep_metrics_before(str(metrics), start_step=3, evals_logged={0, 2})
+    run_folder._keep_metrics_before(str(metrics), start_step=3, evals_logged={0, 2})
     kept = [json.loads(line) for line in metrics.read_text().splitlines()]
     assert kept == lines[:3] + lines[5:7]
 
@@ -457,7 +469,7 @@ def test_a_step_s_timings_by_hand(monkeypatch):
     for phase in ("wait_for_rollouts", "scoring", "update"):
         laps.lap(phase)
     generator = {"generation": (95.0, 3.0), "generator_wait": (None, 0.25)}
-    metrics = run_folder.pipeline_metrics(laps, generator, 90.0, {"update": 7e9}, episodes=32, tokens=400.0)
+    metrics = run_folder._pipeline_metrics(laps, generator, 90.0, {"update": 7e9}, episodes=32, tokens=400.0)
     assert metrics == {
         "time/generation": 3.0,
         "time/generator_wait": 0.25,

@@ -28,17 +28,20 @@ from safetensors.torch import save_file
 import online_dpo_async as dpo
 from plumbing.command_line import UsageError
 from plumbing.run_folder import (
-    FolderLock,
-    check_space,
-    checkpoint_bytes,
-    checkpoint_damage,
-    checkpoint_to_resume,
-    disk_full,
-    keep_metrics_before,
-    metrics_lines,
-    parameter_count,
-    write_manifest,
+    _FolderLock,
+    _check_space,
+    _checkpoint_bytes,
+    _checkpoint_damage,
+    _checkpoint_to_resume,
+    _disk_full,
+    _keep_metrics_before,
+    _metrics_lines,
+    _parameter_count,
+    _write_manifest,
 )
+
+# Private plumbing names (leading underscore) on purpose: this file tests the run folder's parts one by one, by
+# hand (the lock, the space check, the manifest, resume), which a run reaches only through a fault.
 
 HOST = socket.gethostname()
 
@@ -53,7 +56,7 @@ def write_checkpoint(output_dir: Path, step: int) -> Path:
     torch.save({"state": {0: torch.ones(50) * step}}, path / "optimizer.bin")
     torch.save({"shard": torch.zeros(20)}, path / "pytorch_model" / "mp_rank_00_model_states.pt")
     (path / "format.json").write_text(json.dumps({"format": 4}))
-    write_manifest(str(path))
+    _write_manifest(str(path))
     return path
 
 
@@ -65,7 +68,7 @@ def resumable(output_dir: Path) -> dict:
 
 
 def test_a_checkpoints_manifest_lists_each_file_with_its_size_and_hash(tmp_path):
-    """write_manifest against hashlib over each file's bytes, read by hand: every file under the checkpoint, the
+    """_write_manifest against hashlib over each file's bytes, read by hand: every file under the checkpoint, the
     manifest itself aside."""
     path = write_checkpoint(tmp_path, 4)
     manifest = json.loads((path / "manifest.json").read_text())
@@ -80,7 +83,7 @@ def test_a_checkpoints_manifest_lists_each_file_with_its_size_and_hash(tmp_path)
             for p in files
         }
     }
-    assert checkpoint_damage(path) is None
+    assert _checkpoint_damage(path) is None
 
 
 # (what is done to the newest checkpoint, what --resume says of it)
@@ -112,10 +115,10 @@ def test_resume_names_a_damaged_checkpoint_and_continues_from_the_newest_intact_
     flags = resumable(tmp_path)
     older, newest = write_checkpoint(tmp_path, 4), write_checkpoint(tmp_path, 8)
     size = (newest / "model.safetensors").stat().st_size
-    assert checkpoint_to_resume(str(tmp_path), flags, True, world_size=1) == str(newest)
+    assert _checkpoint_to_resume(str(tmp_path), flags, True, world_size=1) == str(newest)
     assert capsys.readouterr().out == ""
     damage(newest, what)
-    assert checkpoint_to_resume(str(tmp_path), flags, True, world_size=1) == str(older)
+    assert _checkpoint_to_resume(str(tmp_path), flags, True, world_size=1) == str(older)
     assert capsys.readouterr().out.splitlines() == [
         f"--resume: {newest} is damaged ({said.format(size=size)}; delete it): continuing from the newest intact one, "
         f"{older}"
@@ -128,14 +131,14 @@ def test_with_no_intact_checkpoint_resume_says_how_to_start_over(tmp_path):
     damage(first, "delete optimizer.bin")
     damage(second, "truncate manifest.json")
     with pytest.raises(UsageError) as error:
-        checkpoint_to_resume(str(tmp_path), flags, True, world_size=1)
+        _checkpoint_to_resume(str(tmp_path), flags, True, world_size=1)
     assert str(error.value) == (
         f"--resume: no intact checkpoint: {second} is damaged (manifest.json does not parse; delete it); {first} is "
         f"damaged (optimizer.bin is missing; delete it); to start the run over, delete {tmp_path / 'checkpoints'} "
         "too and --resume starts at step 0"
     )
     shutil.rmtree(tmp_path / "checkpoints")
-    assert checkpoint_to_resume(str(tmp_path), flags, True, world_size=1) is None  # as it says: step 0
+    assert _checkpoint_to_resume(str(tmp_path), flags, True, world_size=1) is None  # as it says: step 0
 
 
 def test_checkpoints_of_older_formats_are_refused_not_skipped(tmp_path):
@@ -147,15 +150,15 @@ def test_checkpoints_of_older_formats_are_refused_not_skipped(tmp_path):
     old.mkdir()
     (old / "format.json").write_text('{"format": 3}')
     with pytest.raises(UsageError, match=rf"^--resume: {old} is not a checkpoint of this version \(format 4\)"):
-        checkpoint_to_resume(str(tmp_path), flags, True, world_size=1)
+        _checkpoint_to_resume(str(tmp_path), flags, True, world_size=1)
 
 
 def test_a_real_checkpoint_has_a_manifest_written_last_and_no_temporary_folder(tmp_path):
-    """plumbing.run_folder.save_checkpoint with accelerate's save_state, as the three files call it: the manifest
+    """plumbing.run_folder._save_checkpoint with accelerate's save_state, as the three files call it: the manifest
     lists every file written (with a policy version the generator still owes), and --resume finds it intact."""
     from accelerate import Accelerator
 
-    from plumbing.run_folder import Progress, save_checkpoint
+    from plumbing.run_folder import Progress, _save_checkpoint
 
     accelerator = Accelerator(cpu=True)
     model = torch.nn.Linear(4, 3)
@@ -165,14 +168,14 @@ def test_a_real_checkpoint_has_a_manifest_written_last_and_no_temporary_folder(t
     accelerator.register_for_checkpointing(progress)
     progress.step = 6
     owed = {5: [("weight", torch.ones(3, 4))]}
-    path = Path(save_checkpoint(accelerator, str(tmp_path), progress, owed, keep=2))
+    path = Path(_save_checkpoint(accelerator, str(tmp_path), progress, owed, keep=2))
     assert path == tmp_path / "checkpoints" / "step_000006"
     listed = json.loads((path / "manifest.json").read_text())["files"]
     on_disk = sorted(str(p.relative_to(path)) for p in path.rglob("*") if p.is_file() and p.name != "manifest.json")
     assert sorted(listed) == on_disk and {"model.safetensors", "version_000005.safetensors", "format.json"} <= set(
         listed
     )
-    assert checkpoint_damage(path) is None
+    assert _checkpoint_damage(path) is None
     assert list((tmp_path / "checkpoints").iterdir()) == [path]
 
 
@@ -181,25 +184,25 @@ def test_a_cut_off_last_line_of_the_metrics_is_dropped_and_an_earlier_bad_line_r
     metrics = tmp_path / "metrics.jsonl"
     lines = [json.dumps({"step": s, "episode": 16 * (s + 1), "async/lag": 1}) for s in range(3)]
     metrics.write_text("\n".join(lines) + "\n" + lines[2][:20])  # a kill or a full disk in the middle of a line
-    assert metrics_lines(str(metrics)) == (lines, lines[2][:20])
-    keep_metrics_before(str(metrics), start_step=2, evals_logged=set())
+    assert _metrics_lines(str(metrics)) == (lines, lines[2][:20])
+    _keep_metrics_before(str(metrics), start_step=2, evals_logged=set())
     assert metrics.read_text() == lines[0] + "\n" + lines[1] + "\n"
     metrics.write_text(lines[0] + "\n{oops\n" + lines[1] + "\n")
     with pytest.raises(UsageError) as error:
-        metrics_lines(str(metrics))
+        _metrics_lines(str(metrics))
     assert str(error.value) == (
         f"--resume: {metrics} line 2 is not JSON (Expecting property name enclosed in double quotes): mend or delete it"
     )
-    assert metrics_lines(str(tmp_path / "none.jsonl")) == ([], None)
+    assert _metrics_lines(str(tmp_path / "none.jsonl")) == ([], None)
 
 
 # ------------------------------------------------------------------------------------------ the lock
 def test_the_folder_lock_is_held_refused_released_and_taken_over_from_a_dead_process(tmp_path, capsys):
     folder = tmp_path / "made" / "run"
-    lock = FolderLock(str(folder))
+    lock = _FolderLock(str(folder))
     assert json.loads((folder / "run.lock").read_text()) == {"pid": os.getpid(), "host": HOST}
     with pytest.raises(UsageError) as error:  # another open of the file: flock's locks are per open file
-        FolderLock(str(folder))
+        _FolderLock(str(folder))
     assert str(error.value) == (
         f"--output_dir {folder} is in use by process {os.getpid()} on {HOST}, which holds {folder / 'run.lock'}: "
         "wait for that run to end, or choose another --output_dir"
@@ -211,7 +214,7 @@ def test_the_folder_lock_is_held_refused_released_and_taken_over_from_a_dead_pro
     gone = subprocess.Popen([sys.executable, "-c", "pass"])
     gone.wait()
     (folder / "run.lock").write_text(json.dumps({"pid": gone.pid, "host": "elsewhere"}))
-    lock = FolderLock(str(folder))
+    lock = _FolderLock(str(folder))
     assert capsys.readouterr().out == (
         f"--output_dir {folder}: {folder / 'run.lock'} was left by process {gone.pid} on elsewhere, which is gone: "
         "taking it over\n"
@@ -228,13 +231,13 @@ def shell(argv: list[str], timeout: float = 120) -> subprocess.CompletedProcess:
 
 def test_a_second_resume_in_a_folder_in_use_and_a_resume_of_no_run_are_refused_from_the_shell(tmp_path):
     """Exit 1 and one line, before any model loads, and nothing written: a --resume of a run whose folder another
-    process holds (this test's, as a run holds it: FolderLock; a second fresh run meets the same lock first, as the
+    process holds (this test's, as a run holds it: _FolderLock; a second fresh run meets the same lock first, as the
     test above shows), naming the folder and the process; and --resume of a folder that holds no run (a mistyped
     --output_dir), which is not made."""
     run = tmp_path / "run"
     run.mkdir()
     resumable(run)
-    lock = FolderLock(str(run))
+    lock = _FolderLock(str(run))
     try:
         before = sorted(p.name for p in tmp_path.rglob("*"))
         proc = shell([sys.executable, "rloo_async.py", "--output_dir", str(run), "--resume"])
@@ -256,26 +259,26 @@ def test_a_second_resume_in_a_folder_in_use_and_a_resume_of_no_run_are_refused_f
 
 # ------------------------------------------------------------------------------------------ space
 def test_the_space_a_run_needs_by_hand():
-    """checkpoint_bytes: fp32 weights and AdamW's two moments of each trained model (12 bytes a parameter, 16 under
+    """_checkpoint_bytes: fp32 weights and AdamW's two moments of each trained model (12 bytes a parameter, 16 under
     DeepSpeed), and the async_level + 1 policy versions a checkpoint may owe at the engine's dtype. The parameters
     are counted from the configs, no weight read: those of the models as transformers loads them."""
     from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 
-    assert checkpoint_bytes([1000, 500], engine_bytes=2, async_level=2, deepspeed=False) == 1500 * 12 + 1000 * 2 * 3
-    assert checkpoint_bytes([1000, 500], engine_bytes=2, async_level=2, deepspeed=True) == 1500 * 16 + 1000 * 2 * 3
-    assert checkpoint_bytes([1000], engine_bytes=4, async_level=0, deepspeed=False) == 1000 * 12 + 1000 * 4
+    assert _checkpoint_bytes([1000, 500], engine_bytes=2, async_level=2, deepspeed=False) == 1500 * 12 + 1000 * 2 * 3
+    assert _checkpoint_bytes([1000, 500], engine_bytes=2, async_level=2, deepspeed=True) == 1500 * 16 + 1000 * 2 * 3
+    assert _checkpoint_bytes([1000], engine_bytes=4, async_level=0, deepspeed=False) == 1000 * 12 + 1000 * 4
     policy = AutoModelForCausalLM.from_pretrained(TINY / "sft")
     reward = AutoModelForSequenceClassification.from_pretrained(TINY / "reward")
-    assert parameter_count(str(TINY / "sft"), False) == sum(p.numel() for p in policy.parameters()) == 662_144
-    assert parameter_count(str(TINY / "reward"), False) == sum(p.numel() for p in reward.parameters()) == 331_264
-    assert parameter_count(str(TINY / "nowhere"), False) == 0  # the model checks name the path
-    check_space(str(ROOT), checkpoint=2**20, count=4, final_policy=2**20)
+    assert _parameter_count(str(TINY / "sft"), False) == sum(p.numel() for p in policy.parameters()) == 662_144
+    assert _parameter_count(str(TINY / "reward"), False) == sum(p.numel() for p in reward.parameters()) == 331_264
+    assert _parameter_count(str(TINY / "nowhere"), False) == 0  # the model checks name the path
+    _check_space(str(ROOT), checkpoint=2**20, count=4, final_policy=2**20)
     with pytest.raises(UsageError, match=r"^--output_dir \S+ has [\d.]+ GiB free, and this run would write about"):
-        check_space(str(ROOT), checkpoint=2**60, count=1, final_policy=0)
+        _check_space(str(ROOT), checkpoint=2**60, count=1, final_policy=0)
 
 
 def test_a_full_disk_is_told_from_its_error_or_from_the_space_left(tmp_path):
-    """disk_full: an OSError with ENOSPC or EDQUOT in the chain; a message that says so (safetensors'); any other
+    """_disk_full: an OSError with ENOSPC or EDQUOT in the chain; a message that says so (safetensors'); any other
     error only where no space is left (torch.save loses the error number: `unexpected pos 576 vs 534`)."""
     try:
         try:
@@ -283,14 +286,14 @@ def test_a_full_disk_is_told_from_its_error_or_from_the_space_left(tmp_path):
         except OSError as inner:
             raise RuntimeError("PytorchStreamWriter failed writing file data/0") from inner
     except RuntimeError as chained:
-        assert disk_full(chained, str(tmp_path))
-    assert disk_full(OSError(errno.EDQUOT, "Disk quota exceeded"), str(tmp_path))
+        assert _disk_full(chained, str(tmp_path))
+    assert _disk_full(OSError(errno.EDQUOT, "Disk quota exceeded"), str(tmp_path))
     safetensors = "Error while serializing: I/O error: No space left on device (os error 28)"
-    assert disk_full(RuntimeError(safetensors), str(tmp_path))
-    assert not disk_full(
+    assert _disk_full(RuntimeError(safetensors), str(tmp_path))
+    assert not _disk_full(
         RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 576 vs 534"), str(tmp_path)
     )
-    assert not disk_full(OSError(errno.EACCES, "Permission denied"), str(tmp_path))
+    assert not _disk_full(OSError(errno.EACCES, "Permission denied"), str(tmp_path))
 
 
 def namespaces_allowed() -> bool:
@@ -376,10 +379,10 @@ rm {mount}/filler; find {mount} > {out}/listing; cp -a {run} {out}/run
     copy = out / "run"
     newest = copy / "checkpoints" / f"step_{match[2]}"
     assert sorted(p.name for p in (copy / "checkpoints").iterdir())[-1] == newest.name
-    assert checkpoint_damage(newest) is None
+    assert _checkpoint_damage(newest) is None
     previous = json.loads((copy / "args.json").read_text())
     flags = {flag: previous[flag] for flag in vars(dpo.Args())} | {"resume": True}
-    assert checkpoint_to_resume(str(copy), flags, True, world_size=1) == str(newest)
+    assert _checkpoint_to_resume(str(copy), flags, True, world_size=1) == str(newest)
     assert json.loads((out / "run.lock").read_text()) == {"pid": int((out / "trainer").read_text()), "host": HOST}
     written = sum(p.stat().st_size for p in newest.rglob("*") if p.is_file())
-    assert written <= checkpoint_bytes([662_144], engine_bytes=4, async_level=1, deepspeed=False)
+    assert written <= _checkpoint_bytes([662_144], engine_bytes=4, async_level=1, deepspeed=False)

@@ -12,6 +12,8 @@ from conftest import ROOT, TINY, run_script, save_random_policy
 
 import plumbing
 
+# A private plumbing name (_write_eval_completions) on purpose: the completions file's rows are checked without a run.
+
 SCRIPTS = ["online_dpo_async.py", "rloo_async.py", "ppo_async.py"]
 FIXTURES = ROOT / "tests" / "fixtures"
 # A chat template for the tiny word-level tokenizer; like Llama 3.1's, it writes the BOS token itself.
@@ -392,7 +394,7 @@ def test_the_optimizer_is_the_paper_codes(script):
 
 
 def test_eval_completions_are_written_atomically_one_file_per_step(tmp_path):
-    write_eval_completions = plumbing.run_folder.write_eval_completions
+    write_eval_completions = plumbing.run_folder._write_eval_completions
     first = write_eval_completions(str(tmp_path), 3, 96, ["p1", "p2"], ["c1", "c2"], ["r1", "r2"])
     assert first == str(tmp_path / "eval_completions" / "step_000003.jsonl")
     assert rows_of(tmp_path / "eval_completions" / "step_000003.jsonl") == [
@@ -510,7 +512,7 @@ def test_gsm8k_run_verifier_rewards_greedy_pass_at_1_and_reference_perplexity(to
 @pytest.mark.slow
 def test_no_robots_run_chat_prompts_completions_file_and_reward_model_win_rate(chat_tokenizer, tmp_path):
     """Online DPO on the No Robots fixture with a chat-templated policy, the tiny reward model as proxy and as
-    gold judge: the eval completions file is what benchmark/llm_judge.py reads."""
+    gold judge: the eval completions file is what tasks/llm_judge.py reads."""
     policy = save_random_policy(chat_tokenizer, tmp_path / "policy", seed=2)
     out = tmp_path / "run"
     run_script(

@@ -80,7 +80,7 @@ def test_the_builders_gold_judge_is_the_scripts(build):
 
 @pytest.mark.slow
 def test_builder_runs_end_to_end_in_quick_mode(tmp_path):
-    run_script([sys.executable, "benchmark/tiny_task/build.py", "--quick", "--out_dir", str(tmp_path)], timeout=300)
+    run_script([sys.executable, "tasks/tiny/build.py", "--quick", "--out_dir", str(tmp_path)], timeout=300)
     from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
 
     AutoModelForCausalLM.from_pretrained(tmp_path / "sft")

@@ -1,4 +1,4 @@
-"""benchmark/train_sft.py and benchmark/train_reward.py: the losses by hand, the data layout, bad input,
+"""tasks/train_sft.py and tasks/train_reward.py: the losses by hand, the data layout, bad input,
 and each script end to end on a few rows with a tiny random model."""
 
 import importlib.util
@@ -11,7 +11,7 @@ import pytest
 import torch
 from conftest import ROOT, TINY, save_random_policy, small_config
 
-sys.path.insert(0, str(ROOT / "benchmark"))
+sys.path.insert(0, str(ROOT / "tasks"))
 import train_reward  # noqa: E402
 import train_sft  # noqa: E402
 
@@ -122,7 +122,7 @@ def test_no_robots_messages_train_on_the_final_assistant_turn_with_the_template_
     first = data.input_ids[0][data.attention_mask[0].bool()].tolist()
     assert first == [tok.bos_token_id] + ids(tok, "sort: cow ant ->") + ids(tok, "ant cow") + [tok.eos_token_id]
     assert data.completion_mask[0][data.attention_mask[0].bool()].tolist() == [0] * 5 + [1] * 3
-    # a prompt already rendered with the template (as benchmark/label_preferences.py writes them) gets no second BOS
+    # a prompt already rendered with the template (as tasks/label_preferences.py writes them) gets no second BOS
     rendered = tok.apply_chat_template(prompts[0], add_generation_prompt=True, tokenize=False)
     assert rendered.startswith("<s>")
     assert train_sft.encode_prompts(tok, [rendered, "sort: cow ->"]) == [
@@ -292,7 +292,7 @@ def run_main(script: str, argv: list[str], capsys) -> str:
     saved = sys.argv
     sys.argv = [script, *argv]
     try:
-        runpy.run_path(str(ROOT / "benchmark" / script), run_name="__main__")
+        runpy.run_path(str(ROOT / "tasks" / script), run_name="__main__")
     finally:
         sys.argv = saved
     return capsys.readouterr().out
@@ -321,7 +321,7 @@ def test_scripts_stop_on_bad_input_with_one_line_before_any_model_loads(tmp_path
     rm_data = write_jsonl(tmp_path / "rm.jsonl", [{"prompt": "x", "chosen": "y"}])
     argv = [
         sys.executable,
-        "benchmark/train_reward.py",
+        "tasks/train_reward.py",
         "--model_name_or_path",
         str(broken),
         "--dataset_name",
@@ -469,7 +469,7 @@ def test_the_documented_paper_commands_parse(module):
 
     command = module.__doc__.split("accelerate launch", 1)[1].split("\n\n")[0].replace("\\\n", " ")
     words = shlex.split(command)
-    args = tyro.cli(module.Args, args=words[words.index(f"benchmark/{module.__name__}.py") + 1 :], use_underscores=True)
+    args = tyro.cli(module.Args, args=words[words.index(f"tasks/{module.__name__}.py") + 1 :], use_underscores=True)
     world = int(words[words.index("--num_processes") + 1])
     batch = args.local_micro_batch_size * args.gradient_accumulation_steps * world
     if module is train_sft:  # table 5
@@ -538,7 +538,7 @@ def test_two_processes_train_the_same_reward_model_as_one_with_the_same_micro_ba
             "accelerate.commands.launch",
             "--config_file",
             "configs/cpu_2proc.yaml",
-            "benchmark/train_reward.py",
+            "tasks/train_reward.py",
             *flags,
             "--gradient_accumulation_steps",
             "2",

@@ -109,7 +109,7 @@ def test_plan_gives_every_run_of_a_method_the_same_work(tmp_path, model_size):
             1e-4,
         )
         assert (first["eval_prompts"], first["eval_freq"]) == (512, 25)
-        assert first["models"][0] == str(ROOT / "benchmark" / "tiny_task" / "sft")
+        assert first["models"][0] == str(ROOT / "tasks" / "tiny" / "sft")
     else:  # speed.py --model_size pythia-1b's models and TLDR's shapes: 30 steps of 64 prompts x 2
         assert (first["episodes"], first["prompts_per_step"], first["lengths"], first["lr"]) == (
             3840,

@@ -1,6 +1,6 @@
 """Supervised fine-tuning of a causal LM on prompt/completion pairs, in one file (accelerate).
 
-Makes the SFT policy the RLHF scripts start from: the tiny task's (`tiny_task/build.py` calls
+Makes the SFT policy the RLHF scripts start from: the tiny task's (`tiny/build.py` calls
 `train` here) and No Robots' (paper appendix A.2, table 5). Flags: `--help`. The loss is the mean
 negative log-likelihood of the completion tokens only; prompt tokens and padding are masked.
 
@@ -13,7 +13,7 @@ EOS is appended to every completion that does not already end with it, so the po
 
 Defaults are the tiny task's SFT. Table 5 (No Robots, from Meta-Llama-3.1-8B), on 8 GPUs:
 
-    accelerate launch --num_processes 8 --mixed_precision bf16 benchmark/train_sft.py \\
+    accelerate launch --num_processes 8 --mixed_precision bf16 tasks/train_sft.py \\
         --model_name_or_path meta-llama/Llama-3.1-8B --dataset_name HuggingFaceH4/no_robots \\
         --chat_template tulu --output_dir models/llama-3.1-8b-sft-no-robots \\
         --max_prompt_length 1024 --max_completion_length 3072 --trim_padding --gradient_checkpointing \\
@@ -227,7 +227,7 @@ def load_tokenizer(path: str, args):
 
 def encode_prompts(tokenizer, prompts: list, apply_chat_template: bool = False) -> list[list[int]]:
     """Text prompts get the tokenizer's own special tokens (BOS for Llama) unless their text already
-    begins with BOS, as chat-templated text does (benchmark/label_preferences.py writes such prompts);
+    begins with BOS, as chat-templated text does (tasks/label_preferences.py writes such prompts);
     chat prompts are rendered with the chat template and the assistant prefix, whose text holds them."""
     if all(isinstance(p, str) for p in prompts) and not apply_chat_template:
         bos = tokenizer.bos_token

@@ -1,7 +1,7 @@
 """LLM-judge win rate of policy answers against the human ones (No Robots evaluation, paper section 5,
 appendix A.2, tables 1, 8, 9). Usage: below, `--help` and docs/reproducing.md.
 
-    OPENAI_API_KEY=... python benchmark/llm_judge.py runs/<run>/eval_completions/step_000100.jsonl \\
+    OPENAI_API_KEY=... python tasks/llm_judge.py runs/<run>/eval_completions/step_000100.jsonl \\
         --base_url https://api.openai.com/v1 --model gpt-4o --seed 1
 
 Each input row {"step", "episode", "prompt", "completion", "reference"} is one question to any
@@ -14,7 +14,7 @@ position, so the order is randomised and balanced). Next to each input file `<na
 
 The paper judged with GPT-4o following Zheng et al. (2023) but does not give its prompt; the prompt
 below is this project's own, in the pairwise style of that paper (verdict written as [[A]] or [[B]],
-no ties: a win rate against the human answer needs a choice). `benchmark/label_preferences.py`
+no ties: a win rate against the human answer needs a choice). `tasks/label_preferences.py`
 judges its preference pairs with the same code.
 """
 

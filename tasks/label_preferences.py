@@ -1,20 +1,20 @@
 """Judge-labelled preference pairs for the No Robots reward model (paper section 5, appendix A.2).
 Usage: below, `--help` and docs/reproducing.md.
 
-    OPENAI_API_KEY=... python benchmark/label_preferences.py --sft_model_path models/llama-3.1-8b-sft-no-robots \\
+    OPENAI_API_KEY=... python tasks/label_preferences.py --sft_model_path models/llama-3.1-8b-sft-no-robots \\
         --dataset_name HuggingFaceH4/no_robots --split train --output_path data/no_robots_preferences/train.jsonl \\
         --num_samples 3 --temperature 0.7 --top_p 1.0 --max_prompt_length 512 --response_length 1024 \\
         --base_url https://api.openai.com/v1 --model gpt-4o --seed 1
 
 As appendix A.2: for every prompt, sample 3 completions from the SFT model at temperature 0.7 (vLLM,
 offline), add the human answer from the dataset as a 4th, and let the LLM judge (GPT-4o in the paper;
-the code of benchmark/llm_judge.py, same prompt, same seeded A/B order randomisation) compare all
+the code of tasks/llm_judge.py, same prompt, same seeded A/B order randomisation) compare all
 6 = C(4, 2) pairs. The prompt is the SFT model's chat template applied to the messages before the final
 assistant turn (as the RLHF scripts' --task no_robots does), the human answer is that turn's content.
 
 Outputs (all written atomically):
 - `--output_path` (.jsonl): one row per labelled pair, {"prompt", "chosen", "rejected"} as
-  benchmark/train_reward.py reads them (prompt: chat-templated text; chosen / rejected: completion
+  tasks/train_reward.py reads them (prompt: chat-templated text; chosen / rejected: completion
   texts without EOS), plus prompt_id, chosen_source / rejected_source ("sft_0".."sft_2", "human"),
   the judge's verdict, the shown order and the judge's raw answer.
 - in --details_dir (by default beside the output's folder, so that the folder stays a dataset of

@@ -1,7 +1,7 @@
 """Bradley-Terry reward model training on preference pairs, in one file (accelerate).
 
-Makes the reward model the RLHF scripts optimise: the tiny task's (`tiny_task/build.py` calls
-`train` here) and No Robots' (paper appendix A.2, table 6; pairs from benchmark/label_preferences.py).
+Makes the reward model the RLHF scripts optimise: the tiny task's (`tiny/build.py` calls
+`train` here) and No Robots' (paper appendix A.2, table 6; pairs from tasks/label_preferences.py).
 Flags: `--help`.
 
 Data: a hub dataset id, a local dataset folder or a .jsonl/.json/.parquet/.csv file with `prompt`
@@ -14,7 +14,7 @@ of prompt + completion (the read-out of the RLHF scripts' `get_reward`), and the
 
 Defaults are the tiny task's RM. Table 6 (No Robots, from the SFT model), on 8 GPUs:
 
-    accelerate launch --num_processes 8 --mixed_precision bf16 benchmark/train_reward.py \\
+    accelerate launch --num_processes 8 --mixed_precision bf16 tasks/train_reward.py \\
         --model_name_or_path models/llama-3.1-8b-sft-no-robots --dataset_name data/no_robots_preferences \\
         --eval_split test --output_dir models/llama-3.1-8b-rm-no-robots \\
         --max_prompt_length 512 --max_completion_length 512 --trim_padding --gradient_checkpointing \\

@@ -3,11 +3,11 @@
 The task mirrors the paper's controlled TLDR setup in miniature: an SFT policy trained on noisy
 demonstrations, a proxy reward model trained on pairs labelled by a gold judge, and the gold judge
 itself (`tiny_gold_score`), used only for evaluation (win rate against noisy, human-like references).
-The two models are trained by the `train` functions of benchmark/train_sft.py and
-benchmark/train_reward.py, the scripts that also train No Robots' SFT policy and reward model.
+The two models are trained by the `train` functions of tasks/train_sft.py and
+tasks/train_reward.py, the scripts that also train No Robots' SFT policy and reward model.
 
-    python benchmark/tiny_task/build.py            # ~6 min on 2 CPU cores, writes next to this file
-    python benchmark/tiny_task/build.py --quick --out_dir /tmp/tiny   # < 1 min smoke test
+    python tasks/tiny/build.py            # ~6 min on 2 CPU cores, writes next to this file
+    python tasks/tiny/build.py --quick --out_dir /tmp/tiny   # < 1 min smoke test
 """
 
 import argparse
