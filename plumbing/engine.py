@@ -7,7 +7,7 @@ started by rank 0 once the trainer's models are in memory, taking what the run l
 each loads every policy version (push). vLLM runs in processes of its own, watched by a watchdog
 (plumbing/watchdog.py) that ends them if the trainer dies; the generation thread, the algorithm file's, drives
 it (run_thread), and every rank receives what it generates (next_rollout, arrived_evaluations). Every call to
-it has a deadline (Deadlines): an engine that dies or stops answering stops the run with a checkpoint and one
+it has a deadline (_Deadlines): an engine that dies or stops answering stops the run with a checkpoint and one
 line. How the weights reach it: plumbing/weights.py."""
 
 import gc
@@ -30,17 +30,17 @@ import psutil
 import torch
 from accelerate.utils import broadcast_object_list
 
-from plumbing.command_line import REDUCE_OP_WARNING, RunArgs, UsageError
-from plumbing.run_folder import numel
+from plumbing.command_line import _REDUCE_OP_WARNING, RunArgs, UsageError
+from plumbing.run_folder import _numel
 from plumbing.watchdog import (
-    dead_processes,
-    kill_process_trees,
-    release_orphaned_shared_memory,
-    release_shared_memory,
-    remove_stale_weights_folders,
-    shared_memory_files,
-    start_watchdog,
-    started_processes,
+    _dead_processes,
+    _kill_process_trees,
+    _release_orphaned_shared_memory,
+    _release_shared_memory,
+    _remove_stale_weights_folders,
+    _shared_memory_files,
+    _start_watchdog,
+    _started_processes,
 )
 from plumbing.weights import (
     SnapshotPlace,
@@ -48,7 +48,7 @@ from plumbing.weights import (
     bucket_bytes,
     checkpoint_names,
     push_weights,
-    snapshot_sizes,
+    _snapshot_sizes,
 )
 
 
@@ -79,9 +79,9 @@ class Engine:
         self.placements = processes.broadcast(placements)
         if isinstance(self.placements, UsageError):
             raise self.placements
-        self.signals = StopSignals()
-        self.cores = split_cores(accelerator.device, accelerator.num_processes)
-        self.deadlines = Deadlines(args.engine_timeout_minutes, processes.on_gpu)
+        self.signals = _StopSignals()
+        self.cores = _split_cores(accelerator.device, accelerator.num_processes)
+        self.deadlines = _Deadlines(args.engine_timeout_minutes, processes.on_gpu)
         # The generation thread needs the interpreter lock at every decoding step; training hands it over
         # every switch interval (5 ms by default) while it runs Python. 0.5 ms: pipeline efficiency 92.5% ->
         # 96.1% (docs/speed.md).
@@ -103,7 +103,7 @@ class Engine:
         engine.llms, engine.buckets, engine.engine_processes, engine.names = llms, buckets, [], {}
         engine.engine_of = {}
         engine.versions = [0] * len(llms)
-        engine.deadlines = Deadlines(RunArgs.engine_timeout_minutes, on_gpu=False)
+        engine.deadlines = _Deadlines(RunArgs.engine_timeout_minutes, on_gpu=False)
         engine.stopping = threading.Event()
         return engine
 
@@ -120,25 +120,25 @@ class Engine:
         if not self.processes.is_main:
             return
         args, accelerator, dtype = self.args, self.processes.accelerator, self.processes.engine_dtype
-        trained = sum(numel(p) for p in model.parameters())
+        trained = sum(_numel(p) for p in model.parameters())
         bf16 = accelerator.mixed_precision == "bf16"
         trained = trained_memory(trained, self.processes.zero_stage, accelerator.num_processes, bf16)
         to_come = {part: trained[part] for part in ("gradients", "optimizer state")}  # the weights are loaded
-        sizes = snapshot_sizes(checkpoint_names(policy))
+        sizes = _snapshot_sizes(checkpoint_names(policy))
         snapshot, bucket = sum(sizes.values()) * dtype.itemsize, bucket_bytes(sizes, dtype.itemsize)
         host = snapshot_memory(snapshot, async_level)
         given = args.vllm_gpu_memory_utilization is not None
         placements, totals = engine_shares(self.placements, to_come, bucket)
         for index, (placement, total) in enumerate(zip(placements, totals)):
-            line = engine_line(placement, total, snapshot, bucket, host, given, args.vllm_enforce_eager)
+            line = _engine_line(placement, total, snapshot, bucket, host, given, args.vllm_enforce_eager)
             print(line if len(placements) == 1 else f"engine {index}: {line.removeprefix('engine: ')}")
         llm_kwargs = dict(seed=args.seed, dtype=str(dtype).removeprefix("torch."))
         llm_kwargs |= dict(trust_remote_code=args.trust_remote_code, max_model_len=max_model_len)
         llm_kwargs |= dict(tensor_parallel_size=args.vllm_tensor_parallel_size)
         # CUDA graphs on GPUs
         llm_kwargs["enforce_eager"] = placements[0].devices is None or args.vllm_enforce_eager
-        self.watchdog = self.signals.watchdog = start_watchdog()
-        with on_cores(self.cores):
+        self.watchdog = self.signals.watchdog = _start_watchdog()
+        with _on_cores(self.cores):
             # the push's CUDA IPC handle is pickled, between our processes
             if placements[0].devices is not None:
                 os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
@@ -147,18 +147,18 @@ class Engine:
                 before = {p.pid for p in psutil.Process().children(recursive=True)}
                 with self.signals.start_deadline(self.deadlines.first, why):
                     self.llms.append(make_engine(path, placement, **llm_kwargs))
-                started = started_processes(before)
+                started = _started_processes(before)
                 self.engine_processes += started
-                self.names |= {process.pid: process_name(process) for process in started}
+                self.names |= {process.pid: _process_name(process) for process in started}
                 self.engine_of |= {process.pid: index for process in started}
             ram = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
-            remove_stale_weights_folders(ram)
-            release_orphaned_shared_memory()  # what runs killed with their watchdog left
+            _remove_stale_weights_folders(ram)
+            _release_orphaned_shared_memory()  # what runs killed with their watchdog left
             self.weights_dir = tempfile.mkdtemp(prefix=f"policy-weights-{os.getpid()}-", dir=ram)
             self.signals.weights_dir = self.weights_dir
             self.watchdog.stdin.write(json.dumps({"folder": self.weights_dir}) + "\n")
             self.watchdog.stdin.flush()
-        self.shared_memory = shared_memory_files(self.engine_processes)
+        self.shared_memory = _shared_memory_files(self.engine_processes)
         for placement in placements:  # one bucket for each engine, on its first GPU: they load at once
             device = torch.device("cuda", placement.engine_gpu) if placement.devices else None
             self.buckets.append(WeightBucket(device, self.weights_dir))
@@ -181,7 +181,7 @@ class Engine:
                     self.thread_error = exc
 
             self.thread = threading.Thread(target=guarded, daemon=True)
-            with on_cores(self.cores):
+            with _on_cores(self.cores):
                 self.thread.start()
         if self.signals is not None:
             self.signals.starting = False
@@ -209,17 +209,17 @@ class Engine:
 
     def failed(self) -> str | None:
         """Why the engine failed, as the trainer sees it while it waits: a process of it died, or a call to it
-        is past its deadline (Deadlines: it froze). Its processes are then killed, the generation thread left
+        is past its deadline (_Deadlines: it froze). Its processes are then killed, the generation thread left
         to the interpreter's exit (a daemon, maybe stuck in vLLM), and the reason kept (self.failure). A
         failure of the generation thread itself is raised, with its traceback (once: the thread prints
         none)."""
         if self.failure is not None:
             return self.failure
-        dead = dead_processes(self.engine_processes)
+        dead = _dead_processes(self.engine_processes)
         if not dead and (error := self.thread_error) is not None:
             # vLLM's client raises its EngineDeadError as the engine dies: see which of its processes did
             if "EngineDeadError" in (kind.__name__ for kind in type(error).__mro__):
-                dead = dead_processes(self.engine_processes, wait=ENGINE_EXIT_SECONDS)
+                dead = _dead_processes(self.engine_processes, wait=_ENGINE_EXIT_SECONDS)
             if not dead:
                 raise RuntimeError(
                     f"the generation thread failed: {type(error).__name__}: {error}"
@@ -233,7 +233,7 @@ class Engine:
             self.failure = f"{engines} froze: {call.describe(time.monotonic())}"
         if self.failure is not None:
             self.stopping.set()  # the generation thread stops at its next get; one stuck in vLLM stays so
-            kill_process_trees(self.engine_processes)
+            _kill_process_trees(self.engine_processes)
         return self.failure
 
     def which(self, pids: list[int]) -> str:
@@ -252,7 +252,7 @@ class Engine:
 
     @contextmanager
     def deadline(self, kind: str, index: int):
-        """A call to the engine (a Deadlines kind: its `index`, the step or the policy version), under its
+        """A call to the engine (a _Deadlines kind: its `index`, the step or the policy version), under its
         deadline, which the trainer watches while it waits (failed)."""
         with self.deadlines.call(kind, index):
             yield
@@ -378,8 +378,8 @@ class Engine:
             self.thread.join(timeout=waits[1])
         # The engine's worker outlives its scheduler process, killed after 1 s, by seconds (a garbage
         # collection), and their message queues stay in shared memory: end both.
-        kill_process_trees(self.engine_processes)
-        release_shared_memory(self.shared_memory)
+        _kill_process_trees(self.engine_processes)
+        _release_shared_memory(self.shared_memory)
         shutil.rmtree(self.weights_dir, ignore_errors=True)
         self.watchdog.stdin.write("done\n")  # nothing is left for it to clean up: it exits
         self.watchdog.stdin.close()
@@ -392,18 +392,18 @@ class Engine:
 # == The deadlines of the calls to the engine ================================================================
 # The first call of each kind may compile (on a GPU: vLLM's sampler kernels, FlashInfer's JIT) or warm caches,
 # as the engine's start compiles the model and captures CUDA graphs: they get at least this much.
-FIRST_CALL_MINUTES = {"CPU": 10.0, "GPU": 30.0}
-SLOWEST_MULTIPLE = 10  # a later call may take this many times the slowest of its kind so far
+_FIRST_CALL_MINUTES = {"CPU": 10.0, "GPU": 30.0}
+_SLOWEST_MULTIPLE = 10  # a later call may take this many times the slowest of its kind so far
 # What each kind of call is, by its index
-KINDS = {
+_KINDS = {
     "weight push": "the weight push of policy version {}",
     "rollout": "the rollout of step {}",
     "evaluation": "the evaluation of policy version {}",
 }
-ENGINE_EXIT_SECONDS = 3.0  # how long an engine vLLM's client says is dead may take to be seen dead
+_ENGINE_EXIT_SECONDS = 3.0  # how long an engine vLLM's client says is dead may take to be seen dead
 
 
-class Call(NamedTuple):
+class _Call(NamedTuple):
     """A call to the engine in flight, with its deadline (seconds after its start) and why it is that."""
 
     kind: str
@@ -413,25 +413,25 @@ class Call(NamedTuple):
     why: str
 
     def describe(self, now: float) -> str:
-        what, elapsed = KINDS[self.kind].format(self.index), now - self.start
+        what, elapsed = _KINDS[self.kind].format(self.index), now - self.start
         return f"{what} had no answer in {elapsed:.1f} s, its deadline {self.deadline:.1f} s ({self.why})"
 
 
-class Deadlines:
+class _Deadlines:
     """How long each call to the engine (a weight push, a rollout, an evaluation) may take before the engine
     counts as frozen (a stuck kernel, a deadlocked collective, a stopped process, which vLLM's client waits on
     forever): a run measures its own pace. The first call of each kind, and the engine's start, may compile:
-    FIRST_CALL_MINUTES on the run's device, or --engine_timeout_minutes if longer; it is not counted as the
-    kind's pace. A later call gets SLOWEST_MULTIPLE times the slowest later one of its kind so far, at least
+    _FIRST_CALL_MINUTES on the run's device, or --engine_timeout_minutes if longer; it is not counted as the
+    kind's pace. A later call gets _SLOWEST_MULTIPLE times the slowest later one of its kind so far, at least
     --engine_timeout_minutes. Generous, so that a slow call is not taken for a frozen one, but bounded:
     peers' runs wait 30 minutes on a stuck weight sync, or forever (AReaL #1439, TRL #6796)."""
 
     def __init__(self, timeout_minutes: float, on_gpu: bool):
         self.least, self.device = 60 * timeout_minutes, "GPU" if on_gpu else "CPU"
-        self.first = max(self.least, 60 * FIRST_CALL_MINUTES[self.device])
+        self.first = max(self.least, 60 * _FIRST_CALL_MINUTES[self.device])
         self.done: dict[str, int] = {}  # kind -> calls that answered
         self.slowest: dict[str, float] = {}  # kind -> seconds, the slowest call after the first
-        self.open: Call | None = None  # the call in flight (the generation thread makes one at a time)
+        self.open: _Call | None = None  # the call in flight (the generation thread makes one at a time)
 
     def first_why(self, what: str) -> str:
         return f"{what} may compile: {self.first / 60:g} minutes on a {self.device}"
@@ -441,10 +441,10 @@ class Deadlines:
         if not self.done.get(kind):
             return self.first, self.first_why(f"the first {kind}")
         least = f"--engine_timeout_minutes {self.least / 60:g}"
-        paced = SLOWEST_MULTIPLE * self.slowest.get(kind, 0.0)
+        paced = _SLOWEST_MULTIPLE * self.slowest.get(kind, 0.0)
         if paced <= self.least:
             return self.least, least
-        slowest = f"{SLOWEST_MULTIPLE} x the slowest {kind} so far, {self.slowest[kind]:.2f} s"
+        slowest = f"{_SLOWEST_MULTIPLE} x the slowest {kind} so far, {self.slowest[kind]:.2f} s"
         return paced, f"{slowest}, more than {least}"
 
     def answered(self, kind: str, seconds: float) -> None:
@@ -455,14 +455,14 @@ class Deadlines:
 
     @contextmanager
     def call(self, kind: str, index: int):
-        self.open = Call(kind, index, time.monotonic(), *self.deadline(kind))
+        self.open = _Call(kind, index, time.monotonic(), *self.deadline(kind))
         try:
             yield
         finally:
             call, self.open = self.open, None
         self.answered(kind, time.monotonic() - call.start)
 
-    def overdue(self, now: float) -> Call | None:
+    def overdue(self, now: float) -> _Call | None:
         """The call in flight if it is past its deadline."""
         call = self.open
         return call if call is not None and now - call.start > call.deadline else None
@@ -518,7 +518,7 @@ def engine_placements(
                 f"--vllm_tensor_parallel_size {tensor_parallel}: no GPU is visible, and an engine on the CPU "
                 "runs in one process; use --vllm_num_engines for more engines"
             )
-        return [Placement(None, False, 0, memory_utilization or DEFAULT_SHARE["separate"])] * engines
+        return [Placement(None, False, 0, memory_utilization or _DEFAULT_SHARE["separate"])] * engines
     local = int(os.environ.get("LOCAL_WORLD_SIZE", num_processes))  # the processes on rank 0's node
     needed = local + engines * tensor_parallel
     separate = len(visible) >= needed if mode == "auto" else mode == "separate"
@@ -581,15 +581,15 @@ def snapshot_memory(snapshot: int, async_level: int) -> int:
 # The engine's share of its GPU when --vllm_gpu_memory_utilization is left out: the largest that fits, up to
 # vLLM's default on a GPU of its own, and up to 0.3 of one it shares, whose rest training's activations need
 # (not counted).
-DEFAULT_SHARE = {"separate": 0.9, "shared": 0.3}
-MIN_SHARE = 0.05  # less holds the weights of no model worth generating with, and no KV cache
+_DEFAULT_SHARE = {"separate": 0.9, "shared": 0.3}
+_MIN_SHARE = 0.05  # less holds the weights of no model worth generating with, and no KV cache
 
 
 def engine_share(
     placement: Placement, rank0: tuple, engine: tuple, to_come: dict[str, int], bucket: int
 ) -> float:
     """The engine's share of its GPU: --vllm_gpu_memory_utilization if it fits, or (left out) the largest that
-    fits up to DEFAULT_SHARE. The GPUs once the trainer's models are loaded ((free, total) bytes of rank 0's
+    fits up to _DEFAULT_SHARE. The GPUs once the trainer's models are loaded ((free, total) bytes of rank 0's
     and of the engine's, the same on a shared GPU) must hold what training allocates later there (`to_come`:
     name -> bytes), the weight push's bucket (`bucket`: bucket_bytes; the snapshots are in host memory) and
     the engine: vLLM takes its share of its whole GPU, and refuses to start when less is free; each process
@@ -614,16 +614,17 @@ def engine_share(
         # vLLM wants its share free once its own CUDA context is open, beside rank 0's there
         largest = int(100 * (free - bucket - 2 * CUDA_CONTEXT - 0.05 * total) / total) / 100
     if asked is None:
-        if largest < MIN_SHARE:
+        if largest < _MIN_SHARE:
             beside = f"beside the weight push's bucket of {gib(bucket)}, " if not placement.shared else ""
+            share = max(largest, 0)
             raise UsageError(
-                f"the engine would get {max(largest, 0)} of its GPU, {beside}less than {MIN_SHARE}: {smaller}"
+                f"the engine would get {share} of its GPU, {beside}less than {_MIN_SHARE}: {smaller}"
             )
-        return min(largest, DEFAULT_SHARE["shared" if placement.shared else "separate"])
+        return min(largest, _DEFAULT_SHARE["shared" if placement.shared else "separate"])
     if asked <= largest:
         return asked
     if placement.shared:
-        if largest >= MIN_SHARE:
+        if largest >= _MIN_SHARE:
             raise UsageError(
                 f"--vllm_gpu_memory_utilization {asked}: the engine would take {gib(asked * total)} of the "
                 f"GPU it shares with training; {what}: lower it to at most {largest}, or give the engine a "
@@ -657,10 +658,10 @@ def engine_shares(placements: list[Placement], to_come: dict[str, int], bucket: 
                 f"{each} take {together.memory_utilization:g} of rank 0's GPU: {error}"
             ) from None
         each = asked if asked is not None else int(100 * share / engines) / 100
-        if each < MIN_SHARE:
+        if each < _MIN_SHARE:
             raise UsageError(
                 f"--vllm_num_engines {engines}: the engines sharing rank 0's GPU would get {each} of it "
-                f"each, less than {MIN_SHARE}: use fewer engines, or give them GPUs of their own"
+                f"each, less than {_MIN_SHARE}: use fewer engines, or give them GPUs of their own"
             )
         return [placement._replace(memory_utilization=each) for placement in placements], [rank0[1]] * engines
     shared, totals = [], []
@@ -672,7 +673,7 @@ def engine_shares(placements: list[Placement], to_come: dict[str, int], bucket: 
     return shared, totals
 
 
-def engine_line(
+def _engine_line(
     placement: Placement,
     total: int,
     snapshot: int,
@@ -707,7 +708,7 @@ def engine_line(
 
 
 @contextmanager
-def on_cores(cores: list[int] | None):
+def _on_cores(cores: list[int] | None):
     """Run the block on these cores (None: where it runs now). On Linux affinity belongs to a thread and is
     inherited by the threads and processes it starts; the calling thread gets its own back after."""
     before = os.sched_getaffinity(0)
@@ -719,7 +720,7 @@ def on_cores(cores: list[int] | None):
         os.sched_setaffinity(0, before)
 
 
-def split_cores(device: torch.device, num_processes: int) -> list[int] | None:
+def _split_cores(device: torch.device, num_processes: int) -> list[int] | None:
     """On a CPU with a core to spare, split the cores as the paper splits GPUs: the first is the engine's (its
     worker, its scheduler and the generation thread, which take turns), the others train, and so do the
     threads started later. Returns the engine's cores (None: no split)."""
@@ -763,7 +764,7 @@ def make_engine(model: str, placement: Placement, **llm_kwargs):
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
     if not os.environ.get("ASYNC_RLHF_VERBOSE"):  # quiet_known_noise's filters: its processes never run it
         ours = dict(
-            PYTHONWARNINGS=f"ignore:{REDUCE_OP_WARNING}:FutureWarning", TORCH_LOGS="-torch._library.triton"
+            PYTHONWARNINGS=f"ignore:{_REDUCE_OP_WARNING}:FutureWarning", TORCH_LOGS="-torch._library.triton"
         )
         for name, value in ours.items():
             os.environ[name] = ",".join(filter(None, [env.get(name), value]))
@@ -782,7 +783,7 @@ def make_engine(model: str, placement: Placement, **llm_kwargs):
         os.environ.update(env)
 
 
-class StopSignals:
+class _StopSignals:
     """SIGTERM (pre-emption) or Ctrl-C. Once the engine runs: finish the step, write a checkpoint, exit; a
     second signal exits at once. While starting: kill the processes started so far and exit at once, as vLLM
     cannot be left to stop: its start-up handshake swallows KeyboardInterrupt, and its wait for the engine's
@@ -807,7 +808,7 @@ class StopSignals:
         after the exit) and exits with `status`."""
         os.write(2, message.encode())
         watchdog = self.watchdog.pid if self.watchdog else None
-        kill_process_trees([process for process in started_processes(set()) if process.pid != watchdog])
+        _kill_process_trees([process for process in _started_processes(set()) if process.pid != watchdog])
         if self.weights_dir is not None:
             shutil.rmtree(self.weights_dir, ignore_errors=True)
         gc.freeze()  # the interpreter's exit would garbage-collect the whole heap (seconds)
@@ -831,7 +832,7 @@ class StopSignals:
             signal.signal(signal.SIGALRM, previous)
 
 
-def process_name(process: psutil.Process) -> str:
+def _process_name(process: psutil.Process) -> str:
     try:
         return process.name()
     except psutil.Error:

@@ -597,7 +597,7 @@ def _follow_umask(path: str) -> None:
             os.chmod(file, 0o666 & ~mask)
 
 
-def load_owed_version(checkpoint: str, version: int) -> dict[str, torch.Tensor]:
+def _load_owed_version(checkpoint: str, version: int) -> dict[str, torch.Tensor]:
     return load_file(os.path.join(checkpoint, f"version_{version:06d}.safetensors"))
 
 
@@ -734,7 +734,7 @@ def _pipeline_metrics(
     }
 
 
-def numel(tensor: torch.Tensor) -> int:
+def _numel(tensor: torch.Tensor) -> int:
     """A parameter's size, whole: ZeRO-3 leaves each process a shard of it."""
     return getattr(tensor, "ds_numel", tensor.numel())
 
@@ -745,8 +745,8 @@ def forward_flops(model, sequences: int, length: int, logit_positions: int | Non
     through the input embedding (a lookup). A training pass is 3 forwards' worth, 4 when recomputing
     activations."""
     embedding, head = model.get_input_embeddings().weight, model.get_output_embeddings()
-    head_params = 0 if head is None else numel(head.weight)
+    head_params = 0 if head is None else _numel(head.weight)
     tied = head is not None and head.weight is embedding
-    body = sum(numel(p) for p in model.parameters()) - numel(embedding) - (0 if tied else head_params)
+    body = sum(_numel(p) for p in model.parameters()) - _numel(embedding) - (0 if tied else head_params)
     head_tokens = length if logit_positions is None else logit_positions
     return 2 * sequences * (body * length + head_params * head_tokens)

@@ -4,7 +4,7 @@ Each version theta_v is a snapshot in rank 0's host memory (PolicySnapshots), so
 none of them. A push streams a snapshot through one fixed bucket on the engine's device (WeightBucket), a run
 of whole layers at a time, which the engine's worker (WeightReceiver, added to vLLM's worker) loads in place
 through the model's own loader: by CUDA IPC on a GPU, shared memory on a CPU, the same code but for the
-device, and never a file. Each push is proven (check_loaded): the engine's parameters after it against a
+device, and never a file. Each push is proven (_check_loaded): the engine's parameters after it against a
 fingerprint the trainer took of its own (fingerprint), and the version against the one the bucket held as it
 was loaded. What is pushed and when is the algorithm file's (docs/gpus.md, docs/algorithms.md)."""
 
@@ -21,13 +21,13 @@ import numpy as np
 import torch
 
 from plumbing.command_line import UsageError
-from plumbing.distributed import gathered_tensors
-from plumbing.run_folder import load_owed_version
+from plumbing.distributed import _gathered_tensors
+from plumbing.run_folder import _load_owed_version
 
 
 class Weights(NamedTuple):
     version: int
-    flat: torch.Tensor  # every tensor of theta_version, one after the other (snapshot_weights)
+    flat: torch.Tensor  # every tensor of theta_version, one after the other (_snapshot_weights)
     layout: list[tuple[str, list[int], int]]  # (checkpoint name, shape, offset in `flat`)
     # checkpoint name -> (sum, sum of squares) of the trainer's tensor, not of `flat` (fingerprint)
     fingerprint: dict[str, tuple[float, float]]
@@ -53,7 +53,7 @@ class PolicySnapshots:
         memory on GPUs (accelerate's get_state_dict would copy each to the CPU under DeepSpeed), under ZeRO-3
         gathered a layer at a time, with every process taking part."""
         module = self.accelerator.unwrap_model(model)
-        tensors = gathered_tensors(self.accelerator, module, {self.prefix + name for name in self.saved})
+        tensors = _gathered_tensors(self.accelerator, module, {self.prefix + name for name in self.saved})
         if not self.accelerator.is_main_process:
             for _ in tensors:  # the gathers of ZeRO-3 are collective
                 pass
@@ -67,7 +67,7 @@ class PolicySnapshots:
         """theta_version as `checkpoint` carries it (owed), rank 0's (None on the other ranks)."""
         if not self.accelerator.is_main_process:
             return None
-        tensors = load_owed_version(checkpoint, version)
+        tensors = _load_owed_version(checkpoint, version)
         saved = {name: [(name, list(tensor.shape))] for name, tensor in tensors.items()}
         self.held[version] = take_snapshot(version, tensors.items(), saved, self.dtype, self.place)
         return self.held[version]
@@ -89,14 +89,14 @@ class PolicySnapshots:
     def owed(self, versions: set[int], before: int) -> dict[int, list[tuple[str, torch.Tensor]]]:
         """The held versions in `versions` older than `before` (theta_before is the policy's weights), as
         (name, tensor) pairs for a checkpoint."""
-        return {v: views(w.flat, w.layout) for v, w in self.held.items() if v in versions and v < before}
+        return {v: _views(w.flat, w.layout) for v, w in self.held.items() if v in versions and v < before}
 
 
 def checkpoint_names(model) -> dict[str, list[tuple[str, list[int]]]]:
     """In-memory name -> the tensors `save_pretrained` writes of it, (checkpoint name, shape) each: most under
     a name of their own, which transformers may change (GPTNeoX's `lm_head` is `embed_out` in Pythia's
     checkpoints); a mixture of experts' fused experts as one tensor per expert and projection, as on disk
-    (transformers' own conversion splits them: checkpoint_tensors); tied copies left out. The engine loads a
+    (transformers' own conversion splits them: _checkpoint_tensors); tied copies left out. The engine loads a
     checkpoint's tensors (vLLM's CUDA GPTNeoX has no `lm_head`)."""
     from transformers.core_model_loading import revert_weight_conversion
     from transformers.modeling_utils import remove_tied_weights_from_state_dict
@@ -124,7 +124,7 @@ def checkpoint_names(model) -> dict[str, list[tuple[str, list[int]]]]:
     return saved
 
 
-def views(flat: torch.Tensor, layout: list[tuple[str, list[int], int]]) -> list[tuple[str, torch.Tensor]]:
+def _views(flat: torch.Tensor, layout: list[tuple[str, list[int], int]]) -> list[tuple[str, torch.Tensor]]:
     """(name, view into `flat`) of each tensor of `layout`: (name, shape, offset)."""
     return [(name, flat[offset : offset + math.prod(shape)].view(shape)) for name, shape, offset in layout]
 
@@ -132,12 +132,12 @@ def views(flat: torch.Tensor, layout: list[tuple[str, list[int], int]]) -> list[
 def take_snapshot(version: int, tensors, saved: dict, dtype: torch.dtype, place, model=None) -> Weights:
     """theta_version from `tensors`, (in-memory name, tensor) pairs of `model` (under ZeRO-3 each valid while
     the iteration is on its layer), as a checkpoint holds them (`saved`: checkpoint_names), in `dtype` in a
-    buffer of `place` (snapshot_weights), with each tensor's fingerprint taken from `tensors` as they pass,
-    not from the copy: what the engine must hold after its push (check_loaded)."""
+    buffer of `place` (_snapshot_weights), with each tensor's fingerprint taken from `tensors` as they pass,
+    not from the copy: what the engine must hold after its push (_check_loaded)."""
     shapes = {written: shape for parts in saved.values() for written, shape in parts}
     fingerprints = {}
-    pairs = fingerprinted(checkpoint_tensors(tensors, saved, model), dtype, fingerprints)
-    flat, layout = snapshot_weights(pairs, shapes, dtype, place)
+    pairs = _fingerprinted(_checkpoint_tensors(tensors, saved, model), dtype, fingerprints)
+    flat, layout = _snapshot_weights(pairs, shapes, dtype, place)
     sums = torch.stack([fingerprints[name] for name, _, _ in layout]).tolist()  # one wait for the device
     return Weights(version, flat, layout, {name: tuple(s) for (name, _, _), s in zip(layout, sums)})
 
@@ -147,7 +147,7 @@ def model_snapshot(model, version: int, dtype: torch.dtype, place) -> Weights:
     return take_snapshot(version, model.state_dict().items(), checkpoint_names(model), dtype, place, model)
 
 
-def checkpoint_tensors(tensors, saved: dict, model=None):
+def _checkpoint_tensors(tensors, saved: dict, model=None):
     """(checkpoint name, tensor) of each tensor a checkpoint holds, from (in-memory name, tensor) pairs of
     `model`: the same tensor under its checkpoint name (`saved`: checkpoint_names), or, where transformers
     splits one when saving, the parts its own conversion makes of it."""
@@ -166,8 +166,8 @@ def checkpoint_tensors(tensors, saved: dict, model=None):
 # engine dtype's) on both sides, summed in another order, about 1e-16 x log2(elements) of a tensor's scale,
 # sqrt(elements x sum of squares). 1e-10 of that scale leaves room, and is still under one element set wrong:
 # Llama 3.1 8B's embedding has a scale of 1e7 (525 M elements of 0.02), 1e-3 of which is 1/20 of an element.
-FINGERPRINT_RTOL = 1e-10
-FINGERPRINT_CHUNK = 2**24  # elements made float64 at once: temporaries of 128 MiB at most
+_FINGERPRINT_RTOL = 1e-10
+_FINGERPRINT_CHUNK = 2**24  # elements made float64 at once: temporaries of 128 MiB at most
 
 
 def fingerprint(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -179,27 +179,27 @@ def fingerprint(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     (WeightReceiver.holds)."""
     flat = tensor.detach().reshape(-1)
     sums = torch.zeros(2, dtype=torch.float64, device=flat.device)
-    for start in range(0, flat.numel(), FINGERPRINT_CHUNK):
-        part = flat[start : start + FINGERPRINT_CHUNK].to(dtype).double()
+    for start in range(0, flat.numel(), _FINGERPRINT_CHUNK):
+        part = flat[start : start + _FINGERPRINT_CHUNK].to(dtype).double()
         sums += torch.stack([part.sum(), part.dot(part)])
     return sums
 
 
-def fingerprinted(pairs, dtype: torch.dtype, into: dict):
+def _fingerprinted(pairs, dtype: torch.dtype, into: dict):
     """The (name, tensor) `pairs`, passed on, each tensor's fingerprint in `dtype` put `into` a dict."""
     for name, tensor in pairs:
         into[name] = fingerprint(tensor, dtype)
         yield name, tensor
 
 
-def snapshot_weights(pairs, shapes: dict[str, list[int]], dtype: torch.dtype, place: "SnapshotPlace"):
+def _snapshot_weights(pairs, shapes: dict[str, list[int]], dtype: torch.dtype, place: "SnapshotPlace"):
     """A copy of the (name, tensor) `pairs` in `dtype`, one after the other in one buffer of `place`, in the
     order of `shapes` (name -> shape of each tensor it must hold). Returns the buffer and its layout, (name,
     shape, offset) of each tensor."""
     offsets = np.cumsum([0] + [math.prod(shape) for shape in shapes.values()]).tolist()
     layout = [(name, list(shape), offset) for (name, shape), offset in zip(shapes.items(), offsets)]
     flat = place.buffer(offsets[-1], dtype)
-    unfilled = dict(views(flat, layout))
+    unfilled = dict(_views(flat, layout))
     for name, tensor in pairs:
         if name in unfilled:
             unfilled.pop(name).copy_(tensor.detach())
@@ -210,15 +210,15 @@ def snapshot_weights(pairs, shapes: dict[str, list[int]], dtype: torch.dtype, pl
     return flat, layout
 
 
-def snapshot_sizes(saved: dict[str, list[tuple[str, list[int]]]]) -> dict[str, int]:
+def _snapshot_sizes(saved: dict[str, list[tuple[str, list[int]]]]) -> dict[str, int]:
     """The elements of each tensor of one weight snapshot (`saved`: checkpoint_names), whole: from the shapes,
     not from `state_dict()`, whose tensors ZeRO-3 leaves empty (it would count 0)."""
     return {written: math.prod(shape) for parts in saved.values() for written, shape in parts}
 
 
 def snapshot_bytes(saved: dict[str, list[tuple[str, list[int]]]], dtype: torch.dtype) -> int:
-    """The bytes of one weight snapshot in `dtype` (snapshot_sizes)."""
-    return sum(snapshot_sizes(saved).values()) * dtype.itemsize
+    """The bytes of one weight snapshot in `dtype` (_snapshot_sizes)."""
+    return sum(_snapshot_sizes(saved).values()) * dtype.itemsize
 
 
 class SnapshotPlace(NamedTuple):
@@ -233,7 +233,7 @@ class SnapshotPlace(NamedTuple):
     def buffer(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
         if self.pinned:
             return torch.empty(numel, dtype=dtype, pin_memory=True)
-        return shared_memory_buffer(self.folder, "snapshot", numel, dtype)
+        return _shared_memory_buffer(self.folder, "snapshot", numel, dtype)
 
 
 # == The push, through a bucket ==============================================================================
@@ -241,7 +241,7 @@ class SnapshotPlace(NamedTuple):
 # larger: 1.3 % of an H100's 79 GiB, where the whole snapshot it replaces (an 8B policy in bf16, 15 GiB) took
 # 19 %, now KV cache. Still it holds Llama 3.1 8B's embedding whole (0.98 GiB in bf16), or two of its decoder
 # layers, so that an 8B push is 18 loads, not hundreds: each load walks all of vLLM's layers (docs/gpus.md).
-BUCKET_BYTES = 2**30
+_BUCKET_BYTES = 2**30
 
 
 def push_weights(llm, bucket: "WeightBucket", weights: Weights) -> None:
@@ -250,7 +250,7 @@ def push_weights(llm, bucket: "WeightBucket", weights: Weights) -> None:
     IPC on a GPU, shared memory on a CPU), loads as a checkpoint's and compares with what it holds
     (WeightReceiver) before the next run overwrites it; then the engine's parameters are fingerprinted and the
     prefix cache, KV of the old weights, reset. An engine left with other weights stops the run
-    (check_loaded)."""
+    (_check_loaded)."""
     loads = [  # each run's load, by each of the engine's workers (one per GPU under tensor parallelism)
         llm.collective_rpc("load_shared_weights", args=(filled.bucket, filled.header, filled.layout))
         for filled in bucket.fill(weights)
@@ -258,7 +258,7 @@ def push_weights(llm, bucket: "WeightBucket", weights: Weights) -> None:
     held = llm.collective_rpc("fingerprint", args=([(name, shape) for name, shape, _ in weights.layout],))
     held, cache_reset = combined_fingerprints(held), llm.reset_prefix_cache()
     for worker in range(len(loads[0])):
-        check_loaded(weights, [run[worker] for run in loads], held, cache_reset)
+        _check_loaded(weights, [run[worker] for run in loads], held, cache_reset)
 
 
 def combined_fingerprints(workers: list[dict]) -> dict:
@@ -278,7 +278,7 @@ def combined_fingerprints(workers: list[dict]) -> dict:
     return {"held": held, "renamed": workers[0]["renamed"]}
 
 
-def load_unit(name: str) -> str:
+def _load_unit(name: str) -> str:
     """The part of the model a snapshot tensor is pushed with, in one load: its numbered layer
     (`model.layers.3`) or else its module (`lm_head`). vLLM's reload processes a layer (fuses q/k/v and
     gate/up, repacks on a CPU) once all its weights came in one load: a layer split between two loads is
@@ -288,27 +288,27 @@ def load_unit(name: str) -> str:
     return ".".join(parts[: numbered[0] + 1]) if numbered else name.rpartition(".")[0]
 
 
-def bucket_bytes(sizes: dict[str, int], element_size: int, least: int = BUCKET_BYTES) -> int:
+def bucket_bytes(sizes: dict[str, int], element_size: int, least: int = _BUCKET_BYTES) -> int:
     """The push's bucket for a snapshot of these tensors (`sizes`: checkpoint name -> elements): `least`
     bytes, or the largest load unit if larger, or the whole snapshot if smaller."""
     units = Counter()
     for name, numel in sizes.items():
-        units[load_unit(name)] += numel
+        units[_load_unit(name)] += numel
     return min(sum(sizes.values()), max(least // element_size, *units.values())) * element_size
 
 
-class Chunk(NamedTuple):
+class _Chunk(NamedTuple):
     start: int  # the snapshot's elements [start, end) it copies into the bucket
     end: int
     layout: list  # (name, shape, offset in the bucket) of each tensor in it
 
 
-def bucket_chunks(layout: list, capacity: int) -> list[Chunk]:
+def bucket_chunks(layout: list, capacity: int) -> list[_Chunk]:
     """A snapshot (`layout`: (name, shape, offset) of each tensor, in order, packed) cut into runs of whole
-    load units (load_unit) of at most `capacity` elements, in order: each run fills the bucket once."""
+    load units (_load_unit) of at most `capacity` elements, in order: each run fills the bucket once."""
     units, last = {}, None  # unit -> its tensors, in the snapshot's order
     for name, shape, offset in layout:
-        if (unit := load_unit(name)) in units and unit != last:
+        if (unit := _load_unit(name)) in units and unit != last:
             raise RuntimeError(f"{name}: the tensors of {unit} are not together in the snapshot")
         units.setdefault(unit, []).append((name, shape, offset))
         last = unit
@@ -321,14 +321,14 @@ def bucket_chunks(layout: list, capacity: int) -> list[Chunk]:
         if chunks and end - chunks[-1].start <= capacity:
             chunks[-1] = chunks[-1]._replace(end=end, layout=chunks[-1].layout + tensors)
         else:
-            chunks.append(Chunk(start=start, end=end, layout=tensors))
+            chunks.append(_Chunk(start=start, end=end, layout=tensors))
     return [
         chunk._replace(layout=[(name, shape, offset - chunk.start) for name, shape, offset in chunk.layout])
         for chunk in chunks
     ]
 
 
-class Filled(NamedTuple):
+class _Filled(NamedTuple):
     bucket: tuple  # the bucket, for the engine's worker (shared_handle)
     header: tuple  # the bucket's header: the version and the run it holds (shared_handle)
     layout: list  # (name, shape, offset in the bucket) of the tensors it holds now
@@ -339,11 +339,11 @@ class WeightBucket:
     host snapshot into it a run of whole load units at a time (bucket_chunks), and the worker loads each run
     before the next overwrites it. GPU memory of `device`, which CUDA IPC shares; on a CPU (`device` None) one
     more shared-memory file in `folder`, so that CPU runs take the GPU's push path but for the device. Of
-    bucket_bytes (`least`: the production's BUCKET_BYTES, the tests' smaller), allocated at the first push and
-    kept: the engine's device holds that, whatever the model's size and the async level, and beside it a
+    bucket_bytes (`least`: the production's _BUCKET_BYTES, the tests' smaller), allocated at the first push
+    and kept: the engine's device holds that, whatever the model's size and the async level, and beside it a
     header of two numbers, the version and the run it holds, which the worker reads after each load."""
 
-    def __init__(self, device: torch.device | None, folder: str | None, least: int = BUCKET_BYTES):
+    def __init__(self, device: torch.device | None, folder: str | None, least: int = _BUCKET_BYTES):
         self.device, self.folder, self.least, self.flat, self.header = device, folder, least, None, None
 
     def fill(self, weights: Weights):
@@ -360,8 +360,8 @@ class WeightBucket:
                 )
                 if self.device is not None
                 else (
-                    shared_memory_buffer(self.folder, "bucket", numel, snapshot.dtype),
-                    shared_memory_buffer(self.folder, "header", 2, torch.int64),
+                    _shared_memory_buffer(self.folder, "bucket", numel, snapshot.dtype),
+                    _shared_memory_buffer(self.folder, "header", 2, torch.int64),
                 )
             )
         if self.flat.dtype != snapshot.dtype:
@@ -372,26 +372,26 @@ class WeightBucket:
             self.header.copy_(torch.tensor([weights.version, run]))  # once the run is in
             if self.flat.is_cuda:  # the engine's process reads it without our stream
                 torch.cuda.current_stream(self.flat.device).synchronize()
-            yield Filled(bucket=bucket, header=header, layout=chunk.layout)
+            yield _Filled(bucket=bucket, header=header, layout=chunk.layout)
 
 
-def shared_memory_buffer(folder: str, kind: str, numel: int, dtype: torch.dtype) -> torch.Tensor:
+def _shared_memory_buffer(folder: str, kind: str, numel: int, dtype: torch.dtype) -> torch.Tensor:
     """A buffer in a file of the RAM-backed `folder` that another process can map (shared_handle); the file
     goes with the buffer."""
     path = os.path.join(folder, f"{kind}-{uuid.uuid4().hex}")
     flat = torch.from_file(path, shared=True, size=numel, dtype=dtype)
     flat.shared_path = path  # for shared_handle
-    weakref.finalize(flat, remove_file, path)
+    weakref.finalize(flat, _remove_file, path)
     return flat
 
 
-def remove_file(path: str) -> None:
+def _remove_file(path: str) -> None:
     with suppress(FileNotFoundError):  # the weights folder may be gone already, at the end of a run
         os.unlink(path)
 
 
 def shared_handle(flat: torch.Tensor) -> tuple:
-    """What the engine's worker needs to open a shared buffer (open_shared): ("cuda", CUDA IPC handle) or
+    """What the engine's worker needs to open a shared buffer (_open_shared): ("cuda", CUDA IPC handle) or
     ("cpu", path, dtype, elements)."""
     if flat.is_cuda:
         from torch.multiprocessing.reductions import reduce_tensor
@@ -400,7 +400,7 @@ def shared_handle(flat: torch.Tensor) -> tuple:
     return ("cpu", flat.shared_path, str(flat.dtype).removeprefix("torch."), flat.numel())
 
 
-def open_shared(handle: tuple) -> torch.Tensor:
+def _open_shared(handle: tuple) -> torch.Tensor:
     """The buffer a shared_handle names, in the engine's worker: the same memory, not a copy."""
     if handle[0] == "cuda":
         from torch.multiprocessing.reductions import rebuild_cuda_tensor
@@ -412,18 +412,18 @@ def open_shared(handle: tuple) -> torch.Tensor:
     return torch.from_file(path, shared=True, size=numel, dtype=getattr(torch, dtype))
 
 
-def check_loaded(weights: Weights, loads: list[dict], held: dict, cache_reset: bool | None) -> None:
+def _check_loaded(weights: Weights, loads: list[dict], held: dict, cache_reset: bool | None) -> None:
     """Stop the run unless the engine holds `weights` after its push, naming the version and the first
     parameter that differs: each load read from the bucket the run of this version it was sent and holds it
     as the bucket does (`loads`: WeightReceiver.load_shared_weights after each, in order); the engine's
     parameters then match the fingerprint the trainer took of its own (`held`: WeightReceiver.fingerprint;
-    unmatched_fingerprints); its prefix cache, KV computed with the old weights, was reset. Otherwise it would
-    go on generating with another policy, silently."""
+    _unmatched_fingerprints); its prefix cache, KV computed with the old weights, was reset. Otherwise it
+    would go on generating with another policy, silently."""
     version = weights.version
     read = [(load["version"], load["run"]) for load in loads]
     wrong_run = next((i for i, (v, run) in enumerate(read) if (v, run) != (version, i)), None)
     differ = [name for load in loads for name in load["differ"]]
-    compared, unmatched = unmatched_fingerprints(weights, held["held"], held["renamed"])
+    compared, unmatched = _unmatched_fingerprints(weights, held["held"], held["renamed"])
     if wrong_run is not None:
         found_version, found_run = read[wrong_run]
         what = f"its load {wrong_run} read run {found_run} of version {found_version} in the bucket"
@@ -442,7 +442,7 @@ def check_loaded(weights: Weights, loads: list[dict], held: dict, cache_reset: b
     raise RuntimeError(f"the engine does not hold policy version {version} after its push: {what}")
 
 
-def unmatched_fingerprints(weights: Weights, held: dict, renamed: dict) -> tuple[int, list[str]]:
+def _unmatched_fingerprints(weights: Weights, held: dict, renamed: dict) -> tuple[int, list[str]]:
     """The engine's parameters (`held`: vLLM's name -> fingerprint) against the trainer's fingerprint of
     `weights`: each tensor sent against the parameter of its name (`renamed`: vLLM's, where its mapper renames
     it), or where vLLM fuses several (q/k/v, gate/up, the experts), the fused parameters under the longest
@@ -455,7 +455,7 @@ def unmatched_fingerprints(weights: Weights, held: dict, renamed: dict) -> tuple
     for name, target in targets.items():
         if target in claimed:
             groups.setdefault(target, []).append(name)
-        elif (prefix := fused_prefix(target, fused)) is not None:
+        elif (prefix := _fused_prefix(target, fused)) is not None:
             groups.setdefault(prefix, []).append(name)
     # a fused parameter belongs to the longest prefix over it
     members = {group: [group] for group in groups if group in claimed}
@@ -470,8 +470,8 @@ def unmatched_fingerprints(weights: Weights, held: dict, renamed: dict) -> tuple
         engine = [sum(held[name][i] for name in members.get(group, [])) for i in (0, 1)]
         scale = math.sqrt(sum(elements[name] for name in sent) * trainer[1])
         if (
-            abs(engine[0] - trainer[0]) > FINGERPRINT_RTOL * scale
-            or abs(engine[1] - trainer[1]) > FINGERPRINT_RTOL * trainer[1]
+            abs(engine[0] - trainer[0]) > _FINGERPRINT_RTOL * scale
+            or abs(engine[1] - trainer[1]) > _FINGERPRINT_RTOL * trainer[1]
         ):
             fused_from = f" (and {len(sent) - 1} more)" if len(sent) > 1 else ""
             into = ", ".join(members.get(group, [])) or "none"
@@ -482,11 +482,11 @@ def unmatched_fingerprints(weights: Weights, held: dict, renamed: dict) -> tuple
     return len(groups), unmatched
 
 
-def fused_prefix(name: str, fused: list[str]) -> str | None:
+def _fused_prefix(name: str, fused: list[str]) -> str | None:
     """The longest prefix of `name`, up to a dot and within its load unit, that some of the `fused`
     parameters' names start with."""
     parts = name.split(".")
-    for end in range(len(parts) - 1, len(load_unit(name).split(".")) - 1, -1):
+    for end in range(len(parts) - 1, len(_load_unit(name).split(".")) - 1, -1):
         prefix = ".".join(parts[:end]) + "."
         if any(candidate.startswith(prefix) for candidate in fused):
             return prefix
@@ -499,14 +499,15 @@ class WeightReceiver:
     (WeightBucket), with no file and no further copy, through the model's own loader (which fuses q/k/v and
     gate/up and reorders GPTNeoX's q/k/v as for a checkpoint); the copy is in place, so CUDA graphs see it.
     After each load it reads back what the bucket held and compares it with its parameters; after the push it
-    fingerprints them all (check_loaded). The tests read the engine's parameters and GPU memory through it."""
+    fingerprints them all (_check_loaded). The tests read the engine's parameters and GPU memory through
+    it."""
 
     def load_shared_weights(self, bucket: tuple, header: tuple, layout: list) -> dict:
         """Load tensors of a policy version from the push's bucket (`bucket`: its shared_handle; `layout`:
         (name, shape, offset) of each tensor in it, whole load units: bucket_chunks): the model's other layers
         keep what they hold. Returns what `holds` says of it, with the version and the run the bucket's
         `header` says it held, read after the load: what this load read, not what it was told."""
-        flat = open_shared(bucket)
+        flat = _open_shared(bucket)
         # vLLM warns of every layer a load leaves out, which a push a bucket at a time does by design; holds
         # and the fingerprint check what was sent instead
         quiet = [
@@ -517,7 +518,7 @@ class WeightReceiver:
         try:
             for logger in quiet:
                 logger.setLevel(logging.ERROR)
-            self.reload_weights(weights_iterator=iter(views(flat, layout)))
+            self.reload_weights(weights_iterator=iter(_views(flat, layout)))
         finally:
             for logger, level in zip(quiet, levels):
                 logger.setLevel(level)
@@ -525,7 +526,7 @@ class WeightReceiver:
             torch.cuda.synchronize()  # loaded before the next run of the push overwrites the bucket
         else:
             self.repack_tied_heads()
-        version, run = open_shared(header).tolist()
+        version, run = _open_shared(header).tolist()
         return {"version": version, "run": run} | self.holds(bucket, layout)
 
     def repack_tied_heads(self) -> None:
@@ -545,11 +546,11 @@ class WeightReceiver:
         sent tensor's name, compared element for element (an embedding padded to a multiple of the vocabulary:
         its first rows). The fused ones (q/k/v, gate/up) are not compared, being concatenations, nor the
         weights vLLM's CPU layers repack and leave empty: the fingerprint covers those. Returns how many
-        tensors were compared and the names of those that differ (check_loaded)."""
+        tensors were compared and the names of those that differ (_check_loaded)."""
         from vllm.model_executor.layers.vocab_parallel_embedding import VocabParallelEmbedding
 
         model, compared, differ = self.model_runner.model, 0, []
-        sent = dict(views(open_shared(handle), layout))
+        sent = dict(_views(_open_shared(handle), layout))
         # GPT-2's Conv1D weights are sent (in, out) and loaded transposed: a square one (attn.c_proj) would
         # differ. vLLM versions that transpose inside their loader, with no method of their own for it: not
         # compared
@@ -579,10 +580,10 @@ class WeightReceiver:
 
     def fingerprint(self, sent: list[tuple[str, list[int]]]) -> dict:
         """The fingerprint (fingerprint) of every parameter the engine holds, by vLLM's names, and the names
-        vLLM's mapper gives the `sent` tensors ((name, shape) each) where it renames them: check_loaded
+        vLLM's mapper gives the `sent` tensors ((name, shape) each) where it renames them: _check_loaded
         compares them with the trainer's. An embedding padded to a multiple of the vocabulary: its first rows,
         the sent ones. A linear layer's weight that vLLM's CPU backend repacked for its matmuls, leaving the
-        parameter empty: read back through the layer's own kernel (repacked_fingerprint)."""
+        parameter empty: read back through the layer's own kernel (_repacked_fingerprint)."""
         from vllm.model_executor.layers.vocab_parallel_embedding import VocabParallelEmbedding
 
         model = self.model_runner.model
@@ -597,7 +598,7 @@ class WeightReceiver:
         for name, parameter in model.named_parameters():
             module = modules[name.rpartition(".")[0]]
             if parameter.numel() == 0 and hasattr(module, "cpu_linear"):
-                held[name] = repacked_fingerprint(module, parameter.dtype)
+                held[name] = _repacked_fingerprint(module, parameter.dtype)
             else:
                 values = parameter.data[: rows[name]] if name in padded and name in rows else parameter.data
                 held[name] = fingerprint(values, values.dtype)
@@ -618,7 +619,7 @@ class WeightReceiver:
         return torch.cuda.memory_allocated()
 
 
-def repacked_fingerprint(module, dtype: torch.dtype) -> torch.Tensor:
+def _repacked_fingerprint(module, dtype: torch.dtype) -> torch.Tensor:
     """The fingerprint of a linear layer's weight W that vLLM's CPU backend repacked into its matmul library's
     layout, leaving the parameter empty, read back through the layer's own kernel: x W^T with the identity's
     rows for x gives W's columns exactly (each output is one weight times one, plus zeros), a block of them at
@@ -626,7 +627,7 @@ def repacked_fingerprint(module, dtype: torch.dtype) -> torch.Tensor:
     inputs = getattr(
         module, "input_size_per_partition", module.input_size
     )  # a CPU engine: no tensor parallelism
-    block = max(1, FINGERPRINT_CHUNK // inputs)
+    block = max(1, _FINGERPRINT_CHUNK // inputs)
     sums = torch.zeros(2, dtype=torch.float64)
     for start in range(0, inputs, block):
         identity = torch.eye(inputs, dtype=dtype)[start : start + block]

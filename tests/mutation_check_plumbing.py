@@ -27,7 +27,7 @@ FILES = (WEIGHTS, ENGINE, RUN_FOLDER, DISTRIBUTED, COMMAND_LINE, PLAN, MEMORY)
 # fmt: off
 MUTANTS = [
     # -------- plumbing/weights.py: the push and its proof
-    Mutant("W01", WEIGHTS, "load_unit", "parts[: numbered[0] + 1]", "parts[: numbered[-1] + 1]",
+    Mutant("W01", WEIGHTS, "_load_unit", "parts[: numbered[0] + 1]", "parts[: numbered[-1] + 1]",
            "a layer of experts cut at its last number: each expert a load unit of its own, the layer split"),
     Mutant("W02", WEIGHTS, "bucket_bytes", "max(least // element_size, *units.values())",
            "max(least // element_size, *sizes.values())", "the bucket sized by the largest tensor, not layer"),
@@ -43,31 +43,31 @@ MUTANTS = [
            "copy_(snapshot[: chunk.end - chunk.start])",
            "every run copied from the snapshot's start: the copy into the bucket wrong, the bucket and the engine "
            "agreeing on it (the hole the engine-against-bucket check left)"),
-    Mutant("W08", WEIGHTS, "check_loaded", "if (v, run) != (version, i)", "if v != version",
+    Mutant("W08", WEIGHTS, "_check_loaded", "if (v, run) != (version, i)", "if v != version",
            "the run a load read not checked: a stale earlier run of the same version passes"),
-    Mutant("W09", WEIGHTS, "check_loaded", "elif cache_reset is False:", "elif not cache_reset:",
+    Mutant("W09", WEIGHTS, "_check_loaded", "elif cache_reset is False:", "elif not cache_reset:",
            "an engine that does not say whether it reset its prefix cache stops the run"),
-    Mutant("W10", WEIGHTS, "check_loaded", "    elif unmatched:\n", "    elif False:\n",
+    Mutant("W10", WEIGHTS, "_check_loaded", "    elif unmatched:\n", "    elif False:\n",
            "the trainer's fingerprint not checked: the engine proven against the bucket only"),
-    Mutant("W11", WEIGHTS, "unmatched_fingerprints", "abs(engine[0] - trainer[0]) > FINGERPRINT_RTOL * scale",
-           "abs(engine[0] - trainer[0]) > FINGERPRINT_RTOL * abs(trainer[0])",
+    Mutant("W11", WEIGHTS, "_unmatched_fingerprints", "abs(engine[0] - trainer[0]) > _FINGERPRINT_RTOL * scale",
+           "abs(engine[0] - trainer[0]) > _FINGERPRINT_RTOL * abs(trainer[0])",
            "the sum's tolerance relative to the sum, which cancels to near 0, not to the tensor's scale"),
-    Mutant("W12", WEIGHTS, "unmatched_fingerprints", "sum(weights.fingerprint[name][i] for name in sent)",
+    Mutant("W12", WEIGHTS, "_unmatched_fingerprints", "sum(weights.fingerprint[name][i] for name in sent)",
            "weights.fingerprint[sent[0]][i]", "a fused parameter compared with its first part alone"),
-    Mutant("W13", WEIGHTS, "fingerprint", "part = flat[start : start + FINGERPRINT_CHUNK].to(dtype).double()",
-           "part = flat[start : start + FINGERPRINT_CHUNK].double()",
-           "the trainer's values fingerprinted unrounded, not as the engine's dtype holds them"),
-    Mutant("W14", WEIGHTS, "fingerprint", "flat[start : start + FINGERPRINT_CHUNK]",
-           "flat[start : start + FINGERPRINT_CHUNK - 1]", "off by one: each chunk's last element not summed"),
+    Mutant("W13", WEIGHTS, "fingerprint", "part = flat[start : start + _FINGERPRINT_CHUNK].to(dtype).double()",
+           "part = flat[start : start + _FINGERPRINT_CHUNK].double()",
+           "the trainer's values _fingerprinted unrounded, not as the engine's dtype holds them"),
+    Mutant("W14", WEIGHTS, "fingerprint", "flat[start : start + _FINGERPRINT_CHUNK]",
+           "flat[start : start + _FINGERPRINT_CHUNK - 1]", "off by one: each chunk's last element not summed"),
     Mutant("W15", WEIGHTS, "take_snapshot", "torch.stack([fingerprints[name] for name, _, _ in layout])",
-           "torch.stack([fingerprint(view, dtype) for _, view in views(flat, layout)])",
+           "torch.stack([fingerprint(view, dtype) for _, view in _views(flat, layout)])",
            "the fingerprint taken of the snapshot's copy, not of the trainer's weights: the copy proven against "
            "itself"),
     Mutant("W16", WEIGHTS, "checkpoint_names", "remove_tied_weights_from_state_dict(shadow.state_dict(), shadow)",
            "shadow.state_dict()", "a tied output embedding pushed as a tensor of its own"),
     Mutant("W17", WEIGHTS, "WeightReceiver", "if parameter.numel() == 0 and hasattr(module, \"cpu_linear\"):",
-           "if False:", "the linear weights vLLM's CPU layers repack fingerprinted as the empty parameters they left"),
-    Mutant("W18", WEIGHTS, "repacked_fingerprint", "torch.eye(inputs, dtype=dtype)[start : start + block]",
+           "if False:", "the linear weights vLLM's CPU layers repack _fingerprinted as the empty parameters they left"),
+    Mutant("W18", WEIGHTS, "_repacked_fingerprint", "torch.eye(inputs, dtype=dtype)[start : start + block]",
            "torch.eye(inputs, dtype=dtype)[start : start + block - 1]",
            "off by one: a repacked weight's last column of each block not read back"),
     Mutant("W19", WEIGHTS, "WeightReceiver",
@@ -84,8 +84,8 @@ MUTANTS = [
            "(2 * CUDA_CONTEXT if placement.shared else 0)", "the push's bucket left out of a shared GPU"),
     Mutant("E04", ENGINE, "engine_share", "(free - bucket - 2 * CUDA_CONTEXT - 0.05 * total)",
            "(free - 2 * CUDA_CONTEXT - 0.05 * total)", "the push's bucket left out of the engine's own GPU"),
-    Mutant("E05", ENGINE, "engine_share", 'DEFAULT_SHARE["shared" if placement.shared else "separate"]',
-           'DEFAULT_SHARE["separate" if placement.shared else "shared"]', "the two placements' default shares swapped"),
+    Mutant("E05", ENGINE, "engine_share", '_DEFAULT_SHARE["shared" if placement.shared else "separate"]',
+           '_DEFAULT_SHARE["separate" if placement.shared else "shared"]', "the two placements' default shares swapped"),
     Mutant("E06", ENGINE, "snapshot_memory", "(async_level + 2)", "(async_level + 1)",
            "one snapshot fewer than can be alive at once"),
     Mutant("E07", ENGINE, "engine_placements", "separate = len(visible) >= needed",
@@ -204,7 +204,7 @@ DESELECTED = (
 )
 # The engine's worker runs in its own process, where the recording cannot see: the test that pushes and checks
 ENGINE_PUSH = "tests/test_engine.py::test_an_engine_holding_other_weights_than_it_was_sent_stops_the_run"
-UNRECORDED = {(WEIGHTS, "WeightReceiver"): [ENGINE_PUSH], (WEIGHTS, "repacked_fingerprint"): [ENGINE_PUSH]}
+UNRECORDED = {(WEIGHTS, "WeightReceiver"): [ENGINE_PUSH], (WEIGHTS, "_repacked_fingerprint"): [ENGINE_PUSH]}
 PLUMBING = Suite(FILES, MUTANTS, TESTS, DESELECTED, UNRECORDED)
 
 if __name__ == "__main__":

@@ -138,7 +138,7 @@ def test_memory_plan_by_hand():
     assert rank0 == expected
     assert engine == {
         "engine (vLLM's share)": int(0.7 * 79 * gib),
-        # plumbing.weights.BUCKET_BYTES, whatever the async level: the bf16 snapshot (2 x P) is larger, the largest
+        # plumbing.weights._BUCKET_BYTES, whatever the async level: the bf16 snapshot (2 x P) is larger, the largest
         # layer (embed_in, 50304 x 2048 x 2 bytes) smaller
         "the weight push's bucket": gib,
         "rank 0's CUDA context (it writes the bucket)": gib,

@@ -12,18 +12,18 @@ from conftest import perturbed_policy, save_random_policy
 import online_dpo_async as dpo
 import plumbing
 from plumbing.engine import engine_placement, make_engine
-from plumbing.watchdog import kill_process_trees, release_shared_memory, shared_memory_files, started_processes
+from plumbing.watchdog import _kill_process_trees, _release_shared_memory, _shared_memory_files, _started_processes
 from plumbing.weights import (
     SnapshotPlace,
     WeightBucket,
     bucket_bytes,
     bucket_chunks,
-    check_loaded,
+    _check_loaded,
     model_snapshot,
     push_weights,
     shared_handle,
     snapshot_bytes,
-    snapshot_sizes,
+    _snapshot_sizes,
 )
 
 PROMPT_LENGTH, BLOCK_SIZE = 45, 32  # prompts span more than one KV-cache block
@@ -162,7 +162,7 @@ def test_the_engine_device_holds_one_bucket_at_every_async_level(engine, policy_
             channels.weights.put(snapshots.take(policy, step + 1))
         snapshots.keep(dpo.published_versions(dpo.pending_events(schedule, step + 1, set())))
     link.thread.join(timeout=60)
-    one = bucket_bytes(snapshot_sizes(snapshots.saved), element_size=4, least=1)
+    one = bucket_bytes(_snapshot_sizes(snapshots.saved), element_size=4, least=1)
     assert one < snapshot_bytes(snapshots.saved, torch.float32)
     assert [version for version, _, _ in held] == [1, 2, 3]
     # the bucket and its header: the version and the run it holds, two int64
@@ -175,7 +175,7 @@ def test_the_engine_device_holds_one_bucket_at_every_async_level(engine, policy_
 def test_an_engine_holding_other_weights_than_it_was_sent_stops_the_run(engine, tokenizer, tmp_path):
     """After a push the engine says what it holds: each load, the version and run it read in the bucket and how its
     parameters compare with the bucket element for element (plumbing.weights.WeightReceiver.holds); then the
-    fingerprint of every parameter, which plumbing.weights.check_loaded compares with the trainer's. Pushed policy b
+    fingerprint of every parameter, which plumbing.weights._check_loaded compares with the trainer's. Pushed policy b
     holds b; asked against policy c, which it never loaded (a push that delivered nothing), its parameters differ from
     c's snapshot element for element, and from c's fingerprint, the first the embedding, and the run stops naming
     them; as it does for a version other than the one sent, or a prefix cache not reset."""
@@ -196,7 +196,7 @@ def test_an_engine_holding_other_weights_than_it_was_sent_stops_the_run(engine, 
     assert stale["compared"] == held["compared"] and stale["differ"] == ["model.embed_tokens.weight", "lm_head.weight"]
     fingerprint = engine.collective_rpc("fingerprint", args=([(n, shape) for n, shape, _ in snapshot_b.layout],))[0]
     loaded = [{"version": 5, "run": 0} | held]
-    check_loaded(snapshot_b, loaded, fingerprint, cache_reset=True)  # what push_weights checked
+    _check_loaded(snapshot_b, loaded, fingerprint, cache_reset=True)  # what push_weights checked
     # 15 compared: the embedding, the head, the final norm and in each layer o_proj, down_proj, 2 norms, q/k/v against
     # vLLM's qkv_proj, gate/up against gate_up_proj; c differs from b in all but the 5 norms (ones in both)
     with pytest.raises(
@@ -204,19 +204,19 @@ def test_an_engine_holding_other_weights_than_it_was_sent_stops_the_run(engine, 
         match=r"does not hold policy version 6 after its push: 10 of 15 differ from the trainer's fingerprint, first "
         r"model.embed_tokens.weight: sum",
     ):
-        check_loaded(snapshot_c, [{"version": 6, "run": 0} | held], fingerprint, cache_reset=True)
+        _check_loaded(snapshot_c, [{"version": 6, "run": 0} | held], fingerprint, cache_reset=True)
     with pytest.raises(
         RuntimeError,
         match=rf"does not hold policy version 6 after its push: 2 of {held['compared']} tensors compared with the bucket "
         "differ, e.g. ",
     ):
-        check_loaded(snapshot_c, [{"version": 6, "run": 0} | stale], fingerprint, cache_reset=True)
+        _check_loaded(snapshot_c, [{"version": 6, "run": 0} | stale], fingerprint, cache_reset=True)
     with pytest.raises(RuntimeError, match="does not hold policy version 5 after its push: its prefix cache was not"):
-        check_loaded(snapshot_b, loaded, fingerprint, cache_reset=False)
+        _check_loaded(snapshot_b, loaded, fingerprint, cache_reset=False)
     with pytest.raises(
         RuntimeError, match="does not hold policy version 7 after its push: its load 0 read run 0 of version 5 in the"
     ):
-        check_loaded(snapshot_b._replace(version=7), loaded, fingerprint, cache_reset=True)
+        _check_loaded(snapshot_b._replace(version=7), loaded, fingerprint, cache_reset=True)
     paths = [snapshot_b.flat.shared_path, snapshot_c.flat.shared_path]
     assert all(os.path.exists(path) for path in paths)
     del snapshot_b, snapshot_c
@@ -306,7 +306,7 @@ def test_engine_logprobs_are_the_trainers_after_temperature(engine, policy_a, to
 @on_the_module_engine
 def test_two_engines_are_each_proven_at_every_push_and_generate_what_one_does(engine, policy_a, tokenizer, tmp_path):
     """--vllm_num_engines 2 on the CPU, through plumbing.Engine as the scripts drive it: a push goes to both engines,
-    each through its own bucket, and each proves it (check_loaded), so both hold the version; a batch is cut into two
+    each through its own bucket, and each proves it (_check_loaded), so both hold the version; a batch is cut into two
     contiguous parts (7 prompts: 4 and 3), generated by both at once and put back in prompt order, and gives the
     completions one engine gives, each prompt with its own seed (docs/gpus.md#several-engines---vllm_num_engines).
     Engines that hold different versions stop the batch."""
@@ -399,7 +399,7 @@ def test_each_push_loads_exactly_what_a_checkpoint_would(arch, tied, tokenizer, 
     models whose every tensor differs, norms and biases included, for each family researchers train now: GPTNeoX, Llama
     (untied and tied), Qwen2, Qwen3 (tied), Mistral, Gemma 2, OLMo 2, Phi-3, GPT-2, and a mixture of experts, Qwen3-MoE
     (transformers fuses its experts in memory; the push sends them as on disk, one tensor per expert and projection).
-    After each, the engine says it holds the pushed version (plumbing.weights.check_loaded: its parameters match the
+    After each, the engine says it holds the pushed version (plumbing.weights._check_loaded: its parameters match the
     trainer's fingerprint), through one bucket that holds the whole snapshot (version 1) and through one that holds its
     largest layer (2 and 3: a push of several loads, a layer at a time, each layer larger than the bucket's least, a
     layer whose tensors carry an expert's number too), every engine parameter is bit for bit what vLLM's loader makes
@@ -418,8 +418,8 @@ def test_each_push_loads_exactly_what_a_checkpoint_would(arch, tied, tokenizer, 
     llm = make_engine(
         str(tmp_path / "v0"), placement, dtype="float32", max_model_len=128, enforce_eager=True, seed=0, block_size=32
     )
-    processes = started_processes(ours)
-    shared_memory = shared_memory_files(processes)
+    processes = _started_processes(ours)
+    shared_memory = _shared_memory_files(processes)
     try:
         g = torch.Generator().manual_seed(0)
         prompts = [
@@ -436,7 +436,7 @@ def test_each_push_loads_exactly_what_a_checkpoint_would(arch, tied, tokenizer, 
             push_weights(llm, bucket, weights)
             loads = len(bucket_chunks(weights.layout, bucket.flat.numel()))
             assert loads == 1 if version == 1 else loads > 3, loads
-            # what the engine says it holds, which push_weights has checked already (check_loaded)
+            # what the engine says it holds, which push_weights has checked already (_check_loaded)
             held = llm.collective_rpc("holds", args=(shared_handle(weights.flat), weights.layout))[0]
             assert held["compared"] > 0 and held["differ"] == [], held
             pushed, generated = engine_parameters(llm), greedy_with_engine(llm, prompts, 4)
@@ -465,5 +465,5 @@ def test_each_push_loads_exactly_what_a_checkpoint_would(arch, tied, tokenizer, 
     finally:
         # stopped as the scripts stop it (plumbing.Engine.stop): its worker's own exit takes seconds, ten engines here
         llm.llm_engine.engine_core.shutdown(timeout=1)
-        kill_process_trees(processes)
-        release_shared_memory(shared_memory)
+        _kill_process_trees(processes)
+        _release_shared_memory(shared_memory)

@@ -391,7 +391,7 @@ def test_a_signal_while_the_engine_starts_stops_the_run_at_once(script, sig, to_
                     pass
             time.sleep(0.05)
         family = [psutil.Process(proc.pid), *psutil.Process(proc.pid).children(recursive=True)]
-        shared_memory = plumbing.watchdog.shared_memory_files(family)
+        shared_memory = plumbing.watchdog._shared_memory_files(family)
         if to_group:
             os.killpg(proc.pid, sig)
         else:
@@ -422,7 +422,7 @@ def test_the_engine_dies_with_a_trainer_killed_by_sigkill(tmp_path):
     """kill -9 of the trainer alone, mid-run, with two engines: its watchdog (plumbing.watchdog, which every file's
     engine start calls) kills every engine's processes, which would otherwise live on (re-parented to init), and
     removes the weights folder and the engines' message queues in shared memory."""
-    from plumbing.watchdog import shared_memory_files
+    from plumbing.watchdog import _shared_memory_files
 
     script = "online_dpo_async.py"
     run = tmp_path / "run"
@@ -450,7 +450,7 @@ def test_the_engine_dies_with_a_trainer_killed_by_sigkill(tmp_path):
         # each engine's scheduler process and its worker
         assert len(engine) >= 4 and len(folders) == 1, (engine, folders)
         family = [psutil.Process(proc.pid), *psutil.Process(proc.pid).children(recursive=True)]
-        queues = [path for path in shared_memory_files(family) if "/psm_" in path]
+        queues = [path for path in _shared_memory_files(family) if "/psm_" in path]
         assert queues, "the engines' message queues"
         proc.kill()
         proc.wait()
@@ -479,7 +479,7 @@ def test_weights_folders_of_dead_trainers_are_removed(tmp_path):
     for name in names:
         (tmp_path / name).mkdir()
         (tmp_path / name / "model.safetensors").write_bytes(b"weights")
-    assert plumbing.watchdog.remove_stale_weights_folders(str(tmp_path)) == [str(tmp_path / names[0])]
+    assert plumbing.watchdog._remove_stale_weights_folders(str(tmp_path)) == [str(tmp_path / names[0])]
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted(names[1:])
 
 
@@ -504,25 +504,25 @@ def test_orphaned_message_queues_and_semaphores_are_released_and_only_those(tmp_
         os.link(tmp_path / "sem.Xy12ab", tmp_path / "sem.mp-mapped")  # as sem_open does: the maps name sem.Xy12ab
         os.unlink(tmp_path / "sem.Xy12ab")
         os.utime(tmp_path / "sem.mp-mapped", (old, old))
-        assert plumbing.watchdog.shared_memory_files([psutil.Process()], str(tmp_path)) == [
+        assert plumbing.watchdog._shared_memory_files([psutil.Process()], str(tmp_path)) == [
             str(tmp_path / "psm_mapped"),
             str(tmp_path / "sem.mp-mapped"),
         ]
-        released = plumbing.watchdog.release_orphaned_shared_memory(folder=str(tmp_path), min_age=60)
+        released = plumbing.watchdog._release_orphaned_shared_memory(folder=str(tmp_path), min_age=60)
         assert sorted(released) == [str(tmp_path / "psm_orphan"), str(tmp_path / "sem.mp-orphan")]
         assert sorted(p.name for p in tmp_path.iterdir()) == ["other", "psm_mapped", "psm_new", "sem.mp-mapped"]
         # a watchdog names the files: those go whatever their age, if unmapped
         named = [str(tmp_path / name) for name in ("psm_new", "psm_mapped", "sem.mp-mapped", "other")]
-        assert plumbing.watchdog.release_orphaned_shared_memory(named, folder=str(tmp_path)) == [named[0], named[3]]
+        assert plumbing.watchdog._release_orphaned_shared_memory(named, folder=str(tmp_path)) == [named[0], named[3]]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["psm_mapped", "sem.mp-mapped"]
-    assert plumbing.watchdog.release_orphaned_shared_memory(named, folder=str(tmp_path)) == named[1:3]  # unmapped now
+    assert plumbing.watchdog._release_orphaned_shared_memory(named, folder=str(tmp_path)) == named[1:3]  # unmapped now
 
 
 def test_each_call_to_the_engine_has_a_deadline_from_the_runs_own_pace():
-    """plumbing.engine.Deadlines by hand: the first call of a kind (it may compile) gets 10 minutes on a CPU, 30 on a
+    """plumbing.engine._Deadlines by hand: the first call of a kind (it may compile) gets 10 minutes on a CPU, 30 on a
     GPU, or the flag's if longer, and is not the kind's pace; the second the flag's; a later one 10 times the slowest
     of its kind but the first, at least the flag's; each kind its own."""
-    cpu = plumbing.engine.Deadlines(timeout_minutes=1.0, on_gpu=False)
+    cpu = plumbing.engine._Deadlines(timeout_minutes=1.0, on_gpu=False)
     assert cpu.deadline("rollout") == (600.0, "the first rollout may compile: 10 minutes on a CPU")
     cpu.answered("rollout", 120.0)  # compiling: not the pace
     assert cpu.deadline("rollout") == (60.0, "--engine_timeout_minutes 1")
@@ -534,9 +534,9 @@ def test_each_call_to_the_engine_has_a_deadline_from_the_runs_own_pace():
     cpu.answered("weight push", 30.0)
     cpu.answered("weight push", 0.05)
     assert cpu.deadline("weight push") == (60.0, "--engine_timeout_minutes 1")  # 0.5 s: the flag's is longer
-    gpu = plumbing.engine.Deadlines(timeout_minutes=5.0, on_gpu=True)
+    gpu = plumbing.engine._Deadlines(timeout_minutes=5.0, on_gpu=True)
     assert gpu.deadline("evaluation") == (1800.0, "the first evaluation may compile: 30 minutes on a GPU")
-    assert plumbing.engine.Deadlines(timeout_minutes=45.0, on_gpu=True).first == 2700.0  # the flag's, longer
+    assert plumbing.engine._Deadlines(timeout_minutes=45.0, on_gpu=True).first == 2700.0  # the flag's, longer
     # a call in flight is overdue once past its deadline; one that raised is not the pace
     with cpu.call("weight push", 7):
         call = cpu.open
@@ -571,7 +571,7 @@ def test_a_frozen_or_dead_engine_is_killed_and_stops_the_trainers_wait_naming_th
     import queue
 
     engine, children = sleeping_engine(2)
-    engine.deadlines.open = plumbing.engine.Call("rollout", 12, time.monotonic() - 90, 75.0, "10 x the slowest")
+    engine.deadlines.open = plumbing.engine._Call("rollout", 12, time.monotonic() - 90, 75.0, "10 x the slowest")
     with pytest.raises(SystemExit) as stopped:
         engine.get(queue.Queue())
     assert re.fullmatch(
@@ -613,7 +613,7 @@ def test_a_failure_of_the_generation_thread_is_raised_once_with_its_traceback():
 
 
 def test_the_engines_start_has_a_deadline():
-    """plumbing.engine.StopSignals.start_deadline, around the engine's start in Engine.start: a start that takes longer (a
+    """plumbing.engine._StopSignals.start_deadline, around the engine's start in Engine.start: a start that takes longer (a
     stopped process here) ends the run at once with one line and status 1, killing what it started, as SIGTERM
     does while starting. In a process of its own: it kills its process's children."""
     program = """

@@ -19,7 +19,7 @@ import plumbing
 from plumbing.engine import (
     Placement,
     contiguous_parts,
-    engine_line,
+    _engine_line,
     engine_placement,
     engine_placements,
     engine_share,
@@ -28,15 +28,15 @@ from plumbing.engine import (
     trained_memory,
 )
 from plumbing.weights import (
-    BUCKET_BYTES,
+    _BUCKET_BYTES,
     SnapshotPlace,
     bucket_bytes,
     bucket_chunks,
     checkpoint_names,
-    load_unit,
+    _load_unit,
     model_snapshot,
     take_snapshot,
-    views,
+    _views,
 )
 
 FILES = ["online_dpo_async", "rloo_async", "ppo_async"]
@@ -272,7 +272,7 @@ def test_the_readme_commands_on_n_plus_1_gpus_get_an_engine_with_the_share_the_r
     separate = Placement("7", False, 7, None)
     to_come = {"gradients": params * 2 // 7, "optimizer state": params * 12 // 7}
     gpus = (60 * gib, 80 * gib), (80 * gib, 80 * gib)
-    bucket = min(params * 2, BUCKET_BYTES)
+    bucket = min(params * 2, _BUCKET_BYTES)
     assert engine_share(separate, *gpus, to_come, bucket=bucket) == 0.9
     with pytest.raises(plumbing.UsageError, match=f"lower it to at most {largest} "):
         engine_share(separate._replace(memory_utilization=0.95), *gpus, to_come, bucket=bucket)
@@ -283,13 +283,13 @@ def test_the_engine_line_says_what_the_engine_got_and_that_its_first_start_compi
     memory; on a GPU with CUDA graphs, that the first start compiles, and the flag that skips it."""
     gib = 2**30
     placement = Placement("7", False, 7, 0.37)
-    line = engine_line(placement, 80 * gib, 15 * gib, gib, 48 * gib, flag_given=False, eager=False)
+    line = _engine_line(placement, 80 * gib, 15 * gib, gib, 48 * gib, flag_given=False, eager=False)
     assert line.startswith("engine: GPU 7 of its own, 0.37 of its 80.00 GiB (the largest share the run leaves")
     assert "bucket of 1.00 GiB (the snapshots of 15.00 GiB: 48.00 GiB at most, in pinned host memory)" in line
     assert "first start compiles the model" in line and "--vllm_enforce_eager" in line
-    eager = engine_line(placement, 80 * gib, 15 * gib, gib, 48 * gib, flag_given=True, eager=True)
+    eager = _engine_line(placement, 80 * gib, 15 * gib, gib, 48 * gib, flag_given=True, eager=True)
     assert "(--vllm_gpu_memory_utilization)" in eager and "compiles" not in eager
-    cpu = engine_line(Placement(None, False, 0, 0.9), 0, 3 * 2**20, 3 * 2**20, 9 * 2**20, False, True)
+    cpu = _engine_line(Placement(None, False, 0, 0.9), 0, 3 * 2**20, 3 * 2**20, 9 * 2**20, False, True)
     assert cpu == "engine: on the CPU; weight snapshots of 3.00 MiB each"
 
 
@@ -356,7 +356,7 @@ def test_snapshot_is_a_copy_in_the_engine_dtype_under_checkpoint_names(tokenizer
         weights = model_snapshot(model, 3, dtype, CPU_PLACE)
         assert weights.version == 3 and weights.flat.dtype == dtype
         assert weights.flat.numel() == sum(p.numel() for p in model.parameters())
-        pushed = dict(views(weights.flat, weights.layout))
+        pushed = dict(_views(weights.flat, weights.layout))
         assert pushed.keys() == on_disk.keys() == weights.fingerprint.keys()
         for name, tensor in on_disk.items():
             assert torch.equal(pushed[name], tensor.to(dtype)), name
@@ -373,7 +373,7 @@ def test_snapshot_is_a_copy_in_the_engine_dtype_under_checkpoint_names(tokenizer
     layout = weights.layout
     ends = [offset + torch.Size(shape).numel() for _, shape, offset in layout]
     assert [offset for _, _, offset in layout] == [0, *ends[:-1]] and ends[-1] == weights.flat.numel()
-    units = [load_unit(name) for name, _, _ in layout]
+    units = [_load_unit(name) for name, _, _ in layout]
     starts = [unit for i, unit in enumerate(units) if i == 0 or units[i - 1] != unit]
     assert len(starts) == len(set(starts)) == len(set(units))
 
@@ -472,7 +472,7 @@ sys.path.insert(0, {root!r})
 from transformers import AutoModelForCausalLM
 from safetensors.torch import save_file
 import plumbing
-from plumbing.weights import SnapshotPlace, model_snapshot, views
+from plumbing.weights import SnapshotPlace, model_snapshot, _views
 import {module} as algo
 
 processes = plumbing.Processes(plumbing.RunArgs(dtype="float32"), local_micro_batch_size=1, gradient_accumulation_steps=1, max_grad_norm=1.0)
@@ -490,8 +490,8 @@ assert all(p.numel() == 0 for p in module.parameters()), "not sharded"
 sharded = snapshots.take(model, 1)
 plain = model_snapshot(whole, 1, torch.float32, place)
 assert sharded.fingerprint == plain.fingerprint, "the fingerprint of the gathered parameters"
-save_file(dict(views(sharded.flat, sharded.layout)), {out!r} + "/zero3.safetensors")
-save_file(dict(views(plain.flat, plain.layout)), {out!r} + "/plain.safetensors")
+save_file(dict(_views(sharded.flat, sharded.layout)), {out!r} + "/zero3.safetensors")
+save_file(dict(_views(plain.flat, plain.layout)), {out!r} + "/plain.safetensors")
 """
 
 # PPO's push under ZeRO-3: the policy and the value model are one prepared module; the push gathers the policy's
@@ -501,7 +501,7 @@ ZERO3_PPO_PROBE = """import json, sys, tempfile, torch, deepspeed
 sys.path.insert(0, {root!r})
 from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 import plumbing
-from plumbing.weights import SnapshotPlace, model_snapshot, views
+from plumbing.weights import SnapshotPlace, model_snapshot, _views
 import ppo_async as algo
 
 gathered, Gather = [], deepspeed.zero.GatheredParameters
@@ -525,7 +525,7 @@ gathered.clear()  # loading sharded models gathers too: only the push's gathers 
 sharded = snapshots.take(model, 1)
 plain = model_snapshot(whole, 1, torch.float32, place)
 ids = {{id(p): name for name, p in module.named_parameters()}}
-pairs = zip(views(sharded.flat, sharded.layout), views(plain.flat, plain.layout))
+pairs = zip(_views(sharded.flat, sharded.layout), _views(plain.flat, plain.layout))
 print(json.dumps({{"gathered": sorted(ids[i] for i in set(gathered)), "parameters": sorted(ids.values()),
     "equal": all(torch.equal(a, b) for (_, a), (_, b) in pairs) and sharded.fingerprint == plain.fingerprint}}))
 """
@@ -535,7 +535,7 @@ print(json.dumps({{"gathered": sorted(ids[i] for i in set(gathered)), "parameter
 @pytest.mark.parametrize("arch, tied", [("gptneox", False), ("llama", True)])
 def test_the_snapshot_pushed_under_zero3_is_the_unsharded_one(tokenizer, tmp_path, arch, tied):
     """Under DeepSpeed ZeRO-3 (one CPU process, fp32) the policy is sharded from the moment it loads; the push
-    (plumbing.PolicySnapshots.take) gathers it a layer at a time (plumbing.distributed.gathered_tensors) into the
+    (plumbing.PolicySnapshots.take) gathers it a layer at a time (plumbing.distributed._gathered_tensors) into the
     snapshot, which equals, name for name and bit for bit, the snapshot of the same weights never sharded."""
     from safetensors.torch import load_file
 
@@ -570,9 +570,9 @@ def test_ppo_s_push_under_zero3_gathers_the_policy_and_never_the_value_model(tok
 
 
 def test_the_push_bucket_takes_whole_layers_and_a_tensor_larger_than_its_least():
-    """plumbing.weights.bucket_bytes: BUCKET_BYTES (1 GiB), or the snapshot if smaller, or the largest layer if larger:
+    """plumbing.weights.bucket_bytes: _BUCKET_BYTES (1 GiB), or the snapshot if smaller, or the largest layer if larger:
     here a single tensor, an embedding of 768 Mi elements, 1.5 GiB in bf16. bucket_chunks cuts the snapshot into runs
-    of whole layers (load_unit: q/k/v and gate/up, which vLLM fuses, always in one load) that fill the bucket in
+    of whole layers (_load_unit: q/k/v and gate/up, which vLLM fuses, always in one load) that fill the bucket in
     order, each layout's offsets counted from the bucket's start: the embedding; layers 0 to 2 (3 x 192 Mi) and the
     norm; the head. A layer split in the snapshot, or larger than the bucket, is refused."""
     mi = 2**20
@@ -581,7 +581,7 @@ def test_the_push_bucket_takes_whole_layers_and_a_tensor_larger_than_its_least()
     }
     sizes = {"model.embed_tokens.weight": 768 * mi, **layers, "model.norm.weight": 4096, "lm_head.weight": 768 * mi}
     assert bucket_bytes(sizes, element_size=2) == 768 * mi * 2  # 1.5 GiB
-    assert bucket_bytes(sizes, element_size=2) > BUCKET_BYTES
+    assert bucket_bytes(sizes, element_size=2) > _BUCKET_BYTES
     small = {"model.layers.0.q_proj.weight": mi, "model.norm.weight": 4096}
     assert bucket_bytes(small, element_size=2) == 2 * (mi + 4096)  # the whole snapshot
     assert bucket_bytes(small, element_size=2, least=1) == 2 * mi  # its largest layer
@@ -615,8 +615,8 @@ def test_a_layer_of_experts_is_one_load_unit_whatever_its_experts_numbers():
     than its largest tensor, and a push cuts the snapshot between layers, never between experts: here the embedding (60
     elements); layer 0 and layer 1 (116 each: q 16, 4 experts x 3 projections of 8, a norm of 4); the norm and the
     head (56 + 60 = 116, a run that fills the bucket exactly)."""
-    assert load_unit("model.layers.1.mlp.experts.3.up_proj.weight") == "model.layers.1"
-    assert load_unit("model.layers.12.block_sparse_moe.experts.7.w2.weight") == "model.layers.12"
+    assert _load_unit("model.layers.1.mlp.experts.3.up_proj.weight") == "model.layers.1"
+    assert _load_unit("model.layers.12.block_sparse_moe.experts.7.w2.weight") == "model.layers.12"
     sizes = {"model.embed_tokens.weight": 60}
     for layer in (0, 1):
         sizes[f"model.layers.{layer}.self_attn.q_proj.weight"] = 16
@@ -632,7 +632,7 @@ def test_a_layer_of_experts_is_one_load_unit_whatever_its_experts_numbers():
         offset += numel
     chunks = bucket_chunks(layout, capacity=116)
     assert [(chunk.start, chunk.end) for chunk in chunks] == [(0, 60), (60, 176), (176, 292), (292, 408)]
-    assert [{load_unit(name) for name, _, _ in chunk.layout} for chunk in chunks] == [
+    assert [{_load_unit(name) for name, _, _ in chunk.layout} for chunk in chunks] == [
         {"model.embed_tokens"},
         {"model.layers.0"},
         {"model.layers.1"},

@@ -81,7 +81,7 @@ def test_no_robots_8b_at_a_share_of_0_8_holds_the_batch_only_with_a_smaller_rese
 @pytest.mark.parametrize("async_level", [0, 1, 3])
 def test_left_out_the_share_is_what_the_run_would_give_the_engine(async_level):
     """plumbing.engine.engine_share on an empty engine's GPU of 79 GiB: the push's bucket of 1 GiB
-    (plumbing.weights.BUCKET_BYTES: the 8B's largest layer, its embedding of 128256 x 4096 x 2 bytes, is 0.98 GiB)
+    (plumbing.weights._BUCKET_BYTES: the 8B's largest layer, its embedding of 128256 x 4096 x 2 bytes, is 0.98 GiB)
     whatever the async level, the CUDA contexts of rank 0 and the engine and 5 % of the GPU leave (79 GiB - 1 - 2 -
     3.95) / 79 GiB = 0.912, 0.91, of which it takes vLLM's default 0.9 (rank 0's GPU, with 7.2 GiB of models loaded
     and 14.9 GiB of gradients and optimizer state to come, fits): KV for 288 sequences, the step's 252 at once. Beside

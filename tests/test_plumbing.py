@@ -1,5 +1,5 @@
 """The plumbing's promises against hand-computed numbers, none starting an engine or a run (docs/tests.md): the proof of
-a push (the fingerprints and plumbing.weights.check_loaded), snapshots in the engine's dtype, the statistics two
+a push (the fingerprints and plumbing.weights._check_loaded), snapshots in the engine's dtype, the statistics two
 processes reduce, a non-finite loss, checkpoints written whole or not at all, the flags a resumed run may change, and a
 step's timings. The push on a real engine: tests/test_engine.py."""
 
@@ -22,15 +22,15 @@ import plumbing.weights as weights_module
 import ppo_async as ppo
 import rloo_async as rloo
 from plumbing.weights import (
-    FINGERPRINT_RTOL,
+    _FINGERPRINT_RTOL,
     SnapshotPlace,
     Weights,
-    check_loaded,
+    _check_loaded,
     combined_fingerprints,
     fingerprint,
-    snapshot_sizes,
-    unmatched_fingerprints,
-    views,
+    _snapshot_sizes,
+    _unmatched_fingerprints,
+    _views,
 )
 
 # Private plumbing names (leading underscore) on purpose: this file tests the plumbing's parts one by one, by hand.
@@ -85,7 +85,7 @@ def test_a_repacked_weight_is_read_back_whole_through_its_kernel_a_block_at_a_ti
     monkeypatch.setattr(weights_module, "FINGERPRINT_CHUNK", 48 * 5)
     for dtype in (torch.float32, torch.bfloat16):
         layer = RepackedLinear(weight.to(dtype))
-        read = weights_module.repacked_fingerprint(layer, dtype).tolist()
+        read = weights_module._repacked_fingerprint(layer, dtype).tolist()
         assert read == pytest.approx(exact_fingerprint(weight, dtype), rel=1e-14)
 
 
@@ -134,14 +134,14 @@ def test_fused_parameters_are_compared_with_the_sum_of_their_parts(renamed):
     mapper's name or by the longest prefix that holds a parameter no sent tensor names; the experts' projections
     against w13_weight and w2_weight together. 6 compared: the embedding, q/k/v, o_proj, the experts, the norm, the
     head."""
-    assert unmatched_fingerprints(SENT, HELD, renamed) == (6, [])
+    assert _unmatched_fingerprints(SENT, HELD, renamed) == (6, [])
     # an expert's down projection, one of the norm's elements and the head's sign wrong: named in the snapshot's order
     wrong = HELD | {
         "model.layers.0.mlp.experts.routed_experts.w2_weight": [4.5, 6.5],
         "model.layers.0.input_layernorm.weight": [4.0, 4.5],
         "lm_head.weight": [2.0, 7.0],
     }
-    compared, unmatched = unmatched_fingerprints(SENT, wrong, renamed)
+    compared, unmatched = _unmatched_fingerprints(SENT, wrong, renamed)
     assert compared == 6 and len(unmatched) == 3
     assert unmatched[0] == (
         "model.layers.0.mlp.experts.0.gate_proj.weight (and 5 more): sum 6.5, sum of squares 13.5 in the engine's "
@@ -152,23 +152,23 @@ def test_fused_parameters_are_compared_with_the_sum_of_their_parts(renamed):
     assert unmatched[2].startswith("lm_head.weight: sum 2, sum of squares 7 in the engine's lm_head.weight, -2 and 7")
     # q/k/v sent, the engine's qkv_proj left zeros (a load that never reached it)
     zeros = HELD | {"model.layers.0.self_attn.qkv_proj.weight": [0.0, 0.0]}
-    assert unmatched_fingerprints(SENT, zeros, renamed)[1] == [
+    assert _unmatched_fingerprints(SENT, zeros, renamed)[1] == [
         "model.layers.0.self_attn.q_proj.weight (and 2 more): sum 0, sum of squares 0 in the engine's "
         "model.layers.0.self_attn.qkv_proj.weight, 0 and 7 in the trainer's"
     ]
 
 
 def test_the_fingerprints_agree_within_float64_s_rounding_of_their_sums_and_no_further():
-    """A tensor of n elements with sum of squares Q: its sums may differ by FINGERPRINT_RTOL of its scale, sqrt(n Q),
-    and its sums of squares by FINGERPRINT_RTOL of Q (float64's rounding of sums of the same values, added in another
+    """A tensor of n elements with sum of squares Q: its sums may differ by _FINGERPRINT_RTOL of its scale, sqrt(n Q),
+    and its sums of squares by _FINGERPRINT_RTOL of Q (float64's rounding of sums of the same values, added in another
     order); twice that is a different tensor."""
     n, q = 64 * 1024, 2.0**20  # scale sqrt(2**16 * 2**20) = 2**18
     weights = sent(("w", [64, 1024], (3.0, q)))
     for factor, matched in [(0.5, True), (2.0, False)]:
-        off_sum = {"w": [3.0 + factor * FINGERPRINT_RTOL * 2.0**18, q]}
-        off_squares = {"w": [3.0, q + factor * FINGERPRINT_RTOL * q]}
-        assert (unmatched_fingerprints(weights, off_sum, {})[1] == []) is matched
-        assert (unmatched_fingerprints(weights, off_squares, {})[1] == []) is matched
+        off_sum = {"w": [3.0 + factor * _FINGERPRINT_RTOL * 2.0**18, q]}
+        off_squares = {"w": [3.0, q + factor * _FINGERPRINT_RTOL * q]}
+        assert (_unmatched_fingerprints(weights, off_sum, {})[1] == []) is matched
+        assert (_unmatched_fingerprints(weights, off_squares, {})[1] == []) is matched
     assert math.sqrt(n * q) == 2.0**18
 
 
@@ -178,12 +178,12 @@ def load(version: int, run: int, compared: int = 3, differ: tuple = ()) -> dict:
 
 
 def test_check_loaded_stops_the_run_naming_the_version_and_what_differs():
-    """plumbing.weights.check_loaded on what the engine said, by hand: the version and run each load read in the
+    """plumbing.weights._check_loaded on what the engine said, by hand: the version and run each load read in the
     bucket, its parameters against the bucket and against the trainer's fingerprint, and the prefix cache's reset."""
     fingerprints = {"held": HELD, "renamed": {}}
     ok = [load(7, 0), load(7, 1)]
-    check_loaded(SENT, ok, fingerprints, cache_reset=True)
-    check_loaded(SENT, ok, fingerprints, cache_reset=None)  # an engine that does not say: not a failure
+    _check_loaded(SENT, ok, fingerprints, cache_reset=True)
+    _check_loaded(SENT, ok, fingerprints, cache_reset=None)  # an engine that does not say: not a failure
     failures = [
         ([load(7, 0), load(7, 0)], fingerprints, True, "its load 1 read run 0 of version 7 in the bucket"),
         ([load(6, 0), load(6, 1)], fingerprints, True, "its load 0 read run 0 of version 6 in the bucket"),
@@ -205,7 +205,7 @@ def test_check_loaded_stops_the_run_naming_the_version_and_what_differs():
     ]
     for loads, held, cache_reset, what in failures:
         with pytest.raises(RuntimeError) as raised:
-            check_loaded(SENT, loads, held, cache_reset)
+            _check_loaded(SENT, loads, held, cache_reset)
         assert str(raised.value).startswith(f"the engine does not hold policy version 7 after its push: {what}"), what
 
 
@@ -233,8 +233,8 @@ def test_snapshots_are_taken_in_the_engine_s_dtype_from_the_trainer_s_weights(to
     taken = snapshots.take(policy, 1)
     state = policy.state_dict()
     assert taken.flat.dtype == torch.bfloat16 and taken.version == 1
-    assert snapshot_sizes(snapshots.saved) == {name: state[name].numel() for name in state}
-    for name, tensor in views(taken.flat, taken.layout):
+    assert _snapshot_sizes(snapshots.saved) == {name: state[name].numel() for name in state}
+    for name, tensor in _views(taken.flat, taken.layout):
         assert torch.equal(tensor, state[name].to(torch.bfloat16)), name
         assert taken.fingerprint[name] == pytest.approx(exact_fingerprint(state[name], torch.bfloat16), rel=1e-13)
     with torch.no_grad():
@@ -248,7 +248,7 @@ def test_snapshots_are_taken_in_the_engine_s_dtype_from_the_trainer_s_weights(to
     snapshots.keep({2})
     assert sorted(snapshots.held) == [2]
     loaded = snapshots.load(str(checkpoint), 1)
-    pairs, expected = dict(views(loaded.flat, loaded.layout)), dict(views(taken.flat, taken.layout))
+    pairs, expected = dict(_views(loaded.flat, loaded.layout)), dict(_views(taken.flat, taken.layout))
     assert pairs.keys() == expected.keys() and all(torch.equal(pairs[name], expected[name]) for name in pairs)
     assert loaded.fingerprint.keys() == taken.fingerprint.keys()
     for name, sums in taken.fingerprint.items():
@@ -260,7 +260,7 @@ def test_the_fingerprint_is_of_the_trainer_s_weights_not_of_their_copy(tokenizer
     """A copy into the snapshot gone wrong (snapshot_weights made to plant a wrong value, a fault injected from
     outside): the fingerprint still says what the trainer's weights are, not what the snapshot holds, so an engine
     loading that snapshot would not match it."""
-    copy = weights_module.snapshot_weights
+    copy = weights_module._snapshot_weights
 
     def wrong_copy(pairs, shapes, dtype, place):
         flat, layout = copy(pairs, shapes, dtype, place)
@@ -270,7 +270,7 @@ def test_the_fingerprint_is_of_the_trainer_s_weights_not_of_their_copy(tokenizer
     monkeypatch.setattr(weights_module, "snapshot_weights", wrong_copy)
     model = perturbed_policy(tokenizer, "llama", tied=False, seed=0)
     weights = weights_module.model_snapshot(model, 1, torch.float32, SnapshotPlace(pinned=False, folder=str(tmp_path)))
-    name, copied = views(weights.flat, weights.layout)[0]
+    name, copied = _views(weights.flat, weights.layout)[0]
     trainer = exact_fingerprint(model.state_dict()[name], torch.float32)
     assert weights.fingerprint[name] == pytest.approx(trainer, rel=1e-13)
     assert exact_fingerprint(copied, torch.float32) != pytest.approx(trainer, rel=1e-6)
@@ -490,7 +490,7 @@ def test_a_step_s_timings_by_hand(monkeypatch):
 def test_an_engine_over_several_gpus_is_fingerprinted_from_all_its_workers():
     """vLLM's tensor parallelism, hand-computed: a replicated parameter (a norm) is held alike by both workers and counts
     once; a sharded one (a projection's rows) is the sum of its two parts; one worker's fingerprint is itself. Then
-    check_loaded passes the combined fingerprint against the trainer's."""
+    _check_loaded passes the combined fingerprint against the trainer's."""
     norm, rows = torch.tensor([1.0, 2.0]), torch.tensor([[1.0, 2.0], [3.0, 4.0]])
     worker = lambda shard: {  # noqa: E731
         "held": {
@@ -507,6 +507,6 @@ def test_an_engine_over_several_gpus_is_fingerprinted_from_all_its_workers():
         1, torch.cat([norm, rows.flatten()]), layout, {"norm.weight": (3.0, 5.0), "proj.weight": (10.0, 30.0)}
     )
     loads = [{"version": 1, "run": 0, "compared": 1, "differ": []}]
-    check_loaded(weights, loads, combined, cache_reset=True)
+    _check_loaded(weights, loads, combined, cache_reset=True)
     with pytest.raises(RuntimeError, match="1 of 2 differ from the trainer's fingerprint, first proj.weight"):
-        check_loaded(weights, loads, combined_fingerprints([worker(rows[:1]), worker(rows[:1])]), cache_reset=True)
+        _check_loaded(weights, loads, combined_fingerprints([worker(rows[:1]), worker(rows[:1])]), cache_reset=True)
