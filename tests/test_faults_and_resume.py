@@ -613,14 +613,15 @@ def test_a_failure_of_the_generation_thread_is_raised_once_with_its_traceback():
 
 
 def test_the_engines_start_has_a_deadline():
-    """plumbing.engine._StopSignals.start_deadline, around the engine's start in Engine.start: a start that takes longer (a
-    stopped process here) ends the run at once with one line and status 1, killing what it started, as SIGTERM
-    does while starting. In a process of its own: it kills its process's children."""
+    """plumbing.engine._StopSignals.start_deadline, around the engine's start in Engine.start: a start that takes
+    longer (a stopped process here) ends the run at once with one line and status 1, killing what it started, as SIGTERM
+    does while starting. In a process of its own: it kills its process's children. (_StopSignals is private: its
+    deadline is what is tested.)"""
     program = """
 import subprocess, sys, time
-from plumbing.engine import StopSignals
+from plumbing.engine import _StopSignals
 
-signals = StopSignals()
+signals = _StopSignals()
 engine = subprocess.Popen(["sleep", "60"])
 print(engine.pid, flush=True)
 with signals.start_deadline(3.0, "its start may compile"):

@@ -57,7 +57,7 @@ def test_a_fingerprint_is_the_sum_and_the_sum_of_squares_of_the_values_the_engin
     assert exact_fingerprint(matrix, torch.bfloat16) != pytest.approx(
         exact_fingerprint(matrix, torch.float32), rel=1e-6
     )
-    monkeypatch.setattr(weights_module, "FINGERPRINT_CHUNK", 7)  # 1073 elements: 153 chunks and 2 left
+    monkeypatch.setattr(weights_module, "_FINGERPRINT_CHUNK", 7)  # 1073 elements: 153 chunks and 2 left
     assert fingerprint(matrix, torch.bfloat16).tolist() == pytest.approx(
         exact_fingerprint(matrix, torch.bfloat16), 1e-14
     )
@@ -82,7 +82,7 @@ def test_a_repacked_weight_is_read_back_whole_through_its_kernel_a_block_at_a_ti
     8B's down projection: blocks of 1170) where the tests' layers are read in one."""
     torch.manual_seed(0)
     weight = torch.randn(40, 48)
-    monkeypatch.setattr(weights_module, "FINGERPRINT_CHUNK", 48 * 5)
+    monkeypatch.setattr(weights_module, "_FINGERPRINT_CHUNK", 48 * 5)
     for dtype in (torch.float32, torch.bfloat16):
         layer = RepackedLinear(weight.to(dtype))
         read = weights_module._repacked_fingerprint(layer, dtype).tolist()
@@ -267,7 +267,7 @@ def test_the_fingerprint_is_of_the_trainer_s_weights_not_of_their_copy(tokenizer
         flat[0] += 1.0  # injected test fault: the first element of the first tensor
         return flat, layout
 
-    monkeypatch.setattr(weights_module, "snapshot_weights", wrong_copy)
+    monkeypatch.setattr(weights_module, "_snapshot_weights", wrong_copy)
     model = perturbed_policy(tokenizer, "llama", tied=False, seed=0)
     weights = weights_module.model_snapshot(model, 1, torch.float32, SnapshotPlace(pinned=False, folder=str(tmp_path)))
     name, copied = _views(weights.flat, weights.layout)[0]
@@ -411,6 +411,8 @@ RESUMABLE = {
     "num_sample_completions": "how many completions are printed",
     "collective_timeout_minutes": "how long a process waits for the others",
     "engine_timeout_minutes": "how long the trainer waits for the engine (where the files have the flag)",
+    "vllm_num_engines": "how many engines generate: a prompt's completions have its seed, whichever engine makes them",
+    "vllm_tensor_parallel_size": "how many GPUs an engine spans",
 }
 
 
