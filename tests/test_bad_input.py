@@ -11,15 +11,8 @@ import pytest
 from conftest import ROOT, TINY, save_random_policy, small_config
 
 import plumbing
-from plumbing.command_line import (
-    _COMMON_DOMAINS,
-    UsageError,
-    check_domains,
-    _check_model,
-    load_reward_model,
-    load_split,
-    _load_tokenizer,
-)
+from plumbing.command_line import _check_model, _load_tokenizer, load_reward_model, load_split
+from plumbing.flags import _COMMON_DOMAINS, UsageError, check_domains
 
 # Private plumbing names (leading underscore) are used here on purpose: the checks of a model's files, a tokenizer
 # and a checkpoint are tested one by one, on the bad input each refuses, which a whole run would reach slowly.
