@@ -14,8 +14,7 @@ import sys
 import pytest
 from conftest import ROOT
 
-sys.path.insert(0, str(ROOT / "dev"))
-import copies  # noqa: E402
+from dev import copies
 
 FILES = copies.ALGORITHM_FILES
 DIFFERENT = {
@@ -184,6 +183,21 @@ def test_the_shared_text_grows_only_by_a_decision():
     lines = len(copies.shared_text().splitlines())
     print(f"the shared text: {lines} lines (recorded: {SHARED_TEXT_LINES})")
     assert lines <= SHARED_TEXT_LINES, "raise SHARED_TEXT_LINES in this commit, with the reason"
+
+
+@pytest.mark.parametrize("name", FILES)
+def test_help_answers_before_torch_transformers_and_vllm_load(name):
+    """`--help` is answered right after the file's Args (plumbing.help_if_asked), before its heavy imports: none of
+    torch, transformers, vLLM, datasets or accelerate is imported (`python -X importtime` lists every module a process
+    imports). How long it takes is a benchmark's (benchmark/help_time.py), not a test's."""
+    proc = subprocess.run(
+        [sys.executable, "-X", "importtime", name, "--help"], cwd=ROOT, capture_output=True, text=True, timeout=120
+    )
+    assert proc.returncode == 0 and "--total_episodes" in proc.stdout, proc.stderr[-2000:]
+    imported = {line.rsplit("|", 1)[1].strip() for line in proc.stderr.splitlines() if line.startswith("import time:")}
+    assert "tyro" in imported
+    heavy = {"torch", "transformers", "vllm", "datasets", "accelerate", "numpy"}
+    assert not {module.split(".")[0] for module in imported} & heavy
 
 
 def plumbing_members(source: str) -> set[str]:
