@@ -2,11 +2,15 @@
 with PPO") in one file.
 
 A vLLM engine, driven by a generation thread, samples the next batches from a policy at most `async_level`
-updates old while the trainer (accelerate) learns on the current one. The method reads top to bottom:
-arguments; data; models and rewards; evaluation; the async schedule and the generation thread; PPO's rewards,
-advantages, losses and update; `main()`, the training loop. The plumbing (the engine's processes, the weight
-transport, the run folder, checkpoints, logging) is in plumbing/. Flags, metrics, the schedule: docs/.
+updates old while the trainer (accelerate) learns on the current one. The file reads top to bottom: the
+arguments; PPO itself (its rewards, advantages, losses, update, metrics and FLOPs); `main()`, the training
+loop; then, below one banner, the text the algorithm files share (sizes, tasks, data, models, rewards,
+evaluation, the async schedule, the generation thread). The plumbing that is not the method (the engine's
+processes, the weight transport, the run folder, checkpoints, logging) is in plumbing/. Flags, metrics, the
+schedule: docs/.
 """
+
+from __future__ import annotations
 
 import queue
 import re
@@ -14,36 +18,21 @@ import time
 from dataclasses import asdict, dataclass
 from functools import partial
 from pathlib import Path
-from typing import Literal, NamedTuple
-
-import numpy as np
-import torch
-from torch.optim.lr_scheduler import LambdaLR
-from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer, set_seed
+from typing import Callable, Literal, NamedTuple
 
 import plumbing
 from plumbing import UsageError
 
-TINY_TASK = Path(__file__).resolve().parent / "tasks" / "tiny"
-# The dataset columns each --task reads (docs/tasks.md): text, or a conversation of {"role", "content"} texts.
-TASK_COLUMNS = {
-    "tiny": {"query": str, "reference_response": str},
-    "tldr": {"query": str, "reference_response": str},
-    "no_robots": {"messages": list[dict[str, str]]},
-    "gsm8k": {"question": str, "answer": str},
-}
-# GSM8k's prompt: the format the paper's policy (Rho-1B SFT on GSM8k, after Kazemnejad et al. 2024) knows.
-GSM8K_PROMPT = "[MATH_TASK] Problem:\n{question}\n\nSolution:"
-# GSM8k's final answer, as OpenAI's grade-school-math checker (the paper's verifier) reads it: the first one.
-GSM8K_ANSWER = re.compile(r"#### (\-?[0-9\.\,]+)")
+TINY_TASK = Path(__file__).resolve().parent / "tasks" / "tiny"  # the built-in task's files: Args' defaults
 
 
 # == Arguments ===============================================================================================
 @dataclass
 class Args(plumbing.RunArgs):  # and the plumbing's flags: run, engine, checkpoints (docs/flags.md)
     # data and models (local folders or files, or hub ids)
-    # prompt format, reward and evaluation (docs/tasks.md)
-    task: Literal["tiny", "tldr", "no_robots", "gsm8k"] = "tiny"
+    # what the run trains on and is judged by, a row of the TASKS table: tiny (the built-in task), tldr,
+    # no_robots, gsm8k (docs/tasks.md)
+    task: str = "tiny"
     # the prompts: a hub dataset id, a local dataset folder, or a .jsonl/.json/.parquet file
     dataset_name: str = str(TINY_TASK / "data")
     dataset_config: str | None = None  # the dataset's config, e.g. `main` of openai/gsm8k (None: its default)
@@ -122,32 +111,6 @@ class Args(plumbing.RunArgs):  # and the plumbing's flags: run, engine, checkpoi
     num_sample_completions: int = 4
 
 
-# The domains of the numeric flags the three files share (the plumbing's own: _COMMON_DOMAINS, plumbing/
-# command_line.py): flag -> (domain, why).
-SHARED_DOMAINS = {
-    "num_eval_prompts": (">= 1", "a count of prompts (left out: all of the split)"),
-    "max_prompt_length": (">= 1", "a count of tokens"),
-    "response_length": (">= 1", "a count of tokens"),
-    "total_episodes": (">= 1", "a count of completions"),
-    "local_micro_batch_size": (">= 1", "a count of prompts"),
-    "gradient_accumulation_steps": (">= 1", "a count of micro-batches"),
-    "num_mini_batches": (">= 1", "a count of mini-batches"),
-    "num_ppo_epochs": (">= 1", "a count of passes"),
-    "local_rollout_forward_batch_size": (">= 1", "a count of sequences"),
-    "learning_rate": ("> 0", "0 would not train, < 0 would climb the loss"),
-    "adam_epsilon": ("> 0", "AdamW divides by the root of the second moment plus it"),
-    "weight_decay": (">= 0", "< 0 would push the weights away from 0"),
-    "max_grad_norm": ("> 0", "the norm the gradients are clipped to (left out: no clipping)"),
-    "async_level": (">= 0", "a count of policy versions"),
-    # vLLM 0.32 raises a temperature under 0.01 to 0.01 (vllm/sampling_params.py:30 `_MAX_TEMP`, applied at
-    # 557-565) and samples greedily under 1e-5 (:29 `_SAMPLING_EPS`, :612; vllm/v1/sample/sampler.py:300):
-    # the engine would not sample the policy whose logprobs the trainer computes, and a prompt's K samples
-    # would be alike, so that DPO's pairs tie and RLOO's advantages are 0 (the loss and the KL 0 every step)
-    "temperature": (">= 0.01", "below it vLLM samples at 0.01, not at the trainer's temperature"),
-    "missing_eos_penalty": ("finite", "a score"),
-    "eval_freq": (">= 0", "0 evaluates at step 0 and at the end only"),
-    "num_sample_completions": (">= 0", "a count of completions"),
-}
 # The domains of this algorithm's own numeric flags.
 ALGORITHM_DOMAINS = {
     "kl_coef": (">= 0", "< 0 would reward moving away from the reference"),
@@ -161,564 +124,26 @@ ALGORITHM_DOMAINS = {
     "tis_cap": (">= 1", "a token of the trainer's own policy has weight 1"),
 }
 
-
-def completions_per_prompt(args: Args) -> int:
-    return 1
-
-
-class Sizes(NamedTuple):
-    world_size: int
-    local_mini_batch_size: int
-    mini_batch_size: int
-    local_batch_size: int
-    batch_size: int
-    episodes_per_step: int
-    num_steps: int
-
-
-def compute_sizes(args: Args, world_size: int) -> Sizes:
-    """Check every flag's domain and derive every batch size; errors name the flags to change."""
-    plumbing.check_domains(asdict(args), SHARED_DOMAINS | ALGORITHM_DOMAINS)
-    samples = completions_per_prompt(args)
-    local_mini_batch_size = args.local_micro_batch_size * args.gradient_accumulation_steps
-    local_batch_size = local_mini_batch_size * args.num_mini_batches
-    episodes_per_step = local_batch_size * world_size * samples
-    if args.total_episodes % episodes_per_step != 0 or args.total_episodes < episodes_per_step:
-        raise UsageError(
-            f"--total_episodes {args.total_episodes} must be a positive multiple of the episodes per step, "
-            f"{episodes_per_step} = local_micro_batch_size {args.local_micro_batch_size} x "
-            f"gradient_accumulation_steps {args.gradient_accumulation_steps} x num_mini_batches "
-            f"{args.num_mini_batches} x processes {world_size} x {samples} completions per prompt; change "
-            "--total_episodes or one of those flags"
-        )
-    return Sizes(
-        world_size=world_size,
-        local_mini_batch_size=local_mini_batch_size,
-        mini_batch_size=local_mini_batch_size * world_size,
-        local_batch_size=local_batch_size,
-        batch_size=local_batch_size * world_size,
-        episodes_per_step=episodes_per_step,
-        num_steps=args.total_episodes // episodes_per_step,
-    )
-
-
-def lr_factor(schedule: str, step: int, num_steps: int) -> float:
-    """The learning rate of step `step`'s N x T updates (0-indexed) over --learning_rate: linear decay to 0,
-    or constant. As the paper's loops step their schedule once a batch, at its top (their
-    src/online_dpo_vllm_trainer.py:334-337), step n trains at 1 - (n + 1) / num_steps, the last at 0."""
-    return 1.0 if schedule == "constant" else 1.0 - (step + 1) / num_steps
-
-
-def make_optimizer(model: torch.nn.Module, args: Args) -> torch.optim.AdamW:
-    """AdamW as the paper's code builds it (transformers' Trainer.create_optimizer): torch's betas,
-    --adam_epsilon, --weight_decay on every trained weight but the biases and the normalisation weights."""
-    norms = {name for name, m in model.named_modules() if type(m).__name__.endswith(("LayerNorm", "RMSNorm"))}
-    decay, no_decay = [], []
-    for name, p in model.named_parameters():
-        if p.requires_grad:
-            (decay if "bias" not in name and name.rpartition(".")[0] not in norms else no_decay).append(p)
-    groups = [{"params": decay, "weight_decay": args.weight_decay}, {"params": no_decay, "weight_decay": 0}]
-    return torch.optim.AdamW(groups, lr=args.learning_rate, eps=args.adam_epsilon)
-
-
-# == Data: prompts, batches ==================================================================================
-class Prompts(NamedTuple):
-    token_ids: list[list[int]]  # unpadded
-    queries: list[str]
-    references: list[str]
-
-
-class Inputs(NamedTuple):
-    tokenizer: object  # the policy's
-    reward_tokenizer: object | None  # the reward model's (GSM8k has none)
-    train: Prompts
-    evaluation: Prompts
-
-
-def load_inputs(args: Args, sizes: Sizes) -> Inputs:
-    """The tokenizers, once every model's files are checked, and the prompts: a bad one is a UsageError naming
-    its flag, before any model loads."""
-    if args.task == "gsm8k" and args.gold_judge != "tiny":
-        judge = "its verifier (eval/pass@1), not by a gold reward model"
-        raise UsageError(f"--gold_judge {args.gold_judge}: --task gsm8k is evaluated by {judge}")
-    if args.task in ("tldr", "no_robots") and args.gold_judge == "tiny":  # which judges the tiny task only
-        what = "pass a reward model as --gold_judge, or judge eval_completions/ afterwards (docs/tasks.md)"
-        print(f"--task {args.task} with --gold_judge tiny logs no eval/win_rate: {what}")
-    tokenizer, reward_tokenizer = plumbing.load_tokenizers(
-        sft_model_path=args.sft_model_path,
-        reward_model_path=args.reward_model_path if args.task != "gsm8k" else None,  # gsm8k: its verifier
-        gold_judge=args.gold_judge if args.gold_judge != "tiny" else None,  # tiny: the exact scorer
-        lengths=(args.max_prompt_length, args.response_length),
-        trust_remote_code=args.trust_remote_code,
-    )
-    train = load_prompts(args, args.dataset_train_split, tokenizer)
-    evaluation = load_prompts(args, args.dataset_eval_split, tokenizer, evaluation=True)
-    if (n := len(train.token_ids)) < sizes.batch_size:
-        raise UsageError(f"{n} training prompts cannot fill one batch ({sizes.batch_size}): lower its sizes")
-    return Inputs(tokenizer, reward_tokenizer, train, evaluation)
-
-
-def task_prompts(dataset, task: str, tokenizer, where: str) -> tuple[list[str], list[str]]:
-    """The prompt text the policy sees and the reference answer of every row, in the format of --task."""
-    if task == "gsm8k":
-        answers = list(dataset["answer"])
-        if unlabelled := [i for i, answer in enumerate(answers) if gsm8k_answer(answer) is None]:
-            raise UsageError(
-                f"{where}: {len(unlabelled)} `answer`(s) without a '#### <number>' final answer (row "
-                f"{unlabelled[0]}): not GSM8k's format"
-            )
-        return [GSM8K_PROMPT.format(question=question) for question in dataset["question"]], answers
-    if task == "no_robots":
-        if tokenizer.chat_template is None:
-            raise UsageError(
-                "--task no_robots writes prompts with the policy's chat template, and the tokenizer of "
-                f"--sft_model_path {tokenizer.name_or_path} has none"
-            )
-        prompts, references = [], []
-        for i, messages in enumerate(dataset["messages"]):
-            if len(messages) < 2 or messages[-1]["role"] != "assistant":
-                what = "do not end with an assistant turn after the prompt (the reference answer)"
-                raise UsageError(f"{where}: row {i}'s `messages` {what}")
-            # the conversation before the final assistant turn, ending with the header of the assistant's turn
-            prompt = tokenizer.apply_chat_template(messages[:-1], tokenize=False, add_generation_prompt=True)
-            prompts.append(prompt)
-            references.append(messages[-1]["content"])
-        return prompts, references
-    return list(dataset["query"]), list(dataset["reference_response"])
-
-
-def load_prompts(args: Args, split: str, tokenizer, evaluation: bool = False) -> Prompts:
-    """The prompts of a split of --dataset_name (`evaluation`: the first --num_eval_prompts of the evaluation
-    split, or of --dataset_eval_file), every row checked (plumbing's load_split), in the format of --task; but
-    those over --max_prompt_length tokens."""
-    task = args.task
-    max_prompt_length = args.max_prompt_length
-    dataset, where = plumbing.load_split(
-        args.dataset_name,
-        args.dataset_config,
-        split,
-        TASK_COLUMNS[task],
-        task=task,
-        evaluation=evaluation,
-        eval_file=args.dataset_eval_file,
-        num_prompts=args.num_eval_prompts,
-    )
-    queries, references = task_prompts(dataset, task, tokenizer, where)
-    # A chat template writes the BOS token itself (Llama 3.1's does): encoding the text must not add another.
-    token_ids = tokenizer(queries, add_special_tokens=task != "no_robots").input_ids
-    keep = [i for i, ids in enumerate(token_ids) if len(ids) <= max_prompt_length]
-    if len(keep) < len(token_ids):
-        dropped = f"{len(token_ids) - len(keep)} of {len(token_ids)} prompts"
-        print(f"{split}: dropped {dropped} longer than --max_prompt_length {max_prompt_length}")
-    if not keep:
-        raise UsageError(f"no {split} prompt fits --max_prompt_length {max_prompt_length}")
-    token_ids, queries, references = ([items[i] for i in keep] for items in (token_ids, queries, references))
-    return Prompts(token_ids, queries, references)
-
-
-def prompt_indices_for_step(step: int, num_prompts: int, batch_size: int, seed: int) -> np.ndarray:
-    """Each epoch is a fresh seeded permutation cut into full batches: each trained on once an epoch."""
-    epoch, i = divmod(step, num_prompts // batch_size)
-    permutation = np.random.default_rng([seed, epoch]).permutation(num_prompts)
-    return permutation[i * batch_size : (i + 1) * batch_size]
-
-
-def left_pad(sequences: list[list[int]], length: int, pad_token_id: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Left-pad to `length`; the mask comes from the lengths, never from pad ids (Pythia's pad is its EOS)."""
-    ids = torch.full((len(sequences), length), pad_token_id, dtype=torch.long)
-    mask = torch.zeros((len(sequences), length), dtype=torch.long)
-    for row, seq in enumerate(sequences):
-        if seq:
-            ids[row, length - len(seq) :] = torch.tensor(seq)
-            mask[row, length - len(seq) :] = 1
-    return ids, mask
-
-
-def truncate_responses(responses: list[list[int]], length: int, eos_token_id: int, pad_token_id: int):
-    """Pad completions to `length` and cut everything after the first EOS. Returns ids, mask (1 up to and
-    including the first EOS) and whether each ended with EOS."""
-    ids = torch.full((len(responses), length), pad_token_id, dtype=torch.long)
-    for row, seq in enumerate(responses):
-        seq = seq[:length]
-        ids[row, : len(seq)] = torch.tensor(seq, dtype=torch.long)
-    lengths = torch.tensor([min(len(seq), length) for seq in responses])
-    eos_index = torch.where(ids == eos_token_id, torch.arange(length), length).min(-1).values  # or `length`
-    contain_eos = eos_index < lengths
-    lengths = torch.where(contain_eos, eos_index + 1, lengths)
-    mask = (torch.arange(length)[None, :] < lengths[:, None]).long()
-    return ids.masked_fill(mask == 0, pad_token_id), mask, contain_eos
-
-
-class Batch(NamedTuple):
-    """A row per completion: its prompt, left-padded, and itself, right-padded and cut after its first EOS."""
-
-    query_ids: torch.Tensor
-    query_mask: torch.Tensor
-    response_ids: torch.Tensor
-    response_mask: torch.Tensor  # 1 up to and including the first EOS
-    contain_eos: torch.Tensor
-
-    def rows(self, index) -> "Batch":
-        return Batch(*(tensor[index] for tensor in self))
-
-    def sequences(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """Query + response: the ids and the attention mask a model reads."""
-        ids = torch.cat([self.query_ids, self.response_ids], 1)
-        return ids, torch.cat([self.query_mask, self.response_mask], 1)
-
-
-def to_batch(prompts: list[list[int]], responses, repeat: int, args: Args, tokenizer, device):
-    """Prompts (each repeated for its `repeat` consecutive completions) and completions as a Batch."""
-    query_ids, query_mask = left_pad(prompts, args.max_prompt_length, tokenizer.pad_token_id)
-    query_ids = query_ids.repeat_interleave(repeat, 0)
-    query_mask = query_mask.repeat_interleave(repeat, 0)
-    eos, pad = tokenizer.eos_token_id, tokenizer.pad_token_id
-    response_ids, response_mask, contain_eos = truncate_responses(responses, args.response_length, eos, pad)
-    return Batch(*(t.to(device) for t in (query_ids, query_mask, response_ids, response_mask, contain_eos)))
-
-
-# == Models: logprobs, rewards ===============================================================================
-class Models(NamedTuple):
-    """The frozen models and the tokenizers (GSM8k has no reward model; only rank 0 holds a gold judge)."""
-
-    tokenizer: object
-    ref_policy: torch.nn.Module
-    reward_model: torch.nn.Module | None
-    reward_tokenizer: object | None
-    gold_model: torch.nn.Module | None
-    gold_tokenizer: object | None
-    scorer: str = "the reward model"  # what scores the rollouts, as an error names it
-
-
-def load_models(args: Args, inputs: Inputs, processes: plumbing.Processes) -> tuple[torch.nn.Module, Models]:
-    """The policy and the frozen models (safetensors only), dropout off. The policy and the reference keep
-    fp32 weights (the optimizer's, the policy's numbers at step 0) under autocast; the reward and gold models
-    hold --dtype weights. Under ZeRO-3 every model is sharded but the gold judge, which only rank 0 holds."""
-    remote = args.trust_remote_code
-    safe = dict(use_safetensors=True)
-    load = partial(AutoModelForCausalLM.from_pretrained, args.sft_model_path, dtype=torch.float32, **safe)
-    policy, ref_policy = load(trust_remote_code=remote), load(trust_remote_code=remote)
-    scoring = dict(dtype=processes.dtype, trust_remote_code=remote, **safe)
-    reward_model = gold_model = gold_tokenizer = None
-    scorer = "GSM8k's verifier"  # what scores the rollouts, as an error names it
-    if args.task != "gsm8k":
-        scorer = f"reward model --reward_model_path {args.reward_model_path}"
-        reward_model = plumbing.load_reward_model(args.reward_model_path, "--reward_model_path", **scoring)
-    if args.gold_judge != "tiny" and processes.is_main:
-        with processes.whole_models():  # only rank 0 runs it: never sharded
-            gold_model = plumbing.load_reward_model(args.gold_judge, "--gold_judge", **scoring)
-        gold_model = gold_model.to(processes.accelerator.device).eval().requires_grad_(False)
-        gold_tokenizer = AutoTokenizer.from_pretrained(args.gold_judge, trust_remote_code=remote)
-    for model in (policy, ref_policy, reward_model, gold_model):
-        if model is not None:
-            disable_dropout(model)
-    if args.gradient_checkpointing:
-        policy.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    ref_policy = processes.prepare_frozen(ref_policy)  # sharded for inference under ZeRO-3
-    reward_model = None if reward_model is None else processes.prepare_frozen(reward_model)
-    tokenizer, reward_tokenizer = inputs.tokenizer, inputs.reward_tokenizer
-    return policy, Models(
-        tokenizer, ref_policy, reward_model, reward_tokenizer, gold_model, gold_tokenizer, scorer
-    )
-
-
-def disable_dropout(model: torch.nn.Module) -> None:
-    for module in model.modules():
-        if isinstance(module, torch.nn.Dropout):
-            module.p = 0.0
-        for name in ("attention_dropout", "attn_dropout", "hidden_dropout"):
-            if isinstance(getattr(module, name, None), float):
-                setattr(module, name, 0.0)
-
-
-def position_ids_from(mask: torch.Tensor) -> torch.Tensor:
-    """Positions count real tokens only, so left padding does not shift them (N details, general #3)."""
-    return (mask.cumsum(1) - 1).clamp(min=0)
-
-
-def response_logprobs(model, batch: Batch, temperature: float, entropy: bool = False):
-    """Per-token logprobs of the responses, logits divided by the sampling temperature (N details, policy #1);
-    0 after EOS; with `entropy`, also the entropy of pi(. | query, y_<t) (a diagnostic: no gradient). Only the
-    logits that predict the response: over a 50k vocabulary the others would be the largest tensor."""
-    ids, mask = batch.sequences()
-    positions = position_ids_from(mask)
-    keep = batch.response_ids.shape[1] + 1  # the logits of the last prompt token and the response's
-    logits = model(input_ids=ids, attention_mask=mask, position_ids=positions, logits_to_keep=keep).logits
-    logits = logits[:, :-1].float() / temperature
-    logprobs = logits.gather(2, batch.response_ids.unsqueeze(-1)).squeeze(-1) - logits.logsumexp(-1)
-    if not entropy:
-        return logprobs * batch.response_mask
-    with torch.no_grad():
-        entropies = logits.logsumexp(-1) - (logits.softmax(-1) * logits).sum(-1)
-    return logprobs * batch.response_mask, entropies * batch.response_mask
-
-
-@torch.no_grad()
-def batch_logprobs(model, batch: Batch, temperature: float, batch_size: int) -> torch.Tensor:
-    """Per-token logprobs of a batch's responses, in no-grad forward passes of `batch_size` sequences."""
-    parts = [batch.rows(slice(i, i + batch_size)) for i in range(0, len(batch.query_ids), batch_size)]
-    return torch.cat([response_logprobs(model, part, temperature) for part in parts])
-
-
-def get_reward(model, input_ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """Reward-model score at the last real token, from the backbone: padding on either side (and pad == EOS)
-    cannot move the read-out position."""
-    backbone = getattr(model, model.base_model_prefix)
-    hidden = backbone(input_ids=input_ids, attention_mask=mask, position_ids=position_ids_from(mask))
-    last = mask.shape[1] - 1 - mask.flip(1).argmax(1)
-    head = model.score if hasattr(model, "score") else model.classifier
-    rows = torch.arange(len(input_ids), device=input_ids.device)
-    return head(hidden.last_hidden_state[rows, last]).squeeze(-1).float()
-
-
-# == Rewards: the reward model, the missing-EOS penalty, GSM8k's verifier ====================================
-@torch.no_grad()
-def score_texts(model, tokenizer, texts: list[str], batch_size: int, device) -> torch.Tensor:
-    """Score whole texts with a reward model that has a tokenizer of its own."""
-    scores = []
-    for start in range(0, len(texts), batch_size):
-        encoded = [plumbing.encode_text(tokenizer, text) for text in texts[start : start + batch_size]]
-        ids, mask = left_pad(encoded, max(len(ids) for ids in encoded), tokenizer.pad_token_id)
-        scores.append(get_reward(model, ids.to(device), mask.to(device)))
-    return torch.cat(scores)
-
-
-@torch.no_grad()
-def score_completions(reward_model, reward_tokenizer, policy_tokenizer, batch: Batch, bs: int):
-    """Reward model on query + response. With another tokenizer, go through text: decode without special
-    tokens, re-encode, and end with the reward model's EOS where the policy stopped."""
-    ids, mask = batch.sequences()
-    if plumbing.same_tokenizer(reward_tokenizer, policy_tokenizer):
-        parts = range(0, len(ids), bs)
-        return torch.cat([get_reward(reward_model, ids[i : i + bs], mask[i : i + bs]) for i in parts])
-    real = [i[m.bool()].tolist() for i, m in zip(ids, mask)]
-    texts = policy_tokenizer.batch_decode(real, skip_special_tokens=True)
-    stops = batch.contain_eos
-    texts = [text + reward_tokenizer.eos_token if stopped else text for text, stopped in zip(texts, stops)]
-    return score_texts(reward_model, reward_tokenizer, texts, bs, ids.device)
-
-
-def apply_missing_eos_penalty(scores: torch.Tensor, contain_eos: torch.Tensor, penalty: float):
-    """A completion that did not end with EOS within response_length gets a fixed score (tables 4, 7)."""
-    return torch.where(contain_eos, scores, torch.full_like(scores, penalty))
-
-
-def gsm8k_answer(text: str) -> str | None:
-    """A GSM8k solution's final answer as OpenAI's grade-school-math checker reads it: the FIRST match of
-    `#### (-?[0-9.,]+)`, commas removed ("#### 1,020 dollars" -> "1020"); None without one. Nothing else is
-    read or normalised: "####18" has no answer and "#### 18." reads "18." (docs/tasks.md)."""
-    match = GSM8K_ANSWER.search(text)
-    return None if match is None else match.group(1).replace(",", "")
-
-
-def gsm8k_reward(completion: str, answer: str) -> float:
-    """GSM8k's verifier (paper section 5.2): 1.0 when the completion's answer is the label's, as strings."""
-    predicted = gsm8k_answer(completion)
-    return float(predicted is not None and predicted == gsm8k_answer(answer))
-
-
-def verify_completions(tokenizer, batch: Batch, answers: list[str]) -> torch.Tensor:
-    """GSM8k rewards of a batch: each completion decoded without special tokens, checked against its label."""
-    ids = [r[m.bool()].tolist() for r, m in zip(batch.response_ids, batch.response_mask)]
-    texts = tokenizer.batch_decode(ids, skip_special_tokens=True)
-    rewards = [gsm8k_reward(text, answer) for text, answer in zip(texts, answers)]
-    return torch.tensor(rewards, device=batch.response_ids.device)
-
-
-def score_batch(batch: Batch, references: list[str], models: Models, args: Args) -> torch.Tensor:
-    """Rewards of a batch: GSM8k's verifier (no missing-EOS penalty: table 10 has none), or the reward model
-    on query + response with the missing-EOS penalty."""
-    if args.task == "gsm8k":
-        return verify_completions(models.tokenizer, batch, references)
-    rm = models.reward_model, models.reward_tokenizer, models.tokenizer
-    scores = score_completions(*rm, batch, args.local_rollout_forward_batch_size)
-    return apply_missing_eos_penalty(scores, batch.contain_eos, args.missing_eos_penalty)
-
-
-# == Evaluation: the gold judge's win rate, the KL proxy =====================================================
-def tiny_gold_score(query: str, response: str) -> float:
-    """Gold judge of the tiny task: 1.0 iff `response` is the query's words sorted, then "</s>". Quality q in
-    [0, 1] = mean of: right word in the right place, F1 of the word multisets, fraction of adjacent output
-    words in order. Score 2q - 1 if the response stopped with "</s>", else q - 1: a stopped answer more than
-    half right wins."""
-    target = sorted(query.split()[1:-1])  # "sort: w1 ... wL ->"
-    out = response.split()
-    stopped = len(out) > 0 and out[-1] == "</s>"
-    out = out[:-1] if stopped else out
-    in_place = sum(a == b for a, b in zip(out, target)) / len(target)
-    common = sum(min(out.count(w), target.count(w)) for w in set(target))
-    f1 = 2 * common / (len(out) + len(target))
-    ordered = sum(a < b for a, b in zip(out, out[1:])) / max(len(out) - 1, 1)
-    q = (in_place + f1 + ordered) / 3
-    return 2 * q - 1 if stopped else q - 1
-
-
-def win_rates(policy_gold: list[float], reference_gold: list[float]) -> list[float]:
-    """1 when the policy's completion beats the reference under the gold judge, 1/2 on a tie."""
-    return [1.0 if p > r else 0.5 if p == r else 0.0 for p, r in zip(policy_gold, reference_gold)]
-
-
-@torch.no_grad()
-def evaluate(responses: list[list[int]], evaluation: Prompts, models: Models, args: Args, device):
-    """One evaluation (docs/metrics.md): the reference policy's perplexity on the completions, EOS included
-    (the paper's KL proxy, section 3.1), their EOS rate and length; GSM8k's pass@1, or the proxy RM's score
-    and, with a gold judge, the win rate against the references. Returns the metrics, samples, completions."""
-    tokenizer = models.tokenizer
-    bs = args.local_rollout_forward_batch_size
-    queries, references = evaluation.queries, evaluation.references
-    batch = to_batch(evaluation.token_ids, responses, 1, args, tokenizer, device)
-    ids = [r[m.bool()].tolist() for r, m in zip(batch.response_ids, batch.response_mask)]
-    texts = tokenizer.batch_decode(ids)  # with the EOS, as the judge reads it
-    parts = [batch.rows(slice(i, i + bs)) for i in range(0, len(ids), bs)]
-    metrics, extras = {}, {}
-    if (args.task == "tiny" and args.gold_judge == "tiny") or models.gold_model is not None:
-        if models.gold_model is None:
-            policy_gold = [tiny_gold_score(q, t) for q, t in zip(queries, texts)]
-            reference_gold = [tiny_gold_score(q, r) for q, r in zip(queries, references)]
-        else:
-            if args.task == "no_robots":  # a human answer ends as a completion that stopped (TLDR's have EOS)
-                references = [r + tokenizer.eos_token for r in references]
-            judge = models.gold_model, models.gold_tokenizer
-            gold = partial(score_texts, *judge, batch_size=bs, device=device)
-            policy_gold = gold([q + t for q, t in zip(queries, texts)]).tolist()
-            reference_gold = gold([q + r for q, r in zip(queries, references)]).tolist()
-        metrics["eval/gold_score"] = float(np.mean(policy_gold))
-        metrics["eval/win_rate"] = float(np.mean(win_rates(policy_gold, reference_gold)))
-        extras = {"gold": [round(g, 3) for g in policy_gold]}
-        extras["reference_gold"] = [round(g, 3) for g in reference_gold]
-    if args.task == "gsm8k":
-        correct = verify_completions(tokenizer, batch, evaluation.references)
-        metrics["eval/pass@1"] = correct.mean().item()
-        extras = {"correct": correct.tolist()}
-    logprobs = torch.cat([response_logprobs(models.ref_policy, part, temperature=1.0) for part in parts])
-    perplexities = torch.exp(-logprobs.sum(1) / batch.response_mask.sum(1).clamp(min=1))
-    metrics["eval/ref_perplexity"] = perplexities.mean().item()
-    if models.reward_model is not None:
-        reward_model = models.reward_model, models.reward_tokenizer, tokenizer
-        scores = torch.cat([score_completions(*reward_model, part, bs) for part in parts])
-        scores = apply_missing_eos_penalty(scores, batch.contain_eos, args.missing_eos_penalty)
-        metrics["eval/scores"] = scores.mean().item()
-    metrics["eval/num_eos_tokens"] = batch.contain_eos.float().mean().item()
-    metrics["eval/response_length"] = batch.response_mask.sum(1).float().mean().item()
-    shown = enumerate(zip(queries[: args.num_sample_completions], texts, evaluation.references))
-    rows = [
-        dict(query=q, response=t, reference=r) | {k: v[i] for k, v in extras.items()}
-        for i, (q, t, r) in shown
-    ]
-    return metrics, rows, tokenizer.batch_decode(ids, skip_special_tokens=True)
-
-
-# == The async schedule: which policy version generates which batch (paper section 3) =======================
-class Event(NamedTuple):
-    kind: str  # "rollout" (the batch a step trains on) or "eval"
-    index: int  # the step of a rollout, the policy version of an evaluation
-    version: int  # the policy version the engine needs for it
-
-
-class Rollout(NamedTuple):
-    step: int
-    version: int
-    prompt_indices: np.ndarray
-    responses: list[list[int]]  # the completions of each prompt, one after the other
-    logprobs: list[list[float]] | None  # the engine's logprob of each response token (after temperature)
-    # generation, weight_sync and generator_wait (idle, waiting for the weights it needs) -> (start, seconds)
-    timings: dict[str, tuple[float | None, float]]
-
-
-class EvalRollout(NamedTuple):
-    version: int
-    responses: list[list[int]]
-    generation_time: float
-    generation_start: float
-
-
-def generation_schedule(num_steps: int, async_level: int, eval_steps: list[int]) -> list[Event]:
-    """The generator's work in order. Rollout m is generated by version max(0, m - async_level); an evaluation
-    of version v runs right after the last rollout that needs v, so the engine never goes back a version."""
-    events = [Event("rollout", m, max(0, m - async_level)) for m in range(num_steps)]
-    events += [Event("eval", v, v) for v in eval_steps]
-    return sorted(events, key=lambda e: (e.version, e.kind == "eval", e.index))
-
-
-def published_versions(schedule: list[Event]) -> set[int]:
-    """Versions the trainer must send to the engine (version 0 is loaded at start)."""
-    return {event.version for event in schedule if event.version > 0}
-
-
-def pending_events(schedule: list[Event], next_step: int, evals_logged: set[int]) -> list[Event]:
-    """The generator's work still owed to a trainer about to run `next_step`: later rollouts and the
-    evaluations not yet logged. The policy versions they need are the snapshots to keep, and a checkpoint's to
-    carry."""
-    return [
-        e for e in schedule if (e.index >= next_step if e.kind == "rollout" else e.index not in evals_logged)
-    ]
-
-
-# == The generation thread: it drives the engine, one batch ahead of the trainer =============================
-class Channels(NamedTuple):
-    """Cleanba's protocol: the generation thread and the trainer exchange version-tagged messages."""
-
-    weights: queue.Queue  # plumbing's Weights, trainer -> generator (unbounded: the schedule bounds them)
-    rollouts: queue.Queue  # Rollout, generator -> trainer
-    evals: queue.Queue  # EvalRollout, generator -> trainer
-
-
-def generate(engine, prompts, n: int, temperature: float, max_tokens: int, eos: int, seeds, logprobs=False):
-    """n completions per prompt (and the engine's logprob of each token), the prompts cut among the engines
-    (plumbing's Engine.generate); each prompt has its own sampling seed, so a batch is reproducible whatever
-    the engine generated before and whichever engine generates it."""
-    from vllm import SamplingParams
-    from vllm.inputs import TokensPrompt
-
-    sampling = dict(temperature=temperature, max_tokens=max_tokens, stop_token_ids=[eos], detokenize=False)
-    params = [SamplingParams(n=n, **sampling, seed=seed, logprobs=0 if logprobs else None) for seed in seeds]
-    outputs = engine.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
-    completions = [completion for output in outputs for completion in output.outputs]
-    responses = [list(c.token_ids) for c in completions]
-    if not logprobs:
-        return responses, None
-    return responses, [[at[t].logprob for t, at in zip(c.token_ids, c.logprobs)] for c in completions]
-
-
-def generation_thread(engine, channels: Channels, schedule: list[Event], inputs: Inputs, args: Args, sizes):
-    """Works through the schedule: loads each policy version it needs as soon as the trainer publishes it,
-    then generates rollout m (the completions of each prompt of step m's batch) or evaluates version v. Rank 0
-    runs it (Engine.run_thread: an exception here stops the trainer); the trainer stops the run if a call to
-    the engine (a push, a generation) passes its deadline (Engine.deadline)."""
-    version, eos, train = 0, inputs.tokenizer.eos_token_id, inputs.train.token_ids
-    for event in schedule:
-        wait_start, sync_time, sync_start = time.perf_counter(), 0.0, None
-        while version < event.version:
-            weights = engine.get(channels.weights)
-            push_start = time.perf_counter()
-            sync_start = sync_start or push_start
-            engine.push(weights)  # into every running engine, in place (plumbing/weights.py)
-            sync_time += time.perf_counter() - push_start
-            version = engine.version  # each engine proved it holds it (check_loaded)
-        if version != event.version:
-            raise RuntimeError(f"{event.kind} {event.index} needs version {event.version}, has {version}")
-        wait_time, gen_start = time.perf_counter() - wait_start - sync_time, time.perf_counter()
-        if event.kind == "eval":
-            prompts = inputs.evaluation.token_ids
-            seeds = [args.seed + i for i in range(len(prompts))]
-            temperature = 0.0 if args.task == "gsm8k" else args.temperature  # GSM8k's pass@1 is greedy (5.2)
-            with engine.deadline("evaluation", version):
-                responses, _ = generate(engine, prompts, 1, temperature, args.response_length, eos, seeds)
-            channels.evals.put(EvalRollout(version, responses, time.perf_counter() - gen_start, gen_start))
-            continue
-        indices = prompt_indices_for_step(event.index, len(train), sizes.batch_size, args.seed)
-        seeds = [args.seed * 1_000_003 + event.index * sizes.batch_size + i for i in range(len(indices))]
-        prompts, n = [train[i] for i in indices], completions_per_prompt(args)
-        sampling = (args.temperature, args.response_length, eos, seeds, ROLLOUT_LOGPROBS)
-        with engine.deadline("rollout", event.index):
-            responses, logprobs = generate(engine, prompts, n, *sampling)
-        timings = {"generation": (gen_start, time.perf_counter() - gen_start)}
-        timings |= {"generator_wait": (None, wait_time), "weight_sync": (sync_start or gen_start, sync_time)}
-        channels.rollouts.put(Rollout(event.index, version, indices, responses, logprobs, timings))
+if __name__ == "__main__":  # --help answers here, before torch, transformers and vLLM load (seconds)
+    plumbing.help_if_asked(Args, __doc__)
+
+import numpy as np  # noqa: E402 (this and the imports below load after --help)
+import torch  # noqa: E402
+from torch.optim.lr_scheduler import LambdaLR  # noqa: E402
+from transformers import (  # noqa: E402
+    AutoModelForCausalLM,
+    AutoModelForSequenceClassification,
+    AutoTokenizer,
+    set_seed,
+)
 
 
 # == PPO: per-token rewards with the KL penalty, GAE, the clipped losses, the update =========================
 ROLLOUT_LOGPROBS = True  # the engine's logprobs: compared with the trainer's; --old_logprobs engine's weights
+
+
+def completions_per_prompt(args: Args) -> int:
+    return 1
 
 
 def check_value_model(inputs: Inputs, args: Args) -> None:
@@ -731,7 +156,8 @@ def check_value_model(inputs: Inputs, args: Args) -> None:
 
 def load_value_model(start: str, args: Args) -> torch.nn.Module:
     """The value model, from `start`: a copy of the reward model trained with the policy (the paper's code,
-    ppov2.py), or on GSM8k, which has none, the SFT policy with a new value head; fp32, dropout off."""
+    ppov2.py), or where a verifier scores (GSM8k), with no reward model, the SFT policy with a new value head;
+    fp32, dropout off."""
     kwargs = dict(trust_remote_code=args.trust_remote_code, use_safetensors=True, dtype=torch.float32)
     value_model = AutoModelForSequenceClassification.from_pretrained(start, num_labels=1, **kwargs)
     disable_dropout(value_model)
@@ -1011,7 +437,6 @@ def ppo_metrics(step: int, version: int, sizes: Sizes, lr: float, reduced: dict,
     }
 
 
-# == main(): setup, then the training loop's numbered steps ==================================================
 def step_flops(model: "PolicyAndValue", models: Models, sizes: Sizes, args: Args) -> dict[str, int]:
     """The FLOPs of each phase of a step, per process (model FLOP utilisation: benchmark/timing.py)."""
     R = args.response_length
@@ -1029,6 +454,7 @@ def step_flops(model: "PolicyAndValue", models: Models, sizes: Sizes, args: Args
     }
 
 
+# == main(): setup, then the training loop's numbered steps ==================================================
 def main(args: Args) -> None:
     # setup: the training processes, every input checked before any model loads, the models
     # accelerate's processes, the dtypes (bf16 autocast on GPUs), DeepSpeed's batch and clipping
@@ -1040,7 +466,10 @@ def main(args: Args) -> None:
     )
     accelerator, device = processes.accelerator, processes.accelerator.device
     sizes = compute_sizes(args, accelerator.num_processes)
-    value_start = args.sft_model_path if args.task == "gsm8k" else args.reward_model_path  # load_value_model
+    verified = (
+        TASKS[args.task].verifier is not None
+    )  # no reward model: the value model starts from the policy
+    value_start = args.sft_model_path if verified else args.reward_model_path  # load_value_model
     # locked, and the checkpoint --resume continues from, which holds the policy and the value model
     folder = plumbing.RunFolder(
         args, processes, trained=[args.sft_model_path, value_start], async_level=args.async_level
@@ -1159,6 +588,657 @@ def main(args: Args) -> None:
             while processes.evaluates and len(evals_logged) < len(eval_steps):
                 log_evaluations(wait=True)
             folder.save_policy(accelerator, model, inputs.tokenizer, prefix="policy.")  # the policy alone
+
+
+# ====================================== below: the same text in every algorithm file ========================
+# Written from one source, online_dpo_async.py's: edit it there, then `python dev/copies.py` rewrites the
+# others' (docs/algorithms.md#where-in-the-code). Below: the batch sizes and the optimizer; the tasks; the
+# data; the models; the rewards; the evaluation; the async schedule and the generation thread.
+
+
+# == Batch sizes, the optimizer ==============================================================================
+# The domains of the numeric flags the algorithm files share (the plumbing's own: _COMMON_DOMAINS,
+# plumbing/flags.py): flag -> (domain, why).
+SHARED_DOMAINS = {
+    "num_eval_prompts": (">= 1", "a count of prompts (left out: all of the split)"),
+    "max_prompt_length": (">= 1", "a count of tokens"),
+    "response_length": (">= 1", "a count of tokens"),
+    "total_episodes": (">= 1", "a count of completions"),
+    "local_micro_batch_size": (">= 1", "a count of prompts"),
+    "gradient_accumulation_steps": (">= 1", "a count of micro-batches"),
+    "num_mini_batches": (">= 1", "a count of mini-batches"),
+    "num_ppo_epochs": (">= 1", "a count of passes"),
+    "local_rollout_forward_batch_size": (">= 1", "a count of sequences"),
+    "learning_rate": ("> 0", "0 would not train, < 0 would climb the loss"),
+    "adam_epsilon": ("> 0", "AdamW divides by the root of the second moment plus it"),
+    "weight_decay": (">= 0", "< 0 would push the weights away from 0"),
+    "max_grad_norm": ("> 0", "the norm the gradients are clipped to (left out: no clipping)"),
+    "async_level": (">= 0", "a count of policy versions"),
+    # vLLM 0.32 raises a temperature under 0.01 to 0.01 (vllm/sampling_params.py:30 `_MAX_TEMP`, applied at
+    # 557-565) and samples greedily under 1e-5 (:29 `_SAMPLING_EPS`, :612; vllm/v1/sample/sampler.py:300):
+    # the engine would not sample the policy whose logprobs the trainer computes, and a prompt's K samples
+    # would be alike, so that DPO's pairs tie and RLOO's advantages are 0 (the loss and the KL 0 every step)
+    "temperature": (">= 0.01", "below it vLLM samples at 0.01, not at the trainer's temperature"),
+    "missing_eos_penalty": ("finite", "a score"),
+    "eval_freq": (">= 0", "0 evaluates at step 0 and at the end only"),
+    "num_sample_completions": (">= 0", "a count of completions"),
+}
+
+
+class Sizes(NamedTuple):
+    world_size: int
+    local_mini_batch_size: int
+    mini_batch_size: int
+    local_batch_size: int
+    batch_size: int
+    episodes_per_step: int
+    num_steps: int
+
+
+def compute_sizes(args: Args, world_size: int) -> Sizes:
+    """Check every flag's domain and derive every batch size; errors name the flags to change."""
+    plumbing.check_domains(asdict(args), SHARED_DOMAINS | ALGORITHM_DOMAINS)
+    if args.task not in TASKS:
+        raise UsageError(f"--task {args.task} is none of the tasks, {', '.join(TASKS)} (docs/tasks.md)")
+    samples = completions_per_prompt(args)
+    local_mini_batch_size = args.local_micro_batch_size * args.gradient_accumulation_steps
+    local_batch_size = local_mini_batch_size * args.num_mini_batches
+    episodes_per_step = local_batch_size * world_size * samples
+    if args.total_episodes % episodes_per_step != 0 or args.total_episodes < episodes_per_step:
+        raise UsageError(
+            f"--total_episodes {args.total_episodes} must be a positive multiple of the episodes per step, "
+            f"{episodes_per_step} = local_micro_batch_size {args.local_micro_batch_size} x "
+            f"gradient_accumulation_steps {args.gradient_accumulation_steps} x num_mini_batches "
+            f"{args.num_mini_batches} x processes {world_size} x {samples} completions per prompt; change "
+            "--total_episodes or one of those flags"
+        )
+    return Sizes(
+        world_size=world_size,
+        local_mini_batch_size=local_mini_batch_size,
+        mini_batch_size=local_mini_batch_size * world_size,
+        local_batch_size=local_batch_size,
+        batch_size=local_batch_size * world_size,
+        episodes_per_step=episodes_per_step,
+        num_steps=args.total_episodes // episodes_per_step,
+    )
+
+
+def lr_factor(schedule: str, step: int, num_steps: int) -> float:
+    """The learning rate of step `step`'s N x T updates (0-indexed) over --learning_rate: linear decay to 0,
+    or constant. As the paper's loops step their schedule once a batch, at its top (their
+    src/online_dpo_vllm_trainer.py:334-337), step n trains at 1 - (n + 1) / num_steps, the last at 0."""
+    return 1.0 if schedule == "constant" else 1.0 - (step + 1) / num_steps
+
+
+def make_optimizer(model: torch.nn.Module, args: Args) -> torch.optim.AdamW:
+    """AdamW as the paper's code builds it (transformers' Trainer.create_optimizer): torch's betas,
+    --adam_epsilon, --weight_decay on every trained weight but the biases and the normalisation weights."""
+    norms = {name for name, m in model.named_modules() if type(m).__name__.endswith(("LayerNorm", "RMSNorm"))}
+    decay, no_decay = [], []
+    for name, p in model.named_parameters():
+        if p.requires_grad:
+            (decay if "bias" not in name and name.rpartition(".")[0] not in norms else no_decay).append(p)
+    groups = [{"params": decay, "weight_decay": args.weight_decay}, {"params": no_decay, "weight_decay": 0}]
+    return torch.optim.AdamW(groups, lr=args.learning_rate, eps=args.adam_epsilon)
+
+
+# == Tasks: what a run trains on and is judged by, one row each (docs/tasks.md#adding-a-task) ================
+class Task(NamedTuple):
+    """A --task: the dataset columns it reads (each value checked on every row: text, or a conversation of
+    {"role", "content"} texts), how its rows become prompts, what scores a completion in training, and what
+    judges one in evaluation."""
+
+    columns: dict[str, type]
+    # (dataset, tokenizer, where) -> the prompt text the policy sees and the reference answer of every row;
+    # `where` names the split in an error
+    prompts: Callable
+    # (completion, reference) -> reward: a task that checks its answers scores with this, not with the reward
+    # model (--reward_model_path); evaluation then logs its pass@1
+    verifier: Callable | None = None
+    # (query, completion) -> gold score: the task's own gold judge, `--gold_judge tiny`; None: a gold reward
+    # model given as --gold_judge, or no win rate
+    judge: Callable | None = None
+    chat: bool = False  # prompts are written with the policy's chat template, which adds the BOS itself
+    # evaluation samples greedily (GSM8k's pass@1, paper section 5.2), not at --temperature
+    eval_greedy: bool = False
+    # the references end as a completion that stopped, EOS added, when a gold reward model reads them (human
+    # answers; TLDR's references have their EOS)
+    references_stop: bool = False
+
+
+def query_prompts(dataset, tokenizer, where: str) -> tuple[list[str], list[str]]:
+    """Rows that hold the prompt text itself, `query`, and its reference, `reference_response`."""
+    return list(dataset["query"]), list(dataset["reference_response"])
+
+
+def chat_prompts(dataset, tokenizer, where: str) -> tuple[list[str], list[str]]:
+    """Rows that hold a conversation, `messages`: the prompt is every turn but the last, written with the
+    policy's chat template and ending with the header of the assistant's turn; the reference is the last
+    turn, the assistant's."""
+    if tokenizer.chat_template is None:
+        raise UsageError(
+            f"{where} holds conversations, written with the policy's chat template, and the tokenizer of "
+            f"--sft_model_path {tokenizer.name_or_path} has none"
+        )
+    prompts, references = [], []
+    for i, messages in enumerate(dataset["messages"]):
+        if len(messages) < 2 or messages[-1]["role"] != "assistant":
+            what = "do not end with an assistant turn after the prompt (the reference answer)"
+            raise UsageError(f"{where}: row {i}'s `messages` {what}")
+        prompts.append(
+            tokenizer.apply_chat_template(messages[:-1], tokenize=False, add_generation_prompt=True)
+        )
+        references.append(messages[-1]["content"])
+    return prompts, references
+
+
+# GSM8k's prompt: the format the paper's policy (Rho-1B SFT on GSM8k, after Kazemnejad et al. 2024) knows.
+GSM8K_PROMPT = "[MATH_TASK] Problem:\n{question}\n\nSolution:"
+# GSM8k's final answer, as OpenAI's grade-school-math checker (the paper's verifier) reads it: the first one.
+GSM8K_ANSWER = re.compile(r"#### (\-?[0-9\.\,]+)")
+
+
+def gsm8k_prompts(dataset, tokenizer, where: str) -> tuple[list[str], list[str]]:
+    """GSM8k's rows, `question` and `answer`: the prompt in the paper's policy's format, the answer whole (its
+    final answer is what the verifier reads)."""
+    answers = list(dataset["answer"])
+    if unlabelled := [i for i, answer in enumerate(answers) if gsm8k_answer(answer) is None]:
+        raise UsageError(
+            f"{where}: {len(unlabelled)} `answer`(s) without a '#### <number>' final answer (row "
+            f"{unlabelled[0]}): not GSM8k's format"
+        )
+    return [GSM8K_PROMPT.format(question=question) for question in dataset["question"]], answers
+
+
+def gsm8k_answer(text: str) -> str | None:
+    """A GSM8k solution's final answer as OpenAI's grade-school-math checker reads it: the FIRST match of
+    `#### (-?[0-9.,]+)`, commas removed ("#### 1,020 dollars" -> "1020"); None without one. Nothing else is
+    read or normalised: "####18" has no answer and "#### 18." reads "18." (docs/tasks.md)."""
+    match = GSM8K_ANSWER.search(text)
+    return None if match is None else match.group(1).replace(",", "")
+
+
+def gsm8k_reward(completion: str, answer: str) -> float:
+    """GSM8k's verifier (paper section 5.2): 1.0 when the completion's answer is the label's, as strings."""
+    predicted = gsm8k_answer(completion)
+    return float(predicted is not None and predicted == gsm8k_answer(answer))
+
+
+def tiny_gold_score(query: str, response: str) -> float:
+    """Gold judge of the tiny task: 1.0 iff `response` is the query's words sorted, then "</s>". Quality q in
+    [0, 1] = mean of: right word in the right place, F1 of the word multisets, fraction of adjacent output
+    words in order. Score 2q - 1 if the response stopped with "</s>", else q - 1: a stopped answer more than
+    half right wins."""
+    target = sorted(query.split()[1:-1])  # "sort: w1 ... wL ->"
+    out = response.split()
+    stopped = len(out) > 0 and out[-1] == "</s>"
+    out = out[:-1] if stopped else out
+    in_place = sum(a == b for a, b in zip(out, target)) / len(target)
+    common = sum(min(out.count(w), target.count(w)) for w in set(target))
+    f1 = 2 * common / (len(out) + len(target))
+    ordered = sum(a < b for a, b in zip(out, out[1:])) / max(len(out) - 1, 1)
+    q = (in_place + f1 + ordered) / 3
+    return 2 * q - 1 if stopped else q - 1
+
+
+TEXT_COLUMNS = {"query": str, "reference_response": str}
+CHAT_COLUMNS = {"messages": list[dict[str, str]]}
+TASKS = {
+    # the built-in task (tasks/tiny): sort the query's words; an exact gold judge of its own
+    "tiny": Task(columns=TEXT_COLUMNS, prompts=query_prompts, judge=tiny_gold_score),
+    # TLDR summaries (paper section 4): a reward model scores, a larger one judges (--gold_judge)
+    "tldr": Task(columns=TEXT_COLUMNS, prompts=query_prompts),
+    # No Robots' conversations (paper section 5.1)
+    "no_robots": Task(columns=CHAT_COLUMNS, prompts=chat_prompts, chat=True, references_stop=True),
+    # GSM8k's questions (paper section 5.2): its verifier checks the final answer, in training and evaluation
+    "gsm8k": Task(
+        columns={"question": str, "answer": str},
+        prompts=gsm8k_prompts,
+        verifier=gsm8k_reward,
+        eval_greedy=True,
+    ),
+}
+
+
+# == Data: prompts, batches ==================================================================================
+class Prompts(NamedTuple):
+    token_ids: list[list[int]]  # unpadded
+    queries: list[str]
+    references: list[str]
+
+
+class Inputs(NamedTuple):
+    tokenizer: object  # the policy's
+    reward_tokenizer: object | None  # the reward model's (none where a verifier scores)
+    train: Prompts
+    evaluation: Prompts
+
+
+def load_inputs(args: Args, sizes: Sizes) -> Inputs:
+    """The tokenizers, once every model's files are checked, and the prompts: a bad one is a UsageError naming
+    its flag, before any model loads."""
+    task = TASKS[args.task]
+    if task.verifier is not None and args.gold_judge != "tiny":
+        judge = "its verifier (eval/pass@1), not by a gold reward model"
+        raise UsageError(f"--gold_judge {args.gold_judge}: --task {args.task} is evaluated by {judge}")
+    if task.verifier is None and task.judge is None and args.gold_judge == "tiny":  # the task has no judge
+        what = "pass a reward model as --gold_judge, or judge eval_completions/ afterwards (docs/tasks.md)"
+        print(f"--task {args.task} with --gold_judge tiny logs no eval/win_rate: {what}")
+    tokenizer, reward_tokenizer = plumbing.load_tokenizers(
+        sft_model_path=args.sft_model_path,
+        reward_model_path=args.reward_model_path if task.verifier is None else None,
+        gold_judge=args.gold_judge if args.gold_judge != "tiny" else None,  # tiny: the task's own judge
+        lengths=(args.max_prompt_length, args.response_length),
+        trust_remote_code=args.trust_remote_code,
+    )
+    train = load_prompts(args, args.dataset_train_split, tokenizer)
+    evaluation = load_prompts(args, args.dataset_eval_split, tokenizer, evaluation=True)
+    if (n := len(train.token_ids)) < sizes.batch_size:
+        raise UsageError(f"{n} training prompts cannot fill one batch ({sizes.batch_size}): lower its sizes")
+    return Inputs(tokenizer, reward_tokenizer, train, evaluation)
+
+
+def load_prompts(args: Args, split: str, tokenizer, evaluation: bool = False) -> Prompts:
+    """The prompts of a split of --dataset_name (`evaluation`: the first --num_eval_prompts of the evaluation
+    split, or of --dataset_eval_file), every row checked (plumbing's load_split), in the format of --task; but
+    those over --max_prompt_length tokens."""
+    task = TASKS[args.task]
+    max_prompt_length = args.max_prompt_length
+    dataset, where = plumbing.load_split(
+        args.dataset_name,
+        args.dataset_config,
+        split,
+        task.columns,
+        task=args.task,
+        evaluation=evaluation,
+        eval_file=args.dataset_eval_file,
+        num_prompts=args.num_eval_prompts,
+    )
+    queries, references = task.prompts(dataset, tokenizer, where)
+    # A chat template writes the BOS token itself (Llama 3.1's does): encoding the text must not add another.
+    token_ids = tokenizer(queries, add_special_tokens=not task.chat).input_ids
+    keep = [i for i, ids in enumerate(token_ids) if len(ids) <= max_prompt_length]
+    if len(keep) < len(token_ids):
+        dropped = f"{len(token_ids) - len(keep)} of {len(token_ids)} prompts"
+        print(f"{split}: dropped {dropped} longer than --max_prompt_length {max_prompt_length}")
+    if not keep:
+        raise UsageError(f"no {split} prompt fits --max_prompt_length {max_prompt_length}")
+    token_ids, queries, references = ([items[i] for i in keep] for items in (token_ids, queries, references))
+    return Prompts(token_ids, queries, references)
+
+
+def prompt_indices_for_step(step: int, num_prompts: int, batch_size: int, seed: int) -> np.ndarray:
+    """Each epoch is a fresh seeded permutation cut into full batches: each trained on once an epoch."""
+    epoch, i = divmod(step, num_prompts // batch_size)
+    permutation = np.random.default_rng([seed, epoch]).permutation(num_prompts)
+    return permutation[i * batch_size : (i + 1) * batch_size]
+
+
+def left_pad(sequences: list[list[int]], length: int, pad_token_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Left-pad to `length`; the mask comes from the lengths, never from pad ids (Pythia's pad is its EOS)."""
+    ids = torch.full((len(sequences), length), pad_token_id, dtype=torch.long)
+    mask = torch.zeros((len(sequences), length), dtype=torch.long)
+    for row, seq in enumerate(sequences):
+        if seq:
+            ids[row, length - len(seq) :] = torch.tensor(seq)
+            mask[row, length - len(seq) :] = 1
+    return ids, mask
+
+
+def truncate_responses(responses: list[list[int]], length: int, eos_token_id: int, pad_token_id: int):
+    """Pad completions to `length` and cut everything after the first EOS. Returns ids, mask (1 up to and
+    including the first EOS) and whether each ended with EOS."""
+    ids = torch.full((len(responses), length), pad_token_id, dtype=torch.long)
+    for row, seq in enumerate(responses):
+        seq = seq[:length]
+        ids[row, : len(seq)] = torch.tensor(seq, dtype=torch.long)
+    lengths = torch.tensor([min(len(seq), length) for seq in responses])
+    eos_index = torch.where(ids == eos_token_id, torch.arange(length), length).min(-1).values  # or `length`
+    contain_eos = eos_index < lengths
+    lengths = torch.where(contain_eos, eos_index + 1, lengths)
+    mask = (torch.arange(length)[None, :] < lengths[:, None]).long()
+    return ids.masked_fill(mask == 0, pad_token_id), mask, contain_eos
+
+
+class Batch(NamedTuple):
+    """A row per completion: its prompt, left-padded, and itself, right-padded and cut after its first EOS."""
+
+    query_ids: torch.Tensor
+    query_mask: torch.Tensor
+    response_ids: torch.Tensor
+    response_mask: torch.Tensor  # 1 up to and including the first EOS
+    contain_eos: torch.Tensor
+
+    def rows(self, index) -> "Batch":
+        return Batch(*(tensor[index] for tensor in self))
+
+    def sequences(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Query + response: the ids and the attention mask a model reads."""
+        ids = torch.cat([self.query_ids, self.response_ids], 1)
+        return ids, torch.cat([self.query_mask, self.response_mask], 1)
+
+
+def to_batch(prompts: list[list[int]], responses, repeat: int, args: Args, tokenizer, device):
+    """Prompts (each repeated for its `repeat` consecutive completions) and completions as a Batch."""
+    query_ids, query_mask = left_pad(prompts, args.max_prompt_length, tokenizer.pad_token_id)
+    query_ids = query_ids.repeat_interleave(repeat, 0)
+    query_mask = query_mask.repeat_interleave(repeat, 0)
+    eos, pad = tokenizer.eos_token_id, tokenizer.pad_token_id
+    response_ids, response_mask, contain_eos = truncate_responses(responses, args.response_length, eos, pad)
+    return Batch(*(t.to(device) for t in (query_ids, query_mask, response_ids, response_mask, contain_eos)))
+
+
+# == Models: logprobs, rewards ===============================================================================
+class Models(NamedTuple):
+    """The frozen models and the tokenizers (no reward model where a verifier scores; only rank 0 holds a gold
+    judge)."""
+
+    tokenizer: object
+    ref_policy: torch.nn.Module
+    reward_model: torch.nn.Module | None
+    reward_tokenizer: object | None
+    gold_model: torch.nn.Module | None
+    gold_tokenizer: object | None
+    scorer: str = "the reward model"  # what scores the rollouts, as an error names it
+
+
+def load_models(args: Args, inputs: Inputs, processes: plumbing.Processes) -> tuple[torch.nn.Module, Models]:
+    """The policy and the frozen models (safetensors only), dropout off. The policy and the reference keep
+    fp32 weights (the optimizer's, the policy's numbers at step 0) under autocast; the reward and gold models
+    hold --dtype weights. Under ZeRO-3 every model is sharded but the gold judge, which only rank 0 holds."""
+    remote = args.trust_remote_code
+    safe = dict(use_safetensors=True)
+    load = partial(AutoModelForCausalLM.from_pretrained, args.sft_model_path, dtype=torch.float32, **safe)
+    policy, ref_policy = load(trust_remote_code=remote), load(trust_remote_code=remote)
+    scoring = dict(dtype=processes.dtype, trust_remote_code=remote, **safe)
+    reward_model = gold_model = gold_tokenizer = None
+    scorer = f"--task {args.task}'s verifier"  # what scores the rollouts, as an error names it
+    if TASKS[args.task].verifier is None:
+        scorer = f"reward model --reward_model_path {args.reward_model_path}"
+        reward_model = plumbing.load_reward_model(args.reward_model_path, "--reward_model_path", **scoring)
+    if args.gold_judge != "tiny" and processes.is_main:
+        with processes.whole_models():  # only rank 0 runs it: never sharded
+            gold_model = plumbing.load_reward_model(args.gold_judge, "--gold_judge", **scoring)
+        gold_model = gold_model.to(processes.accelerator.device).eval().requires_grad_(False)
+        gold_tokenizer = AutoTokenizer.from_pretrained(args.gold_judge, trust_remote_code=remote)
+    for model in (policy, ref_policy, reward_model, gold_model):
+        if model is not None:
+            disable_dropout(model)
+    if args.gradient_checkpointing:
+        policy.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    ref_policy = processes.prepare_frozen(ref_policy)  # sharded for inference under ZeRO-3
+    reward_model = None if reward_model is None else processes.prepare_frozen(reward_model)
+    tokenizer, reward_tokenizer = inputs.tokenizer, inputs.reward_tokenizer
+    return policy, Models(
+        tokenizer, ref_policy, reward_model, reward_tokenizer, gold_model, gold_tokenizer, scorer
+    )
+
+
+def disable_dropout(model: torch.nn.Module) -> None:
+    for module in model.modules():
+        if isinstance(module, torch.nn.Dropout):
+            module.p = 0.0
+        for name in ("attention_dropout", "attn_dropout", "hidden_dropout"):
+            if isinstance(getattr(module, name, None), float):
+                setattr(module, name, 0.0)
+
+
+def position_ids_from(mask: torch.Tensor) -> torch.Tensor:
+    """Positions count real tokens only, so left padding does not shift them (N details, general #3)."""
+    return (mask.cumsum(1) - 1).clamp(min=0)
+
+
+def response_logprobs(model, batch: Batch, temperature: float, entropy: bool = False):
+    """Per-token logprobs of the responses, logits divided by the sampling temperature (N details, policy #1);
+    0 after EOS; with `entropy`, also the entropy of pi(. | query, y_<t) (a diagnostic: no gradient). Only the
+    logits that predict the response: over a 50k vocabulary the others would be the largest tensor."""
+    ids, mask = batch.sequences()
+    positions = position_ids_from(mask)
+    keep = batch.response_ids.shape[1] + 1  # the logits of the last prompt token and the response's
+    logits = model(input_ids=ids, attention_mask=mask, position_ids=positions, logits_to_keep=keep).logits
+    logits = logits[:, :-1].float() / temperature
+    logprobs = logits.gather(2, batch.response_ids.unsqueeze(-1)).squeeze(-1) - logits.logsumexp(-1)
+    if not entropy:
+        return logprobs * batch.response_mask
+    with torch.no_grad():
+        entropies = logits.logsumexp(-1) - (logits.softmax(-1) * logits).sum(-1)
+    return logprobs * batch.response_mask, entropies * batch.response_mask
+
+
+@torch.no_grad()
+def batch_logprobs(model, batch: Batch, temperature: float, batch_size: int) -> torch.Tensor:
+    """Per-token logprobs of a batch's responses, in no-grad forward passes of `batch_size` sequences."""
+    parts = [batch.rows(slice(i, i + batch_size)) for i in range(0, len(batch.query_ids), batch_size)]
+    return torch.cat([response_logprobs(model, part, temperature) for part in parts])
+
+
+def get_reward(model, input_ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Reward-model score at the last real token, from the backbone: padding on either side (and pad == EOS)
+    cannot move the read-out position."""
+    backbone = getattr(model, model.base_model_prefix)
+    hidden = backbone(input_ids=input_ids, attention_mask=mask, position_ids=position_ids_from(mask))
+    last = mask.shape[1] - 1 - mask.flip(1).argmax(1)
+    head = model.score if hasattr(model, "score") else model.classifier
+    rows = torch.arange(len(input_ids), device=input_ids.device)
+    return head(hidden.last_hidden_state[rows, last]).squeeze(-1).float()
+
+
+# == Rewards: the reward model, the missing-EOS penalty, a verifier ==========================================
+@torch.no_grad()
+def score_texts(model, tokenizer, texts: list[str], batch_size: int, device) -> torch.Tensor:
+    """Score whole texts with a reward model that has a tokenizer of its own."""
+    scores = []
+    for start in range(0, len(texts), batch_size):
+        encoded = [plumbing.encode_text(tokenizer, text) for text in texts[start : start + batch_size]]
+        ids, mask = left_pad(encoded, max(len(ids) for ids in encoded), tokenizer.pad_token_id)
+        scores.append(get_reward(model, ids.to(device), mask.to(device)))
+    return torch.cat(scores)
+
+
+@torch.no_grad()
+def score_completions(reward_model, reward_tokenizer, policy_tokenizer, batch: Batch, bs: int):
+    """Reward model on query + response. With another tokenizer, go through text: decode without special
+    tokens, re-encode, and end with the reward model's EOS where the policy stopped."""
+    ids, mask = batch.sequences()
+    if plumbing.same_tokenizer(reward_tokenizer, policy_tokenizer):
+        parts = range(0, len(ids), bs)
+        return torch.cat([get_reward(reward_model, ids[i : i + bs], mask[i : i + bs]) for i in parts])
+    real = [i[m.bool()].tolist() for i, m in zip(ids, mask)]
+    texts = policy_tokenizer.batch_decode(real, skip_special_tokens=True)
+    stops = batch.contain_eos
+    texts = [text + reward_tokenizer.eos_token if stopped else text for text, stopped in zip(texts, stops)]
+    return score_texts(reward_model, reward_tokenizer, texts, bs, ids.device)
+
+
+def apply_missing_eos_penalty(scores: torch.Tensor, contain_eos: torch.Tensor, penalty: float):
+    """A completion that did not end with EOS within response_length gets a fixed score (tables 4, 7)."""
+    return torch.where(contain_eos, scores, torch.full_like(scores, penalty))
+
+
+def verify_completions(tokenizer, batch: Batch, answers: list[str], verifier: Callable) -> torch.Tensor:
+    """A verifier's rewards of a batch (a Task's): each completion decoded without special tokens, checked
+    against its reference answer."""
+    ids = [r[m.bool()].tolist() for r, m in zip(batch.response_ids, batch.response_mask)]
+    texts = tokenizer.batch_decode(ids, skip_special_tokens=True)
+    rewards = [verifier(text, answer) for text, answer in zip(texts, answers)]
+    return torch.tensor(rewards, device=batch.response_ids.device)
+
+
+def score_batch(batch: Batch, references: list[str], models: Models, args: Args) -> torch.Tensor:
+    """Rewards of a batch: the task's verifier (no missing-EOS penalty: GSM8k's table 10 has none), or the
+    reward model on query + response with the missing-EOS penalty."""
+    if (verifier := TASKS[args.task].verifier) is not None:
+        return verify_completions(models.tokenizer, batch, references, verifier)
+    rm = models.reward_model, models.reward_tokenizer, models.tokenizer
+    scores = score_completions(*rm, batch, args.local_rollout_forward_batch_size)
+    return apply_missing_eos_penalty(scores, batch.contain_eos, args.missing_eos_penalty)
+
+
+# == Evaluation: the gold judge's win rate, the KL proxy =====================================================
+def win_rates(policy_gold: list[float], reference_gold: list[float]) -> list[float]:
+    """1 when the policy's completion beats the reference under the gold judge, 1/2 on a tie."""
+    return [1.0 if p > r else 0.5 if p == r else 0.0 for p, r in zip(policy_gold, reference_gold)]
+
+
+@torch.no_grad()
+def evaluate(responses: list[list[int]], evaluation: Prompts, models: Models, args: Args, device):
+    """One evaluation (docs/metrics.md): the reference policy's perplexity on the completions, EOS included
+    (the paper's KL proxy, section 3.1), their EOS rate and length; a verifier's pass@1, or the proxy RM's
+    score and, with a gold judge, the win rate against the references. Returns the metrics, samples,
+    completions."""
+    task = TASKS[args.task]
+    tokenizer = models.tokenizer
+    bs = args.local_rollout_forward_batch_size
+    queries, references = evaluation.queries, evaluation.references
+    batch = to_batch(evaluation.token_ids, responses, 1, args, tokenizer, device)
+    ids = [r[m.bool()].tolist() for r, m in zip(batch.response_ids, batch.response_mask)]
+    texts = tokenizer.batch_decode(ids)  # with the EOS, as the judge reads it
+    parts = [batch.rows(slice(i, i + bs)) for i in range(0, len(ids), bs)]
+    metrics, extras = {}, {}
+    if (task.judge is not None and args.gold_judge == "tiny") or models.gold_model is not None:
+        if models.gold_model is None:
+            policy_gold = [task.judge(q, t) for q, t in zip(queries, texts)]
+            reference_gold = [task.judge(q, r) for q, r in zip(queries, references)]
+        else:
+            if task.references_stop:
+                references = [r + tokenizer.eos_token for r in references]
+            judge = models.gold_model, models.gold_tokenizer
+            gold = partial(score_texts, *judge, batch_size=bs, device=device)
+            policy_gold = gold([q + t for q, t in zip(queries, texts)]).tolist()
+            reference_gold = gold([q + r for q, r in zip(queries, references)]).tolist()
+        metrics["eval/gold_score"] = float(np.mean(policy_gold))
+        metrics["eval/win_rate"] = float(np.mean(win_rates(policy_gold, reference_gold)))
+        extras = {"gold": [round(g, 3) for g in policy_gold]}
+        extras["reference_gold"] = [round(g, 3) for g in reference_gold]
+    if task.verifier is not None:
+        correct = verify_completions(tokenizer, batch, evaluation.references, task.verifier)
+        metrics["eval/pass@1"] = correct.mean().item()
+        extras = {"correct": correct.tolist()}
+    logprobs = torch.cat([response_logprobs(models.ref_policy, part, temperature=1.0) for part in parts])
+    perplexities = torch.exp(-logprobs.sum(1) / batch.response_mask.sum(1).clamp(min=1))
+    metrics["eval/ref_perplexity"] = perplexities.mean().item()
+    if models.reward_model is not None:
+        reward_model = models.reward_model, models.reward_tokenizer, tokenizer
+        scores = torch.cat([score_completions(*reward_model, part, bs) for part in parts])
+        scores = apply_missing_eos_penalty(scores, batch.contain_eos, args.missing_eos_penalty)
+        metrics["eval/scores"] = scores.mean().item()
+    metrics["eval/num_eos_tokens"] = batch.contain_eos.float().mean().item()
+    metrics["eval/response_length"] = batch.response_mask.sum(1).float().mean().item()
+    shown = enumerate(zip(queries[: args.num_sample_completions], texts, evaluation.references))
+    rows = [
+        dict(query=q, response=t, reference=r) | {k: v[i] for k, v in extras.items()}
+        for i, (q, t, r) in shown
+    ]
+    return metrics, rows, tokenizer.batch_decode(ids, skip_special_tokens=True)
+
+
+# == The async schedule: which policy version generates which batch (paper section 3) =======================
+class Event(NamedTuple):
+    kind: str  # "rollout" (the batch a step trains on) or "eval"
+    index: int  # the step of a rollout, the policy version of an evaluation
+    version: int  # the policy version the engine needs for it
+
+
+class Rollout(NamedTuple):
+    step: int
+    version: int
+    prompt_indices: np.ndarray
+    responses: list[list[int]]  # the completions of each prompt, one after the other
+    logprobs: list[list[float]] | None  # the engine's logprob of each response token (after temperature)
+    # generation, weight_sync and generator_wait (idle, waiting for the weights it needs) -> (start, seconds)
+    timings: dict[str, tuple[float | None, float]]
+
+
+class EvalRollout(NamedTuple):
+    version: int
+    responses: list[list[int]]
+    generation_time: float
+    generation_start: float
+
+
+def generation_schedule(num_steps: int, async_level: int, eval_steps: list[int]) -> list[Event]:
+    """The generator's work in order. Rollout m is generated by version max(0, m - async_level); an evaluation
+    of version v runs right after the last rollout that needs v, so the engine never goes back a version."""
+    events = [Event("rollout", m, max(0, m - async_level)) for m in range(num_steps)]
+    events += [Event("eval", v, v) for v in eval_steps]
+    return sorted(events, key=lambda e: (e.version, e.kind == "eval", e.index))
+
+
+def published_versions(schedule: list[Event]) -> set[int]:
+    """Versions the trainer must send to the engine (version 0 is loaded at start)."""
+    return {event.version for event in schedule if event.version > 0}
+
+
+def pending_events(schedule: list[Event], next_step: int, evals_logged: set[int]) -> list[Event]:
+    """The generator's work still owed to a trainer about to run `next_step`: later rollouts and the
+    evaluations not yet logged. The policy versions they need are the snapshots to keep, and a checkpoint's to
+    carry."""
+    return [
+        e for e in schedule if (e.index >= next_step if e.kind == "rollout" else e.index not in evals_logged)
+    ]
+
+
+# == The generation thread: it drives the engine, one batch ahead of the trainer =============================
+class Channels(NamedTuple):
+    """Cleanba's protocol: the generation thread and the trainer exchange version-tagged messages."""
+
+    weights: queue.Queue  # plumbing's Weights, trainer -> generator (unbounded: the schedule bounds them)
+    rollouts: queue.Queue  # Rollout, generator -> trainer
+    evals: queue.Queue  # EvalRollout, generator -> trainer
+
+
+def generate(engine, prompts, n: int, temperature: float, max_tokens: int, eos: int, seeds, logprobs=False):
+    """n completions per prompt (and the engine's logprob of each token), the prompts cut among the engines
+    (plumbing's Engine.generate); each prompt has its own sampling seed, so a batch is reproducible whatever
+    the engine generated before and whichever engine generates it."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    sampling = dict(temperature=temperature, max_tokens=max_tokens, stop_token_ids=[eos], detokenize=False)
+    params = [SamplingParams(n=n, **sampling, seed=seed, logprobs=0 if logprobs else None) for seed in seeds]
+    outputs = engine.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
+    completions = [completion for output in outputs for completion in output.outputs]
+    responses = [list(c.token_ids) for c in completions]
+    if not logprobs:
+        return responses, None
+    return responses, [[at[t].logprob for t, at in zip(c.token_ids, c.logprobs)] for c in completions]
+
+
+def generation_thread(engine, channels: Channels, schedule: list[Event], inputs: Inputs, args: Args, sizes):
+    """Works through the schedule: loads each policy version it needs as soon as the trainer publishes it,
+    then generates rollout m (the completions of each prompt of step m's batch) or evaluates version v. Rank 0
+    runs it (Engine.run_thread: an exception here stops the trainer); the trainer stops the run if a call to
+    the engine (a push, a generation) passes its deadline (Engine.deadline)."""
+    version, eos, train = 0, inputs.tokenizer.eos_token_id, inputs.train.token_ids
+    for event in schedule:
+        wait_start, sync_time, sync_start = time.perf_counter(), 0.0, None
+        while version < event.version:
+            weights = engine.get(channels.weights)
+            push_start = time.perf_counter()
+            sync_start = sync_start or push_start
+            engine.push(weights)  # into every running engine, in place (plumbing/weights.py)
+            sync_time += time.perf_counter() - push_start
+            version = engine.version  # each engine proved it holds it (check_loaded)
+        if version != event.version:
+            raise RuntimeError(f"{event.kind} {event.index} needs version {event.version}, has {version}")
+        wait_time, gen_start = time.perf_counter() - wait_start - sync_time, time.perf_counter()
+        if event.kind == "eval":
+            prompts = inputs.evaluation.token_ids
+            seeds = [args.seed + i for i in range(len(prompts))]
+            temperature = 0.0 if TASKS[args.task].eval_greedy else args.temperature
+            with engine.deadline("evaluation", version):
+                responses, _ = generate(engine, prompts, 1, temperature, args.response_length, eos, seeds)
+            channels.evals.put(EvalRollout(version, responses, time.perf_counter() - gen_start, gen_start))
+            continue
+        indices = prompt_indices_for_step(event.index, len(train), sizes.batch_size, args.seed)
+        seeds = [args.seed * 1_000_003 + event.index * sizes.batch_size + i for i in range(len(indices))]
+        prompts, n = [train[i] for i in indices], completions_per_prompt(args)
+        sampling = (args.temperature, args.response_length, eos, seeds, ROLLOUT_LOGPROBS)
+        with engine.deadline("rollout", event.index):
+            responses, logprobs = generate(engine, prompts, n, *sampling)
+        timings = {"generation": (gen_start, time.perf_counter() - gen_start)}
+        timings |= {"generator_wait": (None, wait_time), "weight_sync": (sync_start or gen_start, sync_time)}
+        channels.rollouts.put(Rollout(event.index, version, indices, responses, logprobs, timings))
 
 
 if __name__ == "__main__":

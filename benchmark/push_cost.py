@@ -47,7 +47,7 @@ def main() -> None:
     import torch
     from transformers import AutoModelForCausalLM
 
-    from plumbing.command_line import quiet_known_noise
+    from plumbing.flags import quiet_known_noise
     from plumbing.engine import Engine, engine_placements, make_engine, visible_gpus
     from plumbing.weights import (
         SnapshotPlace,

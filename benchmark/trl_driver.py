@@ -165,13 +165,14 @@ def main(args: argparse.Namespace) -> None:
 
     import online_dpo_async as ours
     import plumbing
+    from plumbing.flags import quiet_known_noise
 
     if args.generation == "vllm" and not torch.cuda.is_available():
         raise SystemExit(f"error: {VLLM_ON_CPU}")
     from trl import RLOOConfig, RLOOTrainer
     from trl.experimental.online_dpo import OnlineDPOConfig, OnlineDPOTrainer
 
-    plumbing.command_line.quiet_known_noise()  # as our scripts (plumbing.run)
+    quiet_known_noise()  # as our scripts (plumbing.run)
     out = Path(args.output_dir)
     out.mkdir(parents=True, exist_ok=True)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")

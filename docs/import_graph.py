@@ -23,6 +23,7 @@ HOLDS = {
     "tasks/": "the tiny task; the pipeline that prepares a real one",
     "benchmark/": "the paper's experiments; the measurements",
     "tests/": "pytest, CPU, offline",
+    "dev/": "the project's tools: the shared text's copies",
 }
 BOX_W, BOX_H, ROW_H, BEND = 300, 52, 120, 190
 
@@ -96,7 +97,8 @@ def draw(imports: dict, runs: dict) -> str:
     top = max(row.values())
     by_row = {r: [f for f in folders if row[f] == r] for r in range(top + 1)}
     middle = 40 + BEND + BOX_W / 2  # the column of the first folder of each row; the others to its right
-    width = middle + BOX_W / 2 + 40 + BOX_W + BEND / 2 + 40
+    widest = max(len(members) for members in by_row.values())
+    width = middle + (widest - 1) * (BOX_W + 40) + BOX_W / 2 + BEND / 2 + 40
     centre = {}
     for r, members in by_row.items():
         for i, folder in enumerate(members):

@@ -12,7 +12,7 @@ import torch
 from accelerate import Accelerator, PartialState
 from accelerate.utils import broadcast_object_list, parse_flag_from_env
 
-from plumbing.command_line import RunArgs
+from plumbing.flags import RunArgs
 
 
 class Processes:

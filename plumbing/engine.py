@@ -30,7 +30,7 @@ import psutil
 import torch
 from accelerate.utils import broadcast_object_list
 
-from plumbing.command_line import _REDUCE_OP_WARNING, RunArgs, UsageError
+from plumbing.flags import _REDUCE_OP_WARNING, RunArgs, UsageError
 from plumbing.run_folder import _numel
 from plumbing.watchdog import (
     _dead_processes,

@@ -31,7 +31,7 @@ from accelerate.utils import broadcast_object_list, gather_object
 from safetensors.torch import load_file, save_file
 from tqdm import tqdm
 
-from plumbing.command_line import RunArgs, UsageError
+from plumbing.flags import RunArgs, UsageError
 
 # Flags that may change when a run is resumed; any other must be what the run started with.
 _RESUMABLE_CHANGES = {"resume", "output_dir", "track", "wandb_project", "wandb_entity", "save_freq"}

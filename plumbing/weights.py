@@ -20,7 +20,7 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-from plumbing.command_line import UsageError
+from plumbing.flags import UsageError
 from plumbing.distributed import _gathered_tensors
 from plumbing.run_folder import _load_owed_version
 

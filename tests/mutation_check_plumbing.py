@@ -20,8 +20,9 @@ from mutation_check import MODULE, Mutant, Suite, main
 
 WEIGHTS, ENGINE, RUN_FOLDER = "plumbing/weights.py", "plumbing/engine.py", "plumbing/run_folder.py"
 DISTRIBUTED, COMMAND_LINE = "plumbing/distributed.py", "plumbing/command_line.py"
+FLAGS = "plumbing/flags.py"
 PLAN, MEMORY = "benchmark/plan.py", "benchmark/memory.py"
-FILES = (WEIGHTS, ENGINE, RUN_FOLDER, DISTRIBUTED, COMMAND_LINE, PLAN, MEMORY)
+FILES = (WEIGHTS, ENGINE, RUN_FOLDER, DISTRIBUTED, FLAGS, COMMAND_LINE, PLAN, MEMORY)
 
 # A table, one mutant to a line or two: left as laid out (the formatter would spread each over eight lines).
 # fmt: off
@@ -132,12 +133,12 @@ MUTANTS = [
     Mutant("D06", DISTRIBUTED, "Processes", 'bf16 = args.dtype == "bfloat16" or (args.dtype == "auto" and self.on_gpu)',
            'bf16 = args.dtype in ("bfloat16", "auto")', "--dtype auto is bf16 on a CPU too"),
     # -------- plumbing/command_line.py: the checks of the flags
-    Mutant("C01", COMMAND_LINE, "check_domains", 'value > float(bound) if op == ">" else value >= float(bound)',
+    Mutant("C01", FLAGS, "check_domains", 'value > float(bound) if op == ">" else value >= float(bound)',
            'value >= float(bound) if op == ">" else value > float(bound)',
            "> vs >=: each bound refused where it is allowed and let in where it is not"),
-    Mutant("C02", COMMAND_LINE, "check_domains", '(low <= value if domain[3] == "[" else low < value)',
+    Mutant("C02", FLAGS, "check_domains", '(low <= value if domain[3] == "[" else low < value)',
            "(low <= value)", "an open interval's bound let in: --vllm_gpu_memory_utilization 0"),
-    Mutant("C03", COMMAND_LINE, "check_domains", "if not (inside and np.isfinite(value)):", "if not inside:",
+    Mutant("C03", FLAGS, "check_domains", "if not (inside and math.isfinite(value)):", "if not inside:",
            "an infinite value let in: --learning_rate inf"),
     Mutant("C04", COMMAND_LINE, "encode_text", "add_special_tokens=not has_bos", "add_special_tokens=True",
            "a second BOS before a chat-templated prompt"),

@@ -11,15 +11,8 @@ import pytest
 from conftest import ROOT, TINY, save_random_policy, small_config
 
 import plumbing
-from plumbing.command_line import (
-    _COMMON_DOMAINS,
-    UsageError,
-    check_domains,
-    _check_model,
-    load_reward_model,
-    load_split,
-    _load_tokenizer,
-)
+from plumbing.command_line import _check_model, _load_tokenizer, load_reward_model, load_split
+from plumbing.flags import _COMMON_DOMAINS, UsageError, check_domains
 
 # Private plumbing names (leading underscore) are used here on purpose: the checks of a model's files, a tokenizer
 # and a checkpoint are tested one by one, on the bad input each refuses, which a whole run would reach slowly.
@@ -111,7 +104,7 @@ def test_every_numeric_flag_has_a_domain_and_both_sides_of_each_bound_are_checke
     check_domains({**defaults, "num_eval_prompts": None}, own)  # an optional flag left out
 
 
-@pytest.mark.parametrize("flag", ["--task", "--loss_type or --old_logprobs", "--lr_schedule"])
+@pytest.mark.parametrize("flag", ["--loss_type or --old_logprobs", "--lr_schedule"])
 def test_an_unknown_choice_is_refused_by_the_parser(script, flag, capsys):
     import tyro
 
@@ -121,6 +114,15 @@ def test_an_unknown_choice_is_refused_by_the_parser(script, flag, capsys):
         tyro.cli(script.Args, args=[flag, "nonsense"], use_underscores=True)
     error = capsys.readouterr().err
     assert "nonsense" in error and flag in error
+
+
+def test_an_unknown_task_is_refused_naming_the_tasks(script):
+    """--task names a row of the TASKS table (a table, not a choice in each file's Args: a task is added in one place),
+    checked with every other flag before anything is read."""
+    args = script.Args(task="tldr ")
+    with pytest.raises(UsageError, match=r"^--task tldr  is none of the tasks, tiny, tldr, no_robots, gsm8k \(docs/"):
+        script.compute_sizes(args, 1)
+    script.compute_sizes(script.Args(task="gsm8k"), 1)
 
 
 def test_a_response_beyond_the_models_context_is_refused(tokenizer, tmp_path):
@@ -163,7 +165,7 @@ def split_of(name: str, split: str = "train", evaluation: bool = False, dataset_
     import online_dpo_async as dpo
 
     return load_split(
-        name, None, split, dpo.TASK_COLUMNS["tiny"], task="tiny", evaluation=evaluation, eval_file=dataset_eval_file
+        name, None, split, dpo.TASKS["tiny"].columns, task="tiny", evaluation=evaluation, eval_file=dataset_eval_file
     )
 
 
@@ -373,7 +375,7 @@ def test_every_row_read_is_checked_naming_the_file_split_row_and_column(task, ba
     }
     name = rows_file(tmp_path / "rows.jsonl", [good[task], bad])
     with pytest.raises(UsageError) as error:
-        load_split(name, None, "train", dpo.TASK_COLUMNS[task], task=task)
+        load_split(name, None, "train", dpo.TASKS[task].columns, task=task)
     assert str(error.value) == f"--dataset_name {name} split train, row 1, column {column}: {problem}"
 
 
@@ -383,7 +385,7 @@ def test_the_evaluation_split_is_checked_as_far_as_it_is_read(tmp_path):
 
     train = rows_file(tmp_path / "train.jsonl", [SORT])
     evaluation = rows_file(tmp_path / "eval.jsonl", [SORT, SORT, {**SORT, "query": " "}])
-    columns = dpo.TASK_COLUMNS["tiny"]
+    columns = dpo.TASKS["tiny"].columns
     dataset, where = load_split(
         train, None, "test", columns, task="tiny", evaluation=True, eval_file=evaluation, num_prompts=2
     )

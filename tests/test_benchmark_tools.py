@@ -284,3 +284,19 @@ def test_the_memory_plan_of_engines_of_their_own_by_hand():
         memory.plan(command.split(), 79 * gib, 5)
     with pytest.raises(SystemExit, match="--vllm_num_engines must be >= 1"):
         memory.plan(command.replace("--vllm_num_engines 2", "--vllm_num_engines 0").split(), 79 * gib, None)
+
+
+def test_the_help_benchmark_times_every_algorithm_file():
+    """benchmark/help_time.py's command as docs/flags.md shows it, with one run: a row per algorithm file, min <=
+    median <= max seconds (no time is asserted: a benchmark measures, a test does not)."""
+    from dev.copies import ALGORITHM_FILES
+
+    proc = subprocess.run(
+        [sys.executable, "benchmark/help_time.py", "--runs", "1"], cwd=ROOT, capture_output=True, text=True, timeout=300
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    rows = [line.split(" | ") for line in proc.stdout.splitlines()[1:]]
+    assert [row[0] for row in rows] == ALGORITHM_FILES
+    for _, seconds in rows:
+        low, median, high = (float(x) for x in seconds.split(" / "))
+        assert 0 < low <= median <= high

@@ -17,7 +17,7 @@ from conftest import ROOT, SMALL_RUN, check_run, run_script, shared_run, shared_
 
 import online_dpo_async as dpo
 import plumbing
-from plumbing.command_line import _COMMON_DOMAINS, RunArgs, _flag_sections, _parse_args
+from plumbing.flags import _COMMON_DOMAINS, RunArgs, _flag_sections, _parse_args
 
 # Private plumbing names (leading underscore) on purpose: the grouped --help (_parse_args, _flag_sections) and the
 # plumbing's own flag domains are what the docs must show, so the docs are checked against them.
@@ -98,7 +98,7 @@ def test_quickstart_run_command_learns(tmp_path):
 
 def test_known_third_party_noise_is_silenced_unless_async_rlhf_verbose():
     """The messages every run printed (docs/flags.md), each raised here as its source raises it: importing plumbing
-    changes nothing (nothing runs at import); plumbing.command_line.quiet_known_noise, which plumbing.run calls,
+    changes nothing (nothing runs at import); plumbing.flags.quiet_known_noise, which plumbing.run calls,
     silences them and the progress bars of model loading and of datasets; with ASYNC_RLHF_VERBOSE=1 it leaves them."""
     code = """
 import logging, warnings
@@ -112,7 +112,7 @@ get_accelerator()
 print(transformers.utils.logging.is_progress_bar_enabled(), datasets.is_progress_bar_enabled())
 """
     noise = ["torch.distributed.reduce_op", "Triton not available", "Setting accelerator to CPU"]
-    quiet = "plumbing.command_line.quiet_known_noise()"
+    quiet = "plumbing.flags.quiet_known_noise()"
     for called, verbose, shown in [("", "", True), (quiet, "", False), (quiet, "1", True)]:
         env = {**os.environ, "ASYNC_RLHF_VERBOSE": verbose}
         proc = subprocess.run(
@@ -182,7 +182,7 @@ for name in ("online_dpo_async", "rloo_async", "ppo_async"):
     assert args.exp_name is None
     line = f"{{name}} rank {{accelerator.process_index}}: {{plumbing.run_folder._name_run(name, args.seed)}}\\n"
     os.write(1, line.encode())  # one write a line: the two processes share the pipe
-plumbing.command_line._leave_process_group()  # as a run ends
+plumbing.flags._leave_process_group()  # as a run ends
 """)
     proc = run_script(
         [sys.executable, "-m", "accelerate.commands.launch", "--config_file", "configs/cpu_2proc.yaml", str(probe)],
@@ -349,7 +349,7 @@ def test_the_flag_domains_in_the_docs_are_the_checked_ones():
 
 SCRIPTS = {name: importlib.import_module(name) for name in ("online_dpo_async", "rloo_async", "ppo_async")}
 ALGORITHM_SECTIONS = {"online_dpo_async": "online DPO", "rloo_async": "RLOO", "ppo_async": "PPO"}
-# RunArgs' sections (plumbing/command_line.py), first in every file; then each file's own
+# RunArgs' sections (plumbing/flags.py), first in every file; then each file's own
 RUN_SECTIONS = ["run", "the engine", "trainer numerics and memory", "checkpoints"]
 # shared flags whose text says what differs between the algorithms: completions per prompt, the value model
 SAID_PER_FILE = {"total_episodes", "local_rollout_forward_batch_size", "learning_rate", "reward_model_path"}

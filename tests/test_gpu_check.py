@@ -120,7 +120,7 @@ def parse_algorithm(script: str, flags: list[str], world_size: int = 1):
     """The flags as the script reads them (an unknown flag or a bad value stops it) and its sizes."""
     import importlib
 
-    from plumbing.command_line import _parse_args
+    from plumbing.flags import _parse_args
 
     module = importlib.import_module(script.removesuffix(".py"))
     args = _parse_args(module.Args, module.__doc__, flags)

@@ -2,10 +2,13 @@
 examples with the tests' smaller sizes (tests/test_docs.py runs the same commands and shares them)."""
 
 import math
+import shutil
 import sys
 
 import pytest
 from conftest import ROOT, SMALL_RUN, assert_default_run_learns, check_run, run_script, shared_run
+
+from dev import copies
 
 PYTHON = sys.executable
 
@@ -60,21 +63,38 @@ def test_default_run_learns(tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.xdist_group("rloo_small")
-def test_a_fork_with_its_own_loss_runs(tmp_path):
-    """What a researcher does: copy rloo_async.py to a new name next to plumbing/ and change its loss (here plain
-    REINFORCE with the leave-one-out baseline, no ratio clipping). The fork runs to the end, and its loss is its own."""
-    import uuid
-
-    fork = ROOT / f"reinforce_fork_{uuid.uuid4().hex[:8]}.py"
+def test_a_fork_is_a_copy_with_its_own_method_section(tmp_path):
+    """Forking a file into a new method, as docs/algorithms.md#forking-a-file says, in a copy of the repository: copy
+    rloo_async.py to a new name, change its method section (here plain REINFORCE with the leave-one-out baseline, no
+    ratio clipping), add it to dev/copies.py's one list. The copies command finds its shared text the source's; a
+    change to the source's shared text is then rewritten into the fork too; and the fork runs on the tiny task to the
+    end, with a loss of its own (the same rollouts as RLOO's run, another loss)."""
+    repository = tmp_path / "repository"
+    repository.mkdir()
+    for name in ("plumbing", "tasks", "dev"):
+        shutil.copytree(ROOT / name, repository / name, ignore=shutil.ignore_patterns("__pycache__"))
+    for name in copies.ALGORITHM_FILES:
+        shutil.copy(ROOT / name, repository / name)
     source = (ROOT / "rloo_async.py").read_text()
+    method = copies.split(source, "rloo_async.py")[0]
     clipped = "    objective = torch.min(unclipped, clipped)\n"
-    assert source.count(clipped) == 1
-    fork.write_text(source.replace(clipped, "    objective = advantages * logps  # REINFORCE\n"))
-    try:
-        run_script([PYTHON, fork.name, *SMALL_RUN, "--output_dir", str(tmp_path)])
-    finally:
-        fork.unlink()
-    _, train, _ = check_run(tmp_path, "rloo_async.py")
+    assert method.count(clipped) == 1  # the change is in the method's section, above the banner
+    (repository / "reinforce_async.py").write_text(
+        source.replace(clipped, "    objective = advantages * logps  # REINFORCE\n")
+    )
+    listed = f"ALGORITHM_FILES = {copies.ALGORITHM_FILES!r}"
+    tool = repository / "dev" / "copies.py"
+    assert tool.read_text().count(listed.replace("'", '"')) == 1
+    tool.write_text(tool.read_text().replace('ppo_async.py"]', 'ppo_async.py", "reinforce_async.py"]'))
+    check = run_script([PYTHON, "dev/copies.py", "--check"], cwd=repository)
+    assert "rloo_async.py, ppo_async.py, reinforce_async.py is online_dpo_async.py's" in check.stdout
+    dpo = repository / "online_dpo_async.py"
+    dpo.write_text(dpo.read_text().replace("# == Data: prompts, batches", "# == Data: the prompts, the batches"))
+    rewritten = run_script([PYTHON, "dev/copies.py"], cwd=repository).stdout.splitlines()
+    assert [line.split(":")[0] for line in rewritten] == ["rloo_async.py", "ppo_async.py", "reinforce_async.py"]
+    assert "# == Data: the prompts, the batches" in (repository / "reinforce_async.py").read_text()
+    run_script([PYTHON, "reinforce_async.py", *SMALL_RUN, "--output_dir", str(tmp_path / "run")], cwd=repository)
+    _, train, _ = check_run(tmp_path / "run", "rloo_async.py")
     _, original, _ = check_run(shared_run([PYTHON, "rloo_async.py", *SMALL_RUN]), "rloo_async.py")
     assert train[0]["loss/policy"] != original[0]["loss/policy"]
     assert train[0]["objective/scores"] == original[0]["objective/scores"]  # the same rollouts: only the loss changed

@@ -26,7 +26,7 @@ from conftest import ROOT, SMALL_RUN, TINY
 from safetensors.torch import save_file
 
 import online_dpo_async as dpo
-from plumbing.command_line import UsageError
+from plumbing.flags import UsageError
 from plumbing.run_folder import (
     _FolderLock,
     _check_space,

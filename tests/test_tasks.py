@@ -142,7 +142,7 @@ def test_missing_columns_and_chat_templates_and_bad_rows_are_one_line_usage_erro
             lambda: load_prompts(
                 script, str(FIXTURES / "no_robots" / "data"), "test", tokenizer, 512, task="no_robots"
             ),
-            rf"--task no_robots writes prompts with the policy's chat template, and the tokenizer of --sft_model_path {TINY / 'sft'} has none",
+            rf"--dataset_name \S+no_robots/data split test holds conversations, written with the policy's chat template, and the tokenizer of --sft_model_path {TINY / 'sft'} has none",
         ),
     ]
     # a label needs a match of the verifier's "#### (-?[0-9.,]+)": "####" alone, or followed by a word, is not one
@@ -295,7 +295,7 @@ def test_verified_completions_and_pass_at_1_by_hand(script):
     assert contain_eos.tolist() == [True, True, False, True]
     batch = script.Batch(query_ids=None, query_mask=None, response_ids=ids, response_mask=mask, contain_eos=contain_eos)
     answers = ["#### 40", "#### 40", "A.\n#### 40", "#### 12"]
-    rewards = script.verify_completions(tokenizer, batch, answers)
+    rewards = script.verify_completions(tokenizer, batch, answers, script.gsm8k_reward)
     assert rewards.tolist() == [
         1.0,
         0.0,
@@ -303,7 +303,7 @@ def test_verified_completions_and_pass_at_1_by_hand(script):
         0.0,
     ]  # a completion cut without EOS is still verified (table 10: no penalty)
     assert rewards.mean().item() == pytest.approx(2 / 4)
-    assert script.verify_completions(tokenizer, batch, answers[::-1]).tolist() == [
+    assert script.verify_completions(tokenizer, batch, answers[::-1], script.gsm8k_reward).tolist() == [
         0.0,
         0.0,
         1.0,
