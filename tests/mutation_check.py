@@ -262,7 +262,9 @@ MUTANTS = [
     Mutant("S83", SHARED, "load_prompts", "add_special_tokens=not task.chat", "add_special_tokens=True",
            "chat prompts encoded with a second BOS"),
     Mutant("S85", SHARED, "verify_completions", "verifier(text, answer)", "verifier(answer, text)",
-           "the verifier's arguments swapped: the label checked against the completion"),
+           "the verifier's arguments swapped: the label checked against the completion",
+           equivalent="GSM8k's verifier compares the two final answers as strings, which is symmetric, and every "
+           "label has one (gsm8k_prompts refuses the others)"),
     Mutant("S76", SHARED, "Batch", "Batch(*(tensor[index] for tensor in self))",
            "Batch(*(tensor[index] for tensor in self[:4]), self.contain_eos)",
            "a selection of rows that keeps every completion's EOS flag"),
