@@ -191,9 +191,10 @@ def test_an_output_dir_holding_a_run_needs_resume_with_the_same_flags(script, tm
     assert resume(str(tmp_path), resumed, True, world_size=1) is None  # no checkpoint yet: starts over
     for name in ("step_000004", "step_000012", "step_000008.tmp"):
         (tmp_path / "checkpoints" / name).mkdir(parents=True)
-    # a checkpoint of an older version (no format.json, or another format, and no manifest) is refused in one line
-    with pytest.raises(UsageError, match=r"step_000012 is not a checkpoint of this version \(format 4\)"):
+    # an empty checkpoint folder is one never written: named and skipped, not taken for another version's
+    with pytest.raises(UsageError, match=r"step_000012 is damaged \(it is empty: made, never written; delete it\)"):
         resume(str(tmp_path), resumed, True, world_size=1)
+    # a checkpoint of an older version (another format, and no manifest) is refused in one line
     (tmp_path / "checkpoints" / "step_000012" / "format.json").write_text('{"format": 3}')
     with pytest.raises(UsageError, match=r"step_000012 is not a checkpoint of this version"):
         resume(str(tmp_path), resumed, True, world_size=1)
@@ -233,6 +234,7 @@ def test_the_command_line_prints_one_line_and_writes_nothing(name, flags, line, 
     run = tmp_path / "run"
     if not flags:
         run.mkdir()
+        (run / "args.json").write_text("{}")
         (run / "metrics.jsonl").write_text('{"step": 0, "episode": 0, "eval/win_rate": 0.5}\n')
     before = sorted(p.name for p in tmp_path.rglob("*"))
     proc = subprocess.run(
