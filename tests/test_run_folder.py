@@ -363,7 +363,9 @@ def test_a_metrics_line_that_is_json_but_not_a_metrics_record_is_refused_naming_
         )
     metrics.unlink()
     metrics.mkdir()
-    with pytest.raises(UsageError, match=rf"^--resume: {metrics} cannot be read \(Is a directory\): mend or delete it$"):
+    with pytest.raises(
+        UsageError, match=rf"^--resume: {metrics} cannot be read \(Is a directory\): mend or delete it$"
+    ):
         _metrics_lines(str(metrics))
 
 
