@@ -144,12 +144,10 @@ class Engine:
             if placements[0].devices is not None:
                 os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
             print(self.deadlines.stated())
-            minutes, why = self.deadlines.first / 60, self.deadlines.first_why("its start")
             for index, placement in enumerate(placements):  # one after the other: each sets the environment
                 before = {p.pid for p in psutil.Process().children(recursive=True)}
                 which = "the engine" if len(placements) == 1 else f"engine {index} of {len(placements)}"
-                line = f"error: {which} did not start in {minutes:g} minutes ({why}): stopped it"
-                line += f"; {self.resume()}"
+                line = f"error: {self.deadlines.start_failed(which)}; {self.resume()}"
                 with self.signals.start_deadline(self.deadlines.first, line):
                     self.llms.append(make_engine(path, placement, **llm_kwargs))
                 started = _started_processes(before)
@@ -392,6 +390,10 @@ class Engine:
             raise SystemExit(130)
         if error is not None and self.processes is not None and (lost := self.processes.lost(error)):
             line, speaks = lost
+            if (
+                self.signals is not None and self.signals.received
+            ):  # the launcher's, as it saw the process die
+                line += ": the checkpoint the stop signal asked for cannot be written without it"
             sys.stdout.flush()  # what the run printed comes before its last line
             raise SystemExit(f"error: {line}; {self.resume()}" if speaks else 1) from None
         if kind is None and self.failure:
@@ -478,6 +480,11 @@ class _Deadlines:
     def first_why(self, what: str) -> str:
         least, more = f"--engine_timeout_minutes {self.least / 60:g}", f"{self.compile / 60:g}"
         return f"{what} may compile: {least} + {more} minutes on a {self.device}"
+
+    def start_failed(self, which: str) -> str:
+        """What a start past its deadline says (`which`: the engine that did not start)."""
+        why = self.first_why("its start")
+        return f"{which} did not start in {self.first / 60:g} minutes ({why}): stopped it"
 
     def stated(self) -> str:
         """The deadlines, as the run states them as the engine starts."""
