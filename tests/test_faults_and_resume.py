@@ -953,3 +953,51 @@ def test_a_training_process_killed_mid_run_leaves_rank_0_s_line_naming_it_and_th
         with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, signal.SIGKILL)
         kill_all(list(family))
+
+
+@pytest.mark.slow
+def test_a_sigterm_while_the_final_evaluation_waits_on_a_frozen_engine_stops_at_once(tmp_path):
+    """The engine frozen (SIGSTOP) in the final evaluation, after the last step, where no checkpoint can be written;
+    SIGTERM 2 s later: the run stops within PROMPTLY (the wait polls every half second), not at the evaluation's
+    deadline (5 minutes), with 143 and a last line that says no checkpoint can be written and names the newest one;
+    no process is left."""
+    run, log = tmp_path / "run", tmp_path / "output.log"
+    argv = [sys.executable, "tests/fault_launcher.py", "freeze_evaluation:16", "online_dpo_async.py", *SMALL_RUN]
+    with open(log, "w") as output:
+        proc = subprocess.Popen(
+            [*argv, "--save_freq", "4", "--output_dir", str(run)],
+            cwd=ROOT,
+            stdout=output,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+    family, sent = {}, None
+    try:
+        deadline = time.time() + 400
+        while proc.poll() is None and time.time() < deadline:
+            for process in psutil.Process(proc.pid).children(recursive=True):
+                with contextlib.suppress(psutil.Error):
+                    family[(process.pid, process.create_time())] = process
+            frozen = "injected test fault in the engine" in log.read_text()
+            if frozen and sent is None:
+                time.sleep(2)
+                proc.send_signal(signal.SIGTERM)
+                sent = time.time()
+            time.sleep(0.1)
+        code = proc.wait(timeout=60)
+        output = log.read_text()
+        assert sent is not None and code == 128 + signal.SIGTERM, output[-4000:]
+        assert time.time() - sent < PROMPTLY, output[-4000:]
+        assert output.strip().splitlines()[-1] == (
+            "SIGTERM: no checkpoint can be written while the final evaluations are owed, after the last step: stopping "
+            f"now; resume from {run}/checkpoints/step_000012 with --resume"
+        )
+        assert "Traceback" not in output
+        remaining = time.time() + 15
+        while alive(list(family)) and time.time() < remaining:
+            time.sleep(0.2)
+        assert not alive(list(family))
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        kill_all(list(family))
