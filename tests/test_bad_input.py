@@ -581,6 +581,8 @@ def test_each_split_says_once_how_many_prompts_it_has_and_from_which_files(tmp_p
     folder.mkdir()
     for name, count in [("part1.jsonl", 3), ("part2.jsonl", 2), ("notes.jsonl", 1)]:
         rows_file(folder / name, [{**SORT, "query": f"sort: {name} {i} ->"} for i in range(count)])
+    with open(folder / "part1.jsonl", "a") as part:
+        part.write("\n \n")  # blank lines, which are no rows
     dataset, _ = split_of(str(folder))
     assert len(dataset) == 6 and dataset["query"][0] == "sort: notes.jsonl 0 ->"
     assert capsys.readouterr().out.splitlines() == [

@@ -339,6 +339,21 @@ def test_a_cut_off_last_line_of_the_metrics_is_dropped_and_an_earlier_bad_line_r
     assert _metrics_lines(str(metrics)) == (lines, None)
 
 
+def test_a_resume_keeps_a_whole_last_line_and_exactly_the_evaluations_its_checkpoint_logged(tmp_path):
+    """A run stopped after logging steps 0 to 5, resumed from its step-4 checkpoint, whose Progress had logged the
+    evaluations of versions 0 and 4: the evaluation of version 2, logged after that checkpoint was written (an
+    evaluation arrives late), is dropped though its version is before step 4, as the resumed run logs it again; the
+    whole last line, step 3's, is kept (only a line cut off is dropped)."""
+    steps = [{"step": step, "episode": 8 * (step + 1), "async/lag": 1} for step in range(4)]
+    evaluations = {v: {"step": v, "episode": 8 * v, "eval/win_rate": 0.5} for v in (0, 2, 4)}
+    lines = [steps[0], evaluations[0], steps[1], steps[2], evaluations[2], evaluations[4], steps[3]]
+    metrics = tmp_path / "metrics.jsonl"
+    metrics.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    _keep_metrics_before(str(metrics), start_step=4, evals_logged={0, 4})
+    kept = [json.loads(line) for line in metrics.read_text().splitlines()]
+    assert kept == [steps[0], evaluations[0], steps[1], steps[2], evaluations[4], steps[3]]
+
+
 @pytest.mark.parametrize(
     "line, what",
     [
