@@ -408,16 +408,14 @@ def _json_file_problem(path: Path) -> str | None:
     try:
         document = json.loads(text)
     except json.JSONDecodeError as whole:
-        document, whole_error = None, whole
+        whole_error = whole
     else:
         if not isinstance(document, list):
             return None  # an object of columns, which `datasets` reads as such
-        items = [i for i, item in enumerate(document) if not isinstance(item, dict)]
-        return (
-            f"item {items[0]}: a JSON {_json_kind(document[items[0]])}, not an object (a row)"
-            if items
-            else None
-        )
+        wrong = next((i for i, item in enumerate(document) if not isinstance(item, dict)), None)
+        if wrong is None:
+            return None
+        return f"item {wrong}: a JSON {_json_kind(document[wrong])}, not an object (a row)"
     for number, line in enumerate(text.splitlines(), 1):
         if not line.strip():
             continue

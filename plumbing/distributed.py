@@ -72,9 +72,8 @@ class Processes:
         if len(self.places) < 2 or not _lost_peer(error):
             return None
         here, count = socket.gethostname(), len(self.places)
-        deadline = (
-            time.monotonic() + _DYING_SECONDS
-        )  # a process killed is gone in a moment; one that fails exits
+        # the process that left may still be dying: a killed one is gone in a moment, a failing one exits
+        deadline = time.monotonic() + _DYING_SECONDS
         while not (dead := _dead_ranks(self.places, here)) and time.monotonic() < deadline:
             time.sleep(0.1)
         rank = self.accelerator.process_index

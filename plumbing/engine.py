@@ -243,7 +243,7 @@ class Engine:
         return self.which_engines(sorted({self.engine_of[pid] for pid in pids if pid in self.engine_of}))
 
     def which_engines(self, engines: list[int]) -> str:
-        """ "the engine", or which `engines` of how many (all of them when none is known)."""
+        """The engine, or which `engines` of how many (all of them when none is known)."""
         if len(self.llms) <= 1:
             return "the engine"
         if not engines:
@@ -307,9 +307,10 @@ class Engine:
         `busy`, which a frozen call's line names. A call that raises is raised again, naming its engine."""
         self.busy = set(engines)
         if len(engines) == 1:
-            result = call(self.llms[engines[0]], arguments[0])
-            self.busy = set()
-            return [result]
+            try:
+                return [call(self.llms[engines[0]], arguments[0])]
+            finally:
+                self.busy = set()
         results, errors = [None] * len(engines), [None] * len(engines)
 
         def run(position: int) -> None:
@@ -390,9 +391,7 @@ class Engine:
             raise SystemExit(130)
         if error is not None and self.processes is not None and (lost := self.processes.lost(error)):
             line, speaks = lost
-            if (
-                self.signals is not None and self.signals.received
-            ):  # the launcher's, as it saw the process die
+            if self.signals is not None and self.signals.received:  # the launcher's, sent as it saw it die
                 line += ": the checkpoint the stop signal asked for cannot be written without it"
             sys.stdout.flush()  # what the run printed comes before its last line
             raise SystemExit(f"error: {line}; {self.resume()}" if speaks else 1) from None
@@ -877,9 +876,8 @@ class _StopSignals:
             os.write(2, f"\n{name}: writing a checkpoint at the end of this step, then exiting\n".encode())
         self.received.append(signum)
         self.first_at = time.monotonic()
-        if (
-            "TORCHELASTIC_RUN_ID" not in os.environ
-        ):  # no launcher: a second signal exits at once, even in C code
+        # without a launcher a second signal exits at once, even while this process runs C code
+        if "TORCHELASTIC_RUN_ID" not in os.environ:
             signal.signal(signum, signal.default_int_handler if signum == signal.SIGINT else signal.SIG_DFL)
 
     def exit_at_once(self, message: str, status: int):

@@ -347,9 +347,8 @@ def _checkpoint_damage(checkpoint: Path) -> str | None:
         return "it is a file, not a checkpoint's folder"
     if not (checkpoint / _MANIFEST).exists():
         stated = _read_json(checkpoint / "format.json")
-        if (
-            isinstance(stated, dict) and stated.get("format") != _CHECKPOINT_FORMAT
-        ):  # formats 1-3: no manifest
+        # formats 1-3 had no manifest: one whose format.json says so is another version's
+        if isinstance(stated, dict) and stated.get("format") != _CHECKPOINT_FORMAT:
             raise other_version
         if not any(checkpoint.iterdir()):
             return "it is empty: made, never written"
