@@ -885,7 +885,12 @@ class _StopSignals:
         after the exit) and exits with `status`."""
         os.write(2, message.encode())
         watchdog = self.watchdog.pid if self.watchdog else None
-        _kill_process_trees([process for process in _started_processes(set()) if process.pid != watchdog])
+        started = [process for process in _started_processes(set()) if process.pid != watchdog]
+        shared_memory = _shared_memory_files(started)
+        _kill_process_trees(started)
+        # what they mapped, released and told to the resource tracker, which would say "leaked ... objects"
+        # after the run's last line
+        _release_shared_memory(shared_memory)
         if self.weights_dir is not None:
             shutil.rmtree(self.weights_dir, ignore_errors=True)
         gc.freeze()  # the interpreter's exit would garbage-collect the whole heap (seconds)
