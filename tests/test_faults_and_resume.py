@@ -900,61 +900,72 @@ def test_a_training_process_that_dies_leaves_one_line_from_rank_0_naming_it_and_
     }
 
 
+def run_and_act(argv: list[str], log: Path, act, env: dict | None = None) -> tuple[int, float, list[int]]:
+    """Run `argv` from the repository root, in a session of its own, its output in `log`, calling `act(proc)` every
+    0.1 s while it runs (up to 400 s); returns its exit code, the time it exited and the processes it started that
+    are still alive 15 s after. Whatever happens, the session and every process it started are killed after."""
+    with open(log, "w") as output:
+        proc = subprocess.Popen(
+            argv,
+            cwd=ROOT,
+            stdout=output,
+            stderr=subprocess.STDOUT,
+            env={**os.environ, **(env or {})},
+            start_new_session=True,
+        )
+    family = {}
+    try:
+        deadline = time.time() + 400
+        while proc.poll() is None and time.time() < deadline:
+            with contextlib.suppress(psutil.Error):
+                for process in psutil.Process(proc.pid).children(recursive=True):
+                    family[(process.pid, process.create_time())] = process.name()
+            act(proc)
+            time.sleep(0.1)
+        code, exited = proc.wait(timeout=60), time.time()
+        while alive(list(family)) and time.time() < exited + 15:
+            time.sleep(0.2)
+        return code, exited, alive(list(family))
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        kill_all(list(family))
+
+
 @pytest.mark.slow
 def test_a_training_process_killed_mid_run_leaves_rank_0_s_line_naming_it_and_the_newest_checkpoint(tmp_path):
     """Two training processes (configs/cpu_2proc.yaml), checkpointed every 4 steps; rank 1 killed (SIGKILL, as the
     out-of-memory killer does) once step 6 is logged. Rank 0's last line names it, of 2, and the run folder's newest
     checkpoint, with no traceback of its own about the closed connection; no process is left. (What the
     launcher prints after it, its summary of the failed ranks, is accelerate's.)"""
-    run = tmp_path / "run"
+    run, log = tmp_path / "run", tmp_path / "output.log"
     launch = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", "configs/cpu_2proc.yaml"]
     flags = [*SMALL[:2], "--local_micro_batch_size", "4", *SMALL[4:], "--save_freq", "4", "--output_dir", str(run)]
-    log = tmp_path / "output.log"
-    with open(log, "w") as output:
-        proc = subprocess.Popen(
-            [*launch, "online_dpo_async.py", *flags],
-            cwd=ROOT,
-            stdout=output,
-            stderr=subprocess.STDOUT,
-            env={**os.environ, "ACCELERATE_USE_CPU": "1"},
-            start_new_session=True,
-        )
-    family, killed = {}, None
-    try:
-        deadline = time.time() + 400
-        while proc.poll() is None and time.time() < deadline:
-            for process in psutil.Process(proc.pid).children(recursive=True):
-                with contextlib.suppress(psutil.Error):
-                    family[(process.pid, process.create_time())] = process
-            metrics = run / "metrics.jsonl"
-            if killed is None and metrics.exists() and metrics.read_text().count('"async/lag"') >= 6:
-                ranks = [p for p in psutil.Process(proc.pid).children() if "online_dpo_async.py" in p.cmdline()]
-                killed = next(p for p in ranks if p.environ().get("RANK") == "1")
-                killed.kill()
-            time.sleep(0.1)
-        assert proc.wait(timeout=60) != 0 and killed is not None, log.read_text()[-4000:]
-        output = log.read_text()
-        lines = output.splitlines()
-        ours = [line for line in lines if line.startswith("error: ")]
-        newest = sorted((run / "checkpoints").iterdir())[-1]  # step 4's, or 8's if step 7 ended before the kill
-        # the launcher sends rank 0 SIGTERM as it sees rank 1 gone, often before rank 0's collective fails
-        signalled = ": the checkpoint the stop signal asked for cannot be written without it"
-        assert len(ours) == 1 and re.fullmatch(
-            rf"error: training process 1 \(pid {killed.pid}\) of 2 died({signalled})?; resume from {newest} with "
-            "--resume",
-            ours[0],
-        ), output[-4000:]
-        before_launcher = output[: output.index(ours[0])]
-        assert "Traceback" not in before_launcher and "Connection" not in before_launcher, output[-4000:]
-        assert newest.name in ("step_000004", "step_000008")
-        remaining = time.time() + 15
-        while alive(list(family)) and time.time() < remaining:
-            time.sleep(0.2)
-        assert not alive(list(family))
-    finally:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGKILL)
-        kill_all(list(family))
+    killed = []
+
+    def kill_rank_1(proc) -> None:
+        metrics = run / "metrics.jsonl"
+        if not killed and metrics.exists() and metrics.read_text().count('"async/lag"') >= 6:
+            ranks = [p for p in psutil.Process(proc.pid).children() if "online_dpo_async.py" in p.cmdline()]
+            killed.append(next(p for p in ranks if p.environ().get("RANK") == "1"))
+            killed[0].kill()
+
+    launched = [*launch, "online_dpo_async.py", *flags]
+    code, _, left = run_and_act(launched, log, kill_rank_1, {"ACCELERATE_USE_CPU": "1"})
+    output = log.read_text()
+    assert code != 0 and killed, output[-4000:]
+    ours = [line for line in output.splitlines() if line.startswith("error: ")]
+    newest = sorted((run / "checkpoints").iterdir())[-1]  # step 4's, or 8's if step 7 ended before the kill
+    # the launcher sends rank 0 SIGTERM as it sees rank 1 gone, often before rank 0's collective fails
+    signalled = ": the checkpoint the stop signal asked for cannot be written without it"
+    assert len(ours) == 1 and re.fullmatch(
+        rf"error: training process 1 \(pid {killed[0].pid}\) of 2 died({signalled})?; resume from {newest} with "
+        "--resume",
+        ours[0],
+    ), output[-4000:]
+    before_launcher = output[: output.index(ours[0])]
+    assert "Traceback" not in before_launcher and "Connection" not in before_launcher, output[-4000:]
+    assert newest.name in ("step_000004", "step_000008") and left == []
 
 
 @pytest.mark.slow
@@ -965,41 +976,19 @@ def test_a_sigterm_while_the_final_evaluation_waits_on_a_frozen_engine_stops_at_
     no process is left."""
     run, log = tmp_path / "run", tmp_path / "output.log"
     argv = [sys.executable, "tests/fault_launcher.py", "freeze_evaluation:16", "online_dpo_async.py", *SMALL_RUN]
-    with open(log, "w") as output:
-        proc = subprocess.Popen(
-            [*argv, "--save_freq", "4", "--output_dir", str(run)],
-            cwd=ROOT,
-            stdout=output,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
-    family, sent = {}, None
-    try:
-        deadline = time.time() + 400
-        while proc.poll() is None and time.time() < deadline:
-            for process in psutil.Process(proc.pid).children(recursive=True):
-                with contextlib.suppress(psutil.Error):
-                    family[(process.pid, process.create_time())] = process
-            frozen = "injected test fault in the engine" in log.read_text()
-            if frozen and sent is None:
-                time.sleep(2)
-                proc.send_signal(signal.SIGTERM)
-                sent = time.time()
-            time.sleep(0.1)
-        code = proc.wait(timeout=60)
-        output = log.read_text()
-        assert sent is not None and code == 128 + signal.SIGTERM, output[-4000:]
-        assert time.time() - sent < PROMPTLY, output[-4000:]
-        assert output.strip().splitlines()[-1] == (
-            "SIGTERM: no checkpoint can be written while the final evaluations are owed, after the last step: stopping "
-            f"now; resume from {run}/checkpoints/step_000012 with --resume"
-        )
-        assert "Traceback" not in output
-        remaining = time.time() + 15
-        while alive(list(family)) and time.time() < remaining:
-            time.sleep(0.2)
-        assert not alive(list(family))
-    finally:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGKILL)
-        kill_all(list(family))
+    sent = []
+
+    def stop_once_frozen(proc) -> None:
+        if not sent and "injected test fault in the engine" in log.read_text():
+            time.sleep(2)
+            proc.send_signal(signal.SIGTERM)
+            sent.append(time.time())
+
+    code, exited, left = run_and_act([*argv, "--save_freq", "4", "--output_dir", str(run)], log, stop_once_frozen)
+    output = log.read_text()
+    assert sent and code == 128 + signal.SIGTERM and exited - sent[0] < PROMPTLY, output[-4000:]
+    assert output.strip().splitlines()[-1] == (
+        "SIGTERM: no checkpoint can be written while the final evaluations are owed, after the last step: stopping "
+        f"now; resume from {run}/checkpoints/step_000012 with --resume"
+    )
+    assert "Traceback" not in output and left == []
