@@ -5,12 +5,15 @@ weights, the statistics averaged over the processes and the checks of what each 
 import datetime
 import os
 import re
+import socket
+import time
 from contextlib import contextmanager
 
 import numpy as np
+import psutil
 import torch
 from accelerate import Accelerator, PartialState
-from accelerate.utils import broadcast_object_list, parse_flag_from_env
+from accelerate.utils import broadcast_object_list, gather_object, parse_flag_from_env
 
 from plumbing.flags import RunArgs
 
@@ -48,6 +51,9 @@ class Processes:
             deepspeed.deepspeed_config["gradient_clipping"] = max_grad_norm or 0.0  # 0: no clipping
         self.is_main = self.accelerator.is_main_process
         self.zero_stage = _zero_stage(self.accelerator)
+        # each process's machine and pid, by rank: what names a process that dies (lost)
+        place = (socket.gethostname(), os.getpid())
+        self.places = gather_object([place]) if self.accelerator.num_processes > 1 else [place]
 
     @property
     def evaluates(self) -> bool:
@@ -58,6 +64,26 @@ class Processes:
     def broadcast(self, value):
         """Rank 0's `value`, on every process."""
         return broadcast_object_list([value])[0]
+
+    def lost(self, error: BaseException) -> tuple[str, bool] | None:
+        """When `error` is a collective that failed because another training process died or stopped answering
+        (_lost_peer), the line that says which process of how many, and whether this process says it: rank
+        0, or the first process alive if rank 0 is among the dead. None: another error."""
+        if len(self.places) < 2 or not _lost_peer(error):
+            return None
+        here, count = socket.gethostname(), len(self.places)
+        # the process that left may still be dying: a killed one is gone in a moment, a failing one exits
+        deadline = time.monotonic() + _DYING_SECONDS
+        while not (dead := _dead_ranks(self.places, here)) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        rank = self.accelerator.process_index
+        speaks = rank == 0 or (0 in dead and rank == min(set(range(count)) - set(dead)))
+        if not dead:  # one that hangs, or one on another machine
+            # gloo says "[its source file:line] Read error [address]: Connection reset by peer. This is ..."
+            cause = re.sub(r"^\[[^\]]*\]\s*", "", str(error).strip()).split(". ")[0].splitlines()[0]
+            return f"a training process of {count} stopped answering ({cause})", speaks
+        named = ", ".join(f"{r} (pid {self.places[r][1]})" for r in dead)
+        return f"training process{'es' if len(dead) > 1 else ''} {named} of {count} died", speaks
 
     def prepare_frozen(self, model):
         return _prepare_frozen(model, self.accelerator)
@@ -90,6 +116,32 @@ def check_scores(scores: torch.Tensor, source: str, step: int) -> None:
         raise RuntimeError(
             f"{source} gave nan/inf scores at step {step} ({len(bad)} of {len(scores)} completions: {values})"
         )
+
+
+_DYING_SECONDS = 3.0  # how long a process another one saw leave a collective may take to be seen dead
+
+
+def _lost_peer(error: BaseException) -> bool:
+    """Whether a collective raised `error` because another process left it: torch's DistError, or the
+    RuntimeError gloo raises when a peer's connection closes or a wait times out."""
+    text = str(error)
+    return isinstance(error, torch.distributed.DistError) or any(
+        marker in text
+        for marker in ("gloo/transport", "Connection reset by peer", "Connection closed by peer")
+    )
+
+
+def _dead_ranks(places: list[tuple[str, int]], host: str) -> list[int]:
+    """The ranks of the processes on `host` (this machine) that have died (a zombie has)."""
+    dead = []
+    for rank, (machine, pid) in enumerate(places):
+        try:
+            gone = machine == host and psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+        except psutil.NoSuchProcess:
+            gone = True
+        if gone:
+            dead.append(rank)
+    return dead
 
 
 def _process_state(timeout_minutes: float) -> PartialState:

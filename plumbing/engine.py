@@ -79,7 +79,7 @@ class Engine:
         self.placements = processes.broadcast(placements)
         if isinstance(self.placements, UsageError):
             raise self.placements
-        self.signals = _StopSignals()
+        self.signals = _StopSignals(speaks=processes.is_main)
         self.cores = _split_cores(accelerator.device, accelerator.num_processes)
         self.deadlines = _Deadlines(args.engine_timeout_minutes, processes.on_gpu)
         # The generation thread needs the interpreter lock at every decoding step; training hands it over
@@ -91,6 +91,7 @@ class Engine:
         self.engine_processes, self.shared_memory, self.started, self.stop_signal = [], [], 0.0, 0
         self.failure, self.names = None, {}  # why an engine failed (died, froze); its processes' names
         self.engine_of: dict[int, int] = {}  # each engine process's engine, by pid
+        self.busy: set[int] = set()  # the engines the call in flight waits on (on_each)
         self.stopping = threading.Event()
 
     @classmethod
@@ -101,7 +102,7 @@ class Engine:
         for name in ("args", "processes", "folder", "signals", "cores", "thread", "thread_error", "failure"):
             setattr(engine, name, None)
         engine.llms, engine.buckets, engine.engine_processes, engine.names = llms, buckets, [], {}
-        engine.engine_of = {}
+        engine.engine_of, engine.busy = {}, set()
         engine.versions = [0] * len(llms)
         engine.deadlines = _Deadlines(RunArgs.engine_timeout_minutes, on_gpu=False)
         engine.stopping = threading.Event()
@@ -142,10 +143,12 @@ class Engine:
             # the push's CUDA IPC handle is pickled, between our processes
             if placements[0].devices is not None:
                 os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
-            why = self.deadlines.first_why("its start")
+            print(self.deadlines.stated())
             for index, placement in enumerate(placements):  # one after the other: each sets the environment
                 before = {p.pid for p in psutil.Process().children(recursive=True)}
-                with self.signals.start_deadline(self.deadlines.first, why):
+                which = "the engine" if len(placements) == 1 else f"engine {index} of {len(placements)}"
+                line = f"error: {self.deadlines.start_failed(which)}; {self.resume()}"
+                with self.signals.start_deadline(self.deadlines.first, line):
                     self.llms.append(make_engine(path, placement, **llm_kwargs))
                 started = _started_processes(before)
                 self.engine_processes += started
@@ -229,8 +232,7 @@ class Engine:
             why = "a crash prints its traceback above; none: it was killed, e.g. by the out-of-memory killer"
             self.failure = f"{self.which(dead)} died: its process {names} ended ({why})"
         elif (call := self.deadlines.overdue(time.monotonic())) is not None:
-            engines = "the engine" if len(self.llms) <= 1 else f"the {len(self.llms)} engines"
-            self.failure = f"{engines} froze: {call.describe(time.monotonic())}"
+            self.failure = f"{self.which_engines(sorted(self.busy))} froze: {call.describe(time.monotonic())}"
         if self.failure is not None:
             self.stopping.set()  # the generation thread stops at its next get; one stuck in vLLM stays so
             _kill_process_trees(self.engine_processes)
@@ -238,17 +240,25 @@ class Engine:
 
     def which(self, pids: list[int]) -> str:
         """The engine, or which of the engines, these processes belong to."""
+        return self.which_engines(sorted({self.engine_of[pid] for pid in pids if pid in self.engine_of}))
+
+    def which_engines(self, engines: list[int]) -> str:
+        """The engine, or which `engines` of how many (all of them when none is known)."""
         if len(self.llms) <= 1:
             return "the engine"
-        engines = sorted({self.engine_of[pid] for pid in pids if pid in self.engine_of})
+        if not engines:
+            return f"the {len(self.llms)} engines"
         which = " and ".join(str(engine) for engine in engines)
         return f"engine{'s' if len(engines) > 1 else ''} {which} of {len(self.llms)}"
 
+    def resume(self) -> str:
+        """What resumes the run now: the newest checkpoint on disk (the run folder's), or nothing."""
+        checkpoint = self.folder.last_checkpoint if self.folder is not None else None
+        return f"resume from {checkpoint} with --resume" if checkpoint else "no checkpoint: start it again"
+
     def failure_line(self) -> str:
         """The run's last line once the engine failed: why, and where to resume from."""
-        checkpoint = self.folder.last_checkpoint if self.folder is not None else None
-        resume = f"resume from {checkpoint} with --resume" if checkpoint else "no checkpoint: start it again"
-        return f"error: {self.failure}; {resume}"
+        return f"error: {self.failure}; {self.resume()}"
 
     @contextmanager
     def deadline(self, kind: str, index: int):
@@ -261,7 +271,8 @@ class Engine:
         """Loads a policy version into every running engine, in place (push_weights, each through its own
         bucket, all at the same time), under one deadline; each engine proves it holds it (check_loaded)."""
         with self.deadline("weight push", weights.version):
-            self.on_each(lambda llm, bucket: push_weights(llm, bucket, weights), self.llms, self.buckets)
+            every = list(range(len(self.llms)))
+            self.on_each(lambda llm, bucket: push_weights(llm, bucket, weights), every, self.buckets)
         self.versions = [weights.version] * len(self.llms)
 
     @property
@@ -281,40 +292,47 @@ class Engine:
         if len(self.llms) == 1:
             return self.llms[0].generate(prompts, params, use_tqdm=use_tqdm)
         parts = contiguous_parts(len(prompts), len(self.llms))
-        llms = [self.llms[i] for i, part in enumerate(parts) if part.stop > part.start]
-        parts = [part for part in parts if part.stop > part.start]
+        engines = [i for i, part in enumerate(parts) if part.stop > part.start]
+        parts = [parts[i] for i in engines]
 
         def generate_part(llm, part: slice) -> list:
             return llm.generate(prompts[part], params[part], use_tqdm=False)
 
-        return [output for outputs in self.on_each(generate_part, llms, parts) for output in outputs]
+        return [output for outputs in self.on_each(generate_part, engines, parts) for output in outputs]
 
-    @staticmethod
-    def on_each(call, llms: list, arguments: list) -> list:
-        """call(llm, argument) for each engine, their results in order: with several, at the same time, one
-        daemon thread each (one stuck in a frozen engine does not keep the process alive), started from the
-        calling thread, on its cores. A call that raises is raised again, naming its engine."""
-        if len(llms) == 1:
-            return [call(llms[0], arguments[0])]
-        results, errors = [None] * len(llms), [None] * len(llms)
-
-        def run(index: int) -> None:
+    def on_each(self, call, engines: list[int], arguments: list) -> list:
+        """call(llm, argument) for each of these `engines` (their indices), their results in order: with
+        several, at the same time, one daemon thread each (one stuck in a frozen engine does not keep the
+        process alive), started from the calling thread, on its cores. Those that have not answered yet are
+        `busy`, which a frozen call's line names. A call that raises is raised again, naming its engine."""
+        self.busy = set(engines)
+        if len(engines) == 1:
             try:
-                results[index] = call(llms[index], arguments[index])
-            except BaseException as error:
-                errors[index] = error
+                return [call(self.llms[engines[0]], arguments[0])]
+            finally:
+                self.busy = set()
+        results, errors = [None] * len(engines), [None] * len(engines)
 
-        threads = [threading.Thread(target=run, args=(i,), daemon=True) for i in range(len(llms))]
+        def run(position: int) -> None:
+            try:
+                results[position] = call(self.llms[engines[position]], arguments[position])
+            except BaseException as error:
+                errors[position] = error
+            finally:
+                self.busy.discard(engines[position])
+
+        threads = [threading.Thread(target=run, args=(i,), daemon=True) for i in range(len(engines))]
         for thread in threads:
             thread.start()
         for thread in threads:
             thread.join()
-        for index, error in enumerate(errors):
+        for position, error in enumerate(errors):
             if error is None:
                 continue
             if "EngineDeadError" in (kind.__name__ for kind in type(error).__mro__):
                 raise error  # Engine.failed names the process that died
-            raise RuntimeError(f"engine {index} of {len(llms)}: {type(error).__name__}: {error}") from error
+            engine = f"engine {engines[position]} of {len(self.llms)}"
+            raise RuntimeError(f"{engine}: {type(error).__name__}: {error}") from error
         return results
 
     def next_rollout(self, rollouts: queue.Queue):
@@ -339,10 +357,24 @@ class Engine:
         arrived = []
         if self.processes.is_main:
             if wait:
-                arrived.append(self.get(evals))
+                arrived.append(self.get(evals, until_signal=True))
+                if arrived[-1] is None:
+                    self.stop_owing_evaluations()
             while not evals.empty():
                 arrived.append(evals.get())
         return self.processes.broadcast(arrived) if self.processes.zero_stage == 3 else arrived
+
+    def stop_owing_evaluations(self) -> None:
+        """Rank 0's wait for the final evaluations, ended by the engine failing or a stop signal: after the
+        last step no checkpoint can be written (the final evaluations' versions are owed), so the run stops
+        now, naming the newest checkpoint, from which --resume trains the steps after it again."""
+        sys.stdout.flush()  # what the run printed comes before its last line
+        if self.failure is not None:
+            raise SystemExit(self.failure_line())
+        name = signal.Signals(self.signals.received[0]).name
+        owed = "no checkpoint can be written while the final evaluations are owed, after the last step"
+        sys.stderr.write(f"{name}: {owed}: stopping now; {self.resume()}\n")
+        raise SystemExit(128 + self.signals.received[0])
 
     def __enter__(self) -> "Engine":
         return self
@@ -350,11 +382,19 @@ class Engine:
     def __exit__(self, kind, error, trace) -> None:
         """The engine stops however the training loop ended: a second Ctrl-C (KeyboardInterrupt) ends the run
         with status 130, a stop signal that ended the loop with 128 + its number, the engine failing with 1
-        and one last line (failure_line), after the loop's checkpoint."""
+        and one last line (failure_line), after the loop's checkpoint; a training process that died (one
+        process of the others' collective gone: Processes.lost) with 1 and one line, without the traceback
+        of the collective that found it, naming it and the checkpoint to resume from."""
         self.stop()
         if kind is KeyboardInterrupt:
             print("interrupted: stopped the generation thread and the engine")
             raise SystemExit(130)
+        if error is not None and self.processes is not None and (lost := self.processes.lost(error)):
+            line, speaks = lost
+            if self.signals is not None and self.signals.received:  # the launcher's, sent as it saw it die
+                line += ": the checkpoint the stop signal asked for cannot be written without it"
+            sys.stdout.flush()  # what the run printed comes before its last line
+            raise SystemExit(f"error: {line}; {self.resume()}" if speaks else 1) from None
         if kind is None and self.failure:
             sys.stdout.flush()  # what the run printed comes before its last line
             raise SystemExit(self.failure_line() if self.is_main else 1)
@@ -390,9 +430,11 @@ class Engine:
 
 
 # == The deadlines of the calls to the engine ================================================================
-# The first call of each kind may compile (on a GPU: vLLM's sampler kernels, FlashInfer's JIT) or warm caches,
-# as the engine's start compiles the model and captures CUDA graphs: they get at least this much.
-_FIRST_CALL_MINUTES = {"CPU": 10.0, "GPU": 30.0}
+# The engine's start and the first call of each kind may compile (on a GPU: the model with torch.compile, CUDA
+# graphs, vLLM's sampler kernels and FlashInfer's JIT, minutes for a large model; on a CPU: the sampler's
+# kernels, about 20 s on a fresh machine here, minutes on a busy one): they get this much more than
+# --engine_timeout_minutes, which a start that freezes meets from its first second, stated at start.
+_COMPILE_MINUTES = {"CPU": 5.0, "GPU": 30.0}
 _SLOWEST_MULTIPLE = 10  # a later call may take this many times the slowest of its kind so far
 # What each kind of call is, by its index
 _KINDS = {
@@ -421,20 +463,36 @@ class _Deadlines:
     """How long each call to the engine (a weight push, a rollout, an evaluation) may take before the engine
     counts as frozen (a stuck kernel, a deadlocked collective, a stopped process, which vLLM's client waits on
     forever): a run measures its own pace. The first call of each kind, and the engine's start, may compile:
-    _FIRST_CALL_MINUTES on the run's device, or --engine_timeout_minutes if longer; it is not counted as the
-    kind's pace. A later call gets _SLOWEST_MULTIPLE times the slowest later one of its kind so far, at least
+    --engine_timeout_minutes and _COMPILE_MINUTES on the run's device; it is not counted as the kind's pace. A
+    later call gets _SLOWEST_MULTIPLE times the slowest later one of its kind so far, at least
     --engine_timeout_minutes. Generous, so that a slow call is not taken for a frozen one, but bounded:
     peers' runs wait 30 minutes on a stuck weight sync, or forever (AReaL #1439, TRL #6796)."""
 
     def __init__(self, timeout_minutes: float, on_gpu: bool):
         self.least, self.device = 60 * timeout_minutes, "GPU" if on_gpu else "CPU"
-        self.first = max(self.least, 60 * _FIRST_CALL_MINUTES[self.device])
+        self.compile = 60 * _COMPILE_MINUTES[self.device]
+        self.first = self.least + self.compile
         self.done: dict[str, int] = {}  # kind -> calls that answered
         self.slowest: dict[str, float] = {}  # kind -> seconds, the slowest call after the first
         self.open: _Call | None = None  # the call in flight (the generation thread makes one at a time)
 
     def first_why(self, what: str) -> str:
-        return f"{what} may compile: {self.first / 60:g} minutes on a {self.device}"
+        least, more = f"--engine_timeout_minutes {self.least / 60:g}", f"{self.compile / 60:g}"
+        return f"{what} may compile: {least} + {more} minutes on a {self.device}"
+
+    def start_failed(self, which: str) -> str:
+        """What a start past its deadline says (`which`: the engine that did not start)."""
+        why = self.first_why("its start")
+        return f"{which} did not start in {self.first / 60:g} minutes ({why}): stopped it"
+
+    def stated(self) -> str:
+        """The deadlines, as the run states them as the engine starts."""
+        return (
+            f"engine deadlines: its start and the first weight push, rollout and evaluation "
+            f"{self.first / 60:g} minutes each (--engine_timeout_minutes {self.least / 60:g} + "
+            f"{self.compile / 60:g} for vLLM's first compile on a {self.device}); a later call "
+            f"{self.least / 60:g}, or {_SLOWEST_MULTIPLE} times the slowest of its kind so far if longer"
+        )
 
     def deadline(self, kind: str) -> tuple[float, str]:
         """A new call's deadline, in seconds, and why it is that."""
@@ -783,45 +841,68 @@ def make_engine(model: str, placement: Placement, **llm_kwargs):
         os.environ.update(env)
 
 
+# A launcher (accelerate's, torchrun's) forwards the signal it gets to each training process, which a Ctrl-C
+# at the terminal or a scheduler's SIGTERM to the job has reached already: the same signal again within this
+# many seconds is that copy, not a second signal (torch/distributed/elastic/agent/server/api.py, _shutdown).
+_FORWARDED_SECONDS = 2.0
+
+
 class _StopSignals:
     """SIGTERM (pre-emption) or Ctrl-C. Once the engine runs: finish the step, write a checkpoint, exit; a
     second signal exits at once. While starting: kill the processes started so far and exit at once, as vLLM
     cannot be left to stop: its start-up handshake swallows KeyboardInterrupt, and its wait for the engine's
     ready message does not notice the engine dying (as a Ctrl-C to the process group makes it), so it waits
-    out a 10-minute timeout. The start has a deadline too (start_deadline), kept the same way."""
+    out a 10-minute timeout. The start has a deadline too (start_deadline), kept the same way. Only the
+    process that `speaks` (rank 0) says so."""
 
-    def __init__(self):
+    def __init__(self, speaks: bool = True):
         self.received, self.starting, self.weights_dir, self.watchdog = [], True, None, None
+        self.speaks, self.first_at = speaks, 0.0
         for signum in (signal.SIGINT, signal.SIGTERM):
             signal.signal(signum, self.handle)
 
     def handle(self, signum, frame):
         name = signal.Signals(signum).name
         if self.starting:
-            self.exit_at_once(f"\n{name} while starting: stopping the engine and exiting\n", 128 + signum)
-        os.write(2, f"\n{name}: writing a checkpoint at the end of this step, then exiting\n".encode())
+            message = f"\n{name} while starting: stopping the engine and exiting\n" if self.speaks else ""
+            self.exit_at_once(message, 128 + signum)
+        if self.received:  # under a launcher, which forwards the signal: a second one, or its copy
+            if signum in self.received and time.monotonic() - self.first_at < _FORWARDED_SECONDS:
+                return
+            signal.signal(signum, signal.default_int_handler if signum == signal.SIGINT else signal.SIG_DFL)
+            signal.raise_signal(signum)
+            return
+        if self.speaks:
+            os.write(2, f"\n{name}: writing a checkpoint at the end of this step, then exiting\n".encode())
         self.received.append(signum)
-        signal.signal(signum, signal.default_int_handler if signum == signal.SIGINT else signal.SIG_DFL)
+        self.first_at = time.monotonic()
+        # without a launcher a second signal exits at once, even while this process runs C code
+        if "TORCHELASTIC_RUN_ID" not in os.environ:
+            signal.signal(signum, signal.default_int_handler if signum == signal.SIGINT else signal.SIG_DFL)
 
     def exit_at_once(self, message: str, status: int):
         """Says `message`, kills the processes started so far (the watchdog aside: it goes on to clean up
         after the exit) and exits with `status`."""
         os.write(2, message.encode())
         watchdog = self.watchdog.pid if self.watchdog else None
-        _kill_process_trees([process for process in _started_processes(set()) if process.pid != watchdog])
+        started = [process for process in _started_processes(set()) if process.pid != watchdog]
+        shared_memory = _shared_memory_files(started)
+        _kill_process_trees(started)
+        # what they mapped, released and told to the resource tracker, which would say "leaked ... objects"
+        # after the run's last line
+        _release_shared_memory(shared_memory)
         if self.weights_dir is not None:
             shutil.rmtree(self.weights_dir, ignore_errors=True)
         gc.freeze()  # the interpreter's exit would garbage-collect the whole heap (seconds)
         raise SystemExit(status)
 
     @contextmanager
-    def start_deadline(self, seconds: float, why: str):
-        """The engine's start, in the main thread, ends the run at once (exit status 1) if it takes over
-        `seconds`: a timer signal (SIGALRM) interrupts whatever it waits on, as SIGTERM does."""
+    def start_deadline(self, seconds: float, line: str):
+        """The engine's start, in the main thread, ends the run at once (exit status 1) with `line` if it
+        takes over `seconds`: a timer signal (SIGALRM) interrupts whatever it waits on, as SIGTERM does."""
 
         def overdue(signum, frame):
-            line = f"error: the engine did not start in {seconds / 60:g} minutes ({why}): stopped it\n"
-            self.exit_at_once(line, 1)
+            self.exit_at_once(f"{line}\n", 1)
 
         previous = signal.signal(signal.SIGALRM, overdue)
         signal.setitimer(signal.ITIMER_REAL, seconds)

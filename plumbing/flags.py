@@ -210,8 +210,8 @@ class RunArgs:
     vllm_tensor_parallel_size: int = 1
     # in minutes: how long the engine may take to answer a call (a weight push, a rollout, an evaluation)
     # before it counts as frozen and the run stops with a checkpoint; a call may take 10 times the slowest of
-    # its kind so far if longer, and the first of each kind and the engine's start, which may compile, at
-    # least 10 minutes on a CPU and 30 on a GPU (docs/checkpoints.md#a-frozen-or-dead-engine)
+    # its kind so far if longer, and the engine's start and the first call of each kind, which may compile,
+    # 5 minutes more on a CPU and 30 on a GPU, said at start (docs/checkpoints.md#a-frozen-or-dead-engine)
     engine_timeout_minutes: float = 5.0
 
     # trainer numerics and memory

@@ -31,6 +31,7 @@ from accelerate.utils import broadcast_object_list, gather_object
 from safetensors.torch import load_file, save_file
 from tqdm import tqdm
 
+from plumbing.command_line import _json_error, _json_kind
 from plumbing.flags import RunArgs, UsageError
 
 # Flags that may change when a run is resumed; any other must be what the run started with.
@@ -80,15 +81,15 @@ class RunFolder:
     def claim(self, processes, trained: list[str], async_level: int) -> str | None:
         """Rank 0's checks of the folder, which it locks first (_FolderLock: writable, and no other run in
         it): the run it holds, and the checkpoint --resume continues from (_checkpoint_to_resume), with a
-        line for a cut-off last line of metrics.jsonl, which is dropped; and the free space, against the
-        run's own estimate of what its checkpoints and final policy need (_check_space). Returns the
-        checkpoint."""
+        line for a cut-off last line of metrics.jsonl, which is dropped, and one for the temporary files a
+        run killed while writing them left, which go; and the free space, against the run's own estimate of
+        what its checkpoints and final policy need (_check_space). Returns the checkpoint."""
         args, path = self.args, self.path
         if os.path.exists(path) and not os.path.isdir(path):
             raise UsageError(f"--output_dir {path} is a file, not a folder: choose another --output_dir")
         if args.resume and args.output_dir is None:
             raise UsageError("--resume needs --output_dir, the folder of the run to continue")
-        if args.resume and not os.path.isfile(os.path.join(path, "args.json")):
+        if args.resume and not os.path.exists(os.path.join(path, "args.json")) and not _holds_a_run(path):
             raise UsageError(
                 f"--resume: --output_dir {path} holds no run (no args.json): check the folder, or leave out "
                 "--resume to start a new run"
@@ -100,6 +101,10 @@ class RunFolder:
             if (cut := _metrics_lines(os.path.join(path, "metrics.jsonl"))[1]) is not None:
                 print(
                     f"--resume: the last line of metrics.jsonl was cut off ({len(cut)} characters): dropped"
+                )
+            if args.resume and (left := _remove_temporary_files(path)):
+                print(
+                    f"--resume: removed {', '.join(left)}, left half-written by a run killed while writing it"
                 )
             with processes.whole_models():  # no ZeRO-3 partitioning, whose collectives rank 1 is not in
                 parameters = [_parameter_count(model, args.trust_remote_code) for model in trained]
@@ -255,9 +260,12 @@ def _checkpoint_to_resume(output_dir: str, flags: dict, resume: bool, world_size
     """The checkpoint a run continues from (None: it starts at step 0); two runs never share a folder. Exits
     (0) on --resume of a finished run, whose final policy is saved at the very end. The newest checkpoint
     that its manifest proves intact (_checkpoint_damage): damaged ones are named with what is wrong, in the
-    one line that says which the run continues from; with none intact, the error says how to start over."""
+    one line that says which the run continues from; with none intact, the error says how to start over. A
+    run whose args.json is missing or damaged cannot be checked, with --resume or without (_run_flags)."""
     if not resume:
         if _holds_a_run(output_dir):
+            if not os.path.exists(os.path.join(output_dir, "args.json")):
+                raise UsageError(_without_its_flags(output_dir))
             raise UsageError(
                 f"--output_dir {output_dir} holds another run: pass --resume to continue it, or choose "
                 "another --output_dir"
@@ -266,8 +274,10 @@ def _checkpoint_to_resume(output_dir: str, flags: dict, resume: bool, world_size
     if os.path.isdir(policy := os.path.join(output_dir, "policy")):
         print(f"--resume: the run in {output_dir} is finished (its final policy is {policy}): nothing to do")
         raise SystemExit(0)
-    if os.path.exists(run_file := os.path.join(output_dir, "args.json")):
-        previous = json.loads(Path(run_file).read_text())
+    previous = _run_flags(output_dir)
+    if previous is None and _holds_a_run(output_dir):
+        raise UsageError(_without_its_flags(output_dir))
+    if previous is not None:
         changed = [
             f"--{k} {previous.get(k)!r} -> {v!r}"
             for k, v in flags.items()
@@ -295,17 +305,56 @@ def _checkpoint_to_resume(output_dir: str, flags: dict, resume: bool, world_size
     return None
 
 
+def _run_flags(output_dir: str) -> dict | None:
+    """The flags of the run in `output_dir`, from its args.json (None: it has none). One that cannot be read,
+    does not parse (cut off by a copy or a disk) or is not a JSON object is a UsageError naming it."""
+    path = Path(output_dir, "args.json")
+    if not path.exists():
+        return None
+    try:
+        flags = json.loads(path.read_text())
+    except OSError as exc:
+        problem = f"cannot be read ({exc.strerror})"
+    except ValueError as exc:
+        problem = f"does not parse ({_json_error(exc)})"
+    else:
+        if isinstance(flags, dict):
+            return flags
+        problem = f"is a JSON {_json_kind(flags)}, not an object of flags"
+    raise UsageError(
+        f"--resume: {path} {problem}: it holds the run's flags, which a resume must match; restore it from a "
+        "copy, or start the run again in another --output_dir"
+    )
+
+
+def _without_its_flags(output_dir: str) -> str:
+    return (
+        f"--output_dir {output_dir} holds a run (its metrics or checkpoints) but not its args.json, which "
+        "holds the flags a resume must match: restore args.json to --resume it, or choose another "
+        "--output_dir"
+    )
+
+
 def _checkpoint_damage(checkpoint: Path) -> str | None:
     """What is wrong with a checkpoint, as its manifest (_MANIFEST, written last) shows: a file missing, or of
     another size, or another sha256 than it had when written; the manifest itself missing (the checkpoint
-    was never finished) or unreadable. None: nothing. A checkpoint of another format is refused."""
+    was never finished, or was copied in part: an empty folder, or one without format.json) or unreadable.
+    None: nothing. A checkpoint whose format.json says another format is refused."""
     other_version = UsageError(
         f"--resume: {checkpoint} is not a checkpoint of this version (format {_CHECKPOINT_FORMAT}): resume "
         "it with the version that wrote it"
     )
+    if not checkpoint.is_dir():
+        return "it is a file, not a checkpoint's folder"
     if not (checkpoint / _MANIFEST).exists():
-        if _read_json(checkpoint / "format.json") != {"format": _CHECKPOINT_FORMAT}:  # formats 1-3 had none
+        stated = _read_json(checkpoint / "format.json")
+        # formats 1-3 had no manifest: one whose format.json says so is another version's
+        if isinstance(stated, dict) and stated.get("format") != _CHECKPOINT_FORMAT:
             raise other_version
+        if not any(checkpoint.iterdir()):
+            return "it is empty: made, never written"
+        if stated is None:
+            return f"it has neither a whole format.json nor {_MANIFEST}: not finished, or copied in part"
         return f"{_MANIFEST} is missing: it is written last, and the checkpoint was not finished"
     try:
         files = json.loads((checkpoint / _MANIFEST).read_text())["files"]
@@ -484,14 +533,19 @@ def _disk_full(error: BaseException, path: str) -> bool:
     return False
 
 
-def _remove_temporary_files(output_dir: str) -> None:
+def _remove_temporary_files(output_dir: str) -> list[str]:
     """The *.tmp files and folders the run writes before it renames them (_write_atomically,
-    _save_checkpoint, _save_policy), in the folder and its subfolders (checkpoints/, eval_completions/)."""
-    for temporary in [*Path(output_dir).glob("*.tmp"), *Path(output_dir).glob("*/*.tmp")]:
+    _save_checkpoint, _save_policy), in the folder and its subfolders (checkpoints/, eval_completions/),
+    removed: what a full disk or a kill left half-written, which no run reads. Returns their paths in the
+    folder."""
+    removed = []
+    for temporary in sorted([*Path(output_dir).glob("*.tmp"), *Path(output_dir).glob("*/*.tmp")]):
         if temporary.is_dir():
             shutil.rmtree(temporary, ignore_errors=True)
         else:
             temporary.unlink(missing_ok=True)
+        removed.append(str(temporary.relative_to(output_dir)))
+    return removed
 
 
 def _git_revision() -> str:
@@ -525,15 +579,26 @@ def _keep_metrics_before(metrics: str, start_step: int, evals_logged: set[int]) 
 
 def _metrics_lines(metrics: str) -> tuple[list[str], str | None]:
     """The lines of metrics.jsonl (none if it is missing), and apart its last one when a kill or a full disk
-    cut it off (it is not JSON). A line before the last that is not JSON is a UsageError naming it."""
-    lines = Path(metrics).read_text(errors="replace").splitlines() if os.path.exists(metrics) else []
+    cut it off (it is not JSON). A line before the last that is not JSON, and one that is JSON but not a
+    metrics record (an object with an integer step), is a UsageError naming it."""
+    try:
+        lines = Path(metrics).read_text(errors="replace").splitlines() if os.path.exists(metrics) else []
+    except OSError as exc:
+        raise UsageError(f"--resume: {metrics} cannot be read ({exc.strerror}): mend or delete it") from None
     for number, line in enumerate(lines, 1):
         try:
-            json.loads(line)
+            record = json.loads(line)
         except json.JSONDecodeError as exc:
             if number == len(lines):
                 return lines[:-1], line
             raise UsageError(f"--resume: {metrics} line {number} is not JSON ({exc.msg}): mend or delete it")
+        if not (isinstance(record, dict) and type(record.get("step")) is int):
+            kind = _json_kind(record)
+            what = "an object without an integer step" if kind == "object" else f"a JSON {kind}"
+            raise UsageError(
+                f"--resume: {metrics} line {number} is not a metrics record (a JSON object with its step), "
+                f"it is {what}: mend or delete it"
+            )
     return lines, None
 
 

@@ -20,6 +20,9 @@ FAULT is <where>:<step>:
                          it, as the generation thread waits for its first step
     kill_generation:N    the engine's worker is killed (SIGKILL) there (every engine's, with --vllm_num_engines)
     kill_engine:N        the last engine's worker alone is killed there (with --vllm_num_engines 2 or more)
+    freeze_evaluation:V  the engine's scheduler process is stopped (SIGSTOP) once the evaluation of policy version V
+                         is sent to it (the last, V = the number of steps: after the last step)
+    freeze_start:E       engine E's scheduler process is stopped (SIGSTOP) as soon as it is seen, while it starts
 Each raised fault says "injected test fault in ... (time T)", T the time.time() it was raised; a signal to the
 engine says "injected test fault in the engine: SIGSTOP to ... (time T)"; each planted one says "injected test
 fault: ..." as it plants it.
@@ -31,6 +34,7 @@ import importlib
 import os
 import signal
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -98,16 +102,16 @@ def inject(fault: str, module) -> None:
             return push(engine, weights)
 
         plumbing.engine.Engine.push = freezing_push
-    if where in ("freeze_generation", "kill_generation", "kill_engine"):
-        sent = (
-            (signal.SIGSTOP, "VLLM::EngineCore") if where == "freeze_generation" else (signal.SIGKILL, "VLLM::Worker")
-        )
+    if where in ("freeze_generation", "kill_generation", "kill_engine", "freeze_evaluation"):
+        freezes = where in ("freeze_generation", "freeze_evaluation")
+        sent = (signal.SIGSTOP, "VLLM::EngineCore") if freezes else (signal.SIGKILL, "VLLM::Worker")
         deadline = plumbing.engine.Engine.deadline
+        call = "evaluation" if where == "freeze_evaluation" else "rollout"
 
         @contextlib.contextmanager
         def signalling_deadline(engine, kind, index):
             with deadline(engine, kind, index):
-                if kind == "rollout" and index == at:
+                if kind == call and index == at:
                     llm_engine = engine.llms[0].llm_engine  # vLLM's LLM.generate sends the prompts, then steps it
                     step = llm_engine.step
                     last = [p for p in engine.engine_processes if engine.engine_of[p.pid] == len(engine.llms) - 1]
@@ -115,7 +119,7 @@ def inject(fault: str, module) -> None:
 
                     def signal_then_step():
                         llm_engine.step = step
-                        signal_engine(*sent, f"as rollout {at} is generated", among)
+                        signal_engine(*sent, f"as {call} {at} is generated", among)
                         return step()
 
                     llm_engine.step = signal_then_step
@@ -123,10 +127,33 @@ def inject(fault: str, module) -> None:
 
         plumbing.engine.Engine.deadline = signalling_deadline
 
+    if where == "freeze_start":
+        make_engine, started = plumbing.engine.make_engine, []
+
+        def freezing_start(*args, **kwargs):
+            if len(started) == at:
+                before = {process.pid for process in psutil.Process().children(recursive=True)}
+                threading.Thread(target=stop_the_new_scheduler, args=(before,), daemon=True).start()
+            started.append(True)
+            return make_engine(*args, **kwargs)
+
+        plumbing.engine.make_engine = freezing_start
+
     if where in ("wrong_copy", "stale_run"):
         import plumbing.weights
 
         plumbing.weights.WeightBucket.fill = faulty_fill(plumbing.weights.WeightBucket.fill, where, at)
+
+
+def stop_the_new_scheduler(before: set[int]) -> None:
+    """SIGSTOP to the engine scheduler process that is not among `before`, once it is seen (its start frozen)."""
+    while True:
+        for process in psutil.Process().children(recursive=True):
+            with contextlib.suppress(psutil.Error):
+                if process.pid not in before and process.name() == "VLLM::EngineCore":
+                    signal_engine(signal.SIGSTOP, "VLLM::EngineCore", "as it starts", [process])
+                    return
+        time.sleep(0.05)
 
 
 def signal_engine(sig: signal.Signals, name: str, when: str, among: list | None = None) -> None:

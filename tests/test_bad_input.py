@@ -149,6 +149,79 @@ def test_missing_models_and_pickled_weights_are_refused(script, tokenizer, tmp_p
     assert script.Args().trust_remote_code is False
 
 
+# (a file of the tiny policy's folder, what a copy cut short or a hand did to it, what the line says of it)
+DAMAGED_MODEL_FILES = [
+    ("model.safetensors", "cut in half", "has {half} bytes, and its header says {size}"),
+    ("model.safetensors", "grown by 10 bytes", "has {grown} bytes, and its header says {size}"),
+    ("model.safetensors", "cut to 100 bytes", "has no whole safetensors header (100 bytes)"),
+    ("config.json", "cut after its first line", "does not parse (line 2: Expecting property name enclosed in double quotes)"),
+    ("tokenizer.json", "cut after its first line", "does not parse (line 2: Expecting property name enclosed in double quotes)"),
+    ("generation_config.json", "cut after its first line", "does not parse (line 2: Expecting property name enclosed in double quotes)"),
+    ("model.safetensors.index.json", "naming a second shard", "names weights that are not there (model-00002-of-00002.safetensors)"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("name, damage, problem", DAMAGED_MODEL_FILES)
+def test_a_damaged_file_of_a_model_folder_is_named_before_any_model_loads(name, damage, problem, tmp_path):
+    """plumbing's _check_model, which every run calls on each model folder its flags name before anything loads: the
+    file and what is wrong with it, where transformers, tokenizers or vLLM would fail with a traceback naming none
+    (a safetensors file's size against its header: 8 bytes, the header, the tensors' bytes)."""
+    policy = tmp_path / "policy"
+    shutil.copytree(TINY / "sft", policy)
+    file = policy / name
+    size = (policy / "model.safetensors").stat().st_size
+    if name.endswith(".safetensors"):
+        data = file.read_bytes()
+        cut = {"cut in half": data[: size // 2], "cut to 100 bytes": data[:100]}
+        file.write_bytes(cut.get(damage, data + b"\0" * 10))
+    elif damage == "naming a second shard":
+        shards = ["model.safetensors", "model-00002-of-00002.safetensors"]
+        file.write_text(json.dumps({"weight_map": {"a.weight": shards[0], "b.weight": shards[1]}}))
+    else:
+        file.write_text(file.read_text().splitlines()[0] + "\n")
+    said = problem.format(half=size // 2, grown=size + 10, size=size)
+    with pytest.raises(UsageError) as error:
+        _check_model(str(policy), "--reward_model_path", (12, 12), False)
+    assert str(error.value) == f"--reward_model_path {policy}: {name} {said}: the copy is damaged; copy it again"
+    _check_model(str(TINY / "sft"), "--reward_model_path", (12, 12), False)  # the whole folder passes
+
+
+def test_a_tokenizer_that_does_not_load_is_named_in_one_line(tmp_path):
+    """Its files parse, but the tokenizers library cannot make a tokenizer of them: a bare Exception from Rust."""
+    policy = tmp_path / "policy"
+    shutil.copytree(TINY / "sft", policy)
+    (policy / "tokenizer.json").write_text(json.dumps({"model": {"type": "nothing of the kind"}}))
+    with pytest.raises(UsageError, match=rf"^the tokenizer of --sft_model_path {policy} does not load: \S"):
+        _load_tokenizer(str(policy), "--sft_model_path", False)
+
+
+def test_a_hub_id_neither_local_nor_in_the_cache_is_named_while_offline(tmp_path, monkeypatch):
+    """A model and a dataset named by a hub id that is not on this machine: one line saying so and how to get it, not
+    the hub client's message (the tests run offline, HF_HUB_OFFLINE=1). A model whose config the local cache holds
+    (its layout built here: refs/main naming a snapshot) goes on to load from it."""
+    import huggingface_hub
+
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    with pytest.raises(UsageError) as error:
+        _check_model("EleutherAI/pythia-14m", "--sft_model_path", (12, 12), False)
+    assert str(error.value) == (
+        "--sft_model_path EleutherAI/pythia-14m is not a local folder and not in the local cache, and the hub is "
+        "offline (HF_HUB_OFFLINE=1): download it once where the hub is reachable, or give a local folder"
+    )
+    with pytest.raises(UsageError) as error:
+        split_of("trl-lib/tldr")
+    assert str(error.value) == (
+        "--dataset_name trl-lib/tldr is not a local file or folder and not in the local cache, and the hub is offline "
+        "(HF_HUB_OFFLINE=1): download it once where the hub is reachable, or give a local file or folder"
+    )
+    repo = tmp_path / "hub" / "models--someone--tiny"
+    shutil.copytree(TINY / "sft", repo / "snapshots" / "0123abcd")
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text("0123abcd")
+    _check_model("someone/tiny", "--sft_model_path", (12, 12), False)
+
+
 def test_a_tokenizer_without_eos_is_refused_and_one_without_pad_pads_with_eos(tokenizer, tmp_path):
     tokenizer.save_pretrained(tmp_path / "tok")
     config = json.loads((tmp_path / "tok" / "tokenizer_config.json").read_text())
@@ -193,9 +266,10 @@ def test_an_output_dir_holding_a_run_needs_resume_with_the_same_flags(script, tm
     assert resume(str(tmp_path), resumed, True, world_size=1) is None  # no checkpoint yet: starts over
     for name in ("step_000004", "step_000012", "step_000008.tmp"):
         (tmp_path / "checkpoints" / name).mkdir(parents=True)
-    # a checkpoint of an older version (no format.json, or another format, and no manifest) is refused in one line
-    with pytest.raises(UsageError, match=r"step_000012 is not a checkpoint of this version \(format 4\)"):
+    # an empty checkpoint folder is one never written: named and skipped, not taken for another version's
+    with pytest.raises(UsageError, match=r"step_000012 is damaged \(it is empty: made, never written; delete it\)"):
         resume(str(tmp_path), resumed, True, world_size=1)
+    # a checkpoint of an older version (another format, and no manifest) is refused in one line
     (tmp_path / "checkpoints" / "step_000012" / "format.json").write_text('{"format": 3}')
     with pytest.raises(UsageError, match=r"step_000012 is not a checkpoint of this version"):
         resume(str(tmp_path), resumed, True, world_size=1)
@@ -235,6 +309,7 @@ def test_the_command_line_prints_one_line_and_writes_nothing(name, flags, line, 
     run = tmp_path / "run"
     if not flags:
         run.mkdir()
+        (run / "args.json").write_text("{}")
         (run / "metrics.jsonl").write_text('{"step": 0, "episode": 0, "eval/win_rate": 0.5}\n')
     before = sorted(p.name for p in tmp_path.rglob("*"))
     proc = subprocess.run(
@@ -357,6 +432,9 @@ BAD_ROWS = [
     ("no_robots", {"messages": [CHAT[0], {"role": "assistant"}]}, "messages", "message 1, dict {'role': 'assistant'}, "
      "is not {'role': text, 'content': text}"),
     ("no_robots", {"messages": [CHAT[0], {**CHAT[1], "content": ""}]}, "messages", "message 1's content '' is empty"),
+    # an empty chat prompt: no conversation, or a turn of white space only
+    ("no_robots", {"messages": []}, "messages", "list [] is not a list of messages"),
+    ("no_robots", {"messages": [{**CHAT[0], "content": " \n"}, CHAT[1]]}, "messages", "message 0's content ' \\n' is empty"),
 ]  # fmt: skip
 
 
@@ -443,6 +521,95 @@ def test_a_file_that_does_not_parse_is_named_with_its_line(tmp_path):
     )
 
 
+def test_data_files_that_cannot_be_read_are_named_before_the_builder_reads_them(tmp_path):
+    """Bytes that are not UTF-8 (a file saved as Latin-1: the builder reads them, and the rows' check fails in pyarrow
+    with a traceback naming neither file nor line), a file with no rows (the builder's StopIteration and an empty
+    `error:`), a Parquet file cut short (its footer, written last, missing), alone or among a folder's files."""
+    good = json.dumps(SORT)
+    (tmp_path / "latin1.jsonl").write_bytes(
+        f"{good}\n{good}\n".encode() + '{"query": "sort: café ->"}\n'.encode("latin-1")
+    )
+    (tmp_path / "empty.jsonl").write_text("")
+    (tmp_path / "blank.jsonl").write_text("\n \n")
+    import pyarrow
+    import pyarrow.parquet
+
+    pyarrow.parquet.write_table(pyarrow.table({"query": [SORT["query"]] * 50}), tmp_path / "whole.parquet")
+    data = (tmp_path / "whole.parquet").read_bytes()
+    (tmp_path / "cut.parquet").write_bytes(data[: len(data) // 2])
+    (tmp_path / "folder").mkdir()
+    (tmp_path / "folder" / "a.jsonl").write_text(good + "\n")
+    shutil.copy(tmp_path / "latin1.jsonl", tmp_path / "folder" / "b.jsonl")
+    for name, file, problem in [
+        ("latin1.jsonl", "latin1.jsonl", "is not UTF-8 text: line 3 holds the byte 0xe9; save it as UTF-8"),
+        ("empty.jsonl", "empty.jsonl", "is empty: it holds no rows"),
+        ("blank.jsonl", "blank.jsonl", "is empty: it holds no rows"),
+        ("cut.parquet", "cut.parquet", "is not a whole Parquet file (Parquet magic bytes not found in footer. Either "
+         "the file is corrupted or this is not a parquet file.): copy it again"),
+        ("folder", "folder/b.jsonl", "is not UTF-8 text: line 3 holds the byte 0xe9; save it as UTF-8"),
+    ]:  # fmt: skip
+        with pytest.raises(UsageError) as error:
+            split_of(str(tmp_path / name))
+        assert str(error.value) == f"--dataset_name {tmp_path / name}: {tmp_path / file} {problem}"
+
+
+def test_a_json_value_that_is_not_a_row_is_named_with_its_line_and_row(tmp_path):
+    """A line of a JSON Lines file that parses, but to an array, a string or a number, not an object: the builder says
+    "Column() changed from object to string in row 0", naming a row that is not the one; the line here is the file's
+    (blank lines counted), the row the rows before it. A .json document, an array of rows: the item."""
+    good = json.dumps(SORT)
+    for value, kind in [('["sort: a ->", "a </s>"]', "array"), ('"sort: a ->"', "string"), ("7", "number")]:
+        (tmp_path / "rows.jsonl").write_text(f"{good}\n\n{good}\n{value}\n{good}\n")
+        with pytest.raises(UsageError) as error:
+            split_of(str(tmp_path / "rows.jsonl"))
+        assert str(error.value) == (
+            f"--dataset_name {tmp_path / 'rows.jsonl'}: {tmp_path / 'rows.jsonl'} does not parse at line 4 (row 2): a "
+            f"JSON {kind}, not an object (a row)"
+        )
+    (tmp_path / "rows.json").write_text(json.dumps([SORT, "sort: a ->", SORT], indent=1))
+    with pytest.raises(UsageError) as error:
+        split_of(str(tmp_path / "rows.json"))
+    assert str(error.value) == (
+        f"--dataset_name {tmp_path / 'rows.json'}: {tmp_path / 'rows.json'} does not parse at item 1: a JSON string, not "
+        "an object (a row)"
+    )
+
+
+def test_each_split_says_once_how_many_prompts_it_has_and_from_which_files(tmp_path, capsys, monkeypatch):
+    """A folder's every data file is the train split's when no name says otherwise (`datasets`' rules): the line says
+    how many prompts each gave, in the order the split holds them; one file is named with its path as given; the
+    evaluation's first --num_eval_prompts are counted against all; a process other than rank 0 says nothing."""
+    folder = tmp_path / "data"
+    folder.mkdir()
+    for name, count in [("part1.jsonl", 3), ("part2.jsonl", 2), ("notes.jsonl", 1)]:
+        rows_file(folder / name, [{**SORT, "query": f"sort: {name} {i} ->"} for i in range(count)])
+    with open(folder / "part1.jsonl", "a") as part:
+        part.write("\n \n")  # blank lines, which are no rows
+    dataset, _ = split_of(str(folder))
+    assert len(dataset) == 6 and dataset["query"][0] == "sort: notes.jsonl 0 ->"
+    assert capsys.readouterr().out.splitlines() == [
+        f"train: 6 prompts from 3 files of {folder}: notes.jsonl 1, part1.jsonl 3, part2.jsonl 2"
+    ]
+    train = rows_file(tmp_path / "train.jsonl", [SORT] * 3)
+    split_of(train)
+    split_of(str(TINY / "data"), "test", evaluation=True, dataset_eval_file=train)
+    import online_dpo_async as dpo
+
+    folder_name, columns = str(TINY / "data"), dpo.TASK_COLUMNS["tiny"]
+    load_split(folder_name, None, "test", columns, "tiny", evaluation=True, eval_file=train, num_prompts=2)
+    assert capsys.readouterr().out.splitlines() == [
+        f"train: 3 prompts from {train}",
+        f"test: 3 prompts from {train}",
+        f"test: the first 2 of 3 prompts from {train}",
+    ]
+    monkeypatch.chdir(ROOT)
+    split_of("tasks/tiny/data")  # a folder named relative to the working folder, one file for its split
+    assert capsys.readouterr().out.splitlines() == ["train: 32768 prompts from tasks/tiny/data/train.jsonl"]
+    monkeypatch.setenv("RANK", "1")
+    split_of(str(folder))
+    assert capsys.readouterr().out == ""
+
+
 # ------------------------------------------------------------------------------------------ settings
 def test_a_task_without_a_gold_judge_says_at_start_that_no_win_rate_is_logged(capsys, tmp_path):
     """`--gold_judge tiny`, the default, judges the tiny task only: --task tldr or no_robots with it logs no
@@ -487,6 +654,12 @@ def test_a_task_without_a_gold_judge_says_at_start_that_no_win_rate_is_logged(ca
             "--dataset_name {data}/cut.jsonl: {data}/cut.jsonl does not parse at line 2 (row 1): Unterminated string "
             "starting at",
         ),
+        (  # a copy of the tiny policy, its 2,652,680 bytes of weights cut in half
+            "online_dpo_async.py",
+            ["--sft_model_path", "{data}/policy"],
+            "--sft_model_path {data}/policy: model.safetensors has 1326340 bytes, and its header says 2652680: the copy "
+            "is damaged; copy it again",
+        ),
     ],
 )
 def test_bad_data_and_settings_get_one_line_from_the_shell_and_nothing_written(name, flags, line, tmp_path):
@@ -496,6 +669,9 @@ def test_bad_data_and_settings_get_one_line_from_the_shell_and_nothing_written(n
     data = tmp_path / "data"
     data.mkdir()
     (data / "cut.jsonl").write_text(json.dumps(SORT) + "\n" + json.dumps(SORT)[:25])
+    shutil.copytree(TINY / "sft", data / "policy")
+    weights = (data / "policy" / "model.safetensors").read_bytes()
+    (data / "policy" / "model.safetensors").write_bytes(weights[: len(weights) // 2])
     run = tmp_path / "run"
     argv = [sys.executable, name, *(flag.format(data=data) for flag in flags), "--output_dir", str(run)]
     proc = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=120)

@@ -8,6 +8,8 @@ to the process group, Ctrl-C, SIGTERM), then by its engine freezing or dying, re
 was not; the deadlines of the calls to the engine."""
 
 import ast
+import contextlib
+import io
 import json
 import os
 import re
@@ -257,12 +259,14 @@ def test_a_run_stopped_mid_way_resumes_exactly(script, flags, sig, after, failur
         assert names == [5, 10], stopped
         checkpoints, lock = run / "checkpoints", run / "run.lock"
         assert damage.lock["host"] == socket.gethostname()
-        assert said[0].splitlines()[:4] == [
+        assert said[0].splitlines()[:6] == [
             f"--output_dir {run}: {lock} was left by process {damage.lock['pid']} on {damage.lock['host']}, which is "
             "gone: taking it over",
             f"--resume: {checkpoints / 'step_000010'} is damaged (model.safetensors has 1000 bytes, not the "
             f"{damage.size} written; delete it): continuing from the newest intact one, {checkpoints / 'step_000005'}",
             f"--resume: the last line of metrics.jsonl was cut off ({damage.cut} characters): dropped",
+            f"train: 32768 prompts from {TINY / 'data' / 'train.jsonl'}",  # once, each split's prompts and files
+            f"test: the first 32 of 512 prompts from {TINY / 'data' / 'test.jsonl'}",
             f"resuming from {checkpoints / 'step_000005'} (step 5)",
         ], said[0][:3000]
     else:  # the --save_freq one, then the one written at the step boundary on the signal
@@ -408,6 +412,8 @@ def test_a_signal_while_the_engine_starts_stops_the_run_at_once(script, sig, to_
         assert [path for path in shared_memory if os.path.exists(path)] == []
         output = log.read_text()
         assert "TimeoutError" not in output and (to_group or "Traceback" not in output), output[-4000:]
+        # what the engine's processes mapped is released at once: the resource tracker has nothing to say after it
+        assert sig == signal.SIGKILL or "leaked" not in output, output[-4000:]
         # no run folder: the lock's, made before any model loaded, goes with it; kill -9 leaves the lock's file,
         # which the next run in the folder takes over (a folder that holds only it holds no run)
         left = sorted(p.name for p in run.iterdir()) if run.exists() else []
@@ -519,24 +525,41 @@ def test_orphaned_message_queues_and_semaphores_are_released_and_only_those(tmp_
 
 
 def test_each_call_to_the_engine_has_a_deadline_from_the_runs_own_pace():
-    """plumbing.engine._Deadlines by hand: the first call of a kind (it may compile) gets 10 minutes on a CPU, 30 on a
-    GPU, or the flag's if longer, and is not the kind's pace; the second the flag's; a later one 10 times the slowest
-    of its kind but the first, at least the flag's; each kind its own."""
+    """plumbing.engine._Deadlines by hand: the engine's start and the first call of a kind (it may compile) get the
+    flag's minutes and 5 more on a CPU, 30 more on a GPU, and the first is not the kind's pace; the second the flag's;
+    a later one 10 times the slowest of its kind but the first, at least the flag's; each kind its own. The run states
+    them as the engine starts."""
     cpu = plumbing.engine._Deadlines(timeout_minutes=1.0, on_gpu=False)
-    assert cpu.deadline("rollout") == (600.0, "the first rollout may compile: 10 minutes on a CPU")
+    assert cpu.first == 360.0
+    assert cpu.deadline("rollout") == (
+        360.0,
+        "the first rollout may compile: --engine_timeout_minutes 1 + 5 minutes on a CPU",
+    )
+    assert cpu.start_failed("engine 1 of 2") == (
+        "engine 1 of 2 did not start in 6 minutes (its start may compile: --engine_timeout_minutes 1 + 5 minutes on a "
+        "CPU): stopped it"
+    )
+    assert cpu.stated() == (
+        "engine deadlines: its start and the first weight push, rollout and evaluation 6 minutes each "
+        "(--engine_timeout_minutes 1 + 5 for vLLM's first compile on a CPU); a later call 1, or 10 times the slowest of "
+        "its kind so far if longer"
+    )
     cpu.answered("rollout", 120.0)  # compiling: not the pace
     assert cpu.deadline("rollout") == (60.0, "--engine_timeout_minutes 1")
     for seconds in (4.0, 7.5, 5.0):
         cpu.answered("rollout", seconds)
     expected = "10 x the slowest rollout so far, 7.50 s, more than --engine_timeout_minutes 1"
     assert cpu.deadline("rollout") == (75.0, expected)
-    assert cpu.deadline("weight push")[0] == 600.0 and cpu.deadline("evaluation")[0] == 600.0
+    assert cpu.deadline("weight push")[0] == 360.0 and cpu.deadline("evaluation")[0] == 360.0
     cpu.answered("weight push", 30.0)
     cpu.answered("weight push", 0.05)
     assert cpu.deadline("weight push") == (60.0, "--engine_timeout_minutes 1")  # 0.5 s: the flag's is longer
     gpu = plumbing.engine._Deadlines(timeout_minutes=5.0, on_gpu=True)
-    assert gpu.deadline("evaluation") == (1800.0, "the first evaluation may compile: 30 minutes on a GPU")
-    assert plumbing.engine._Deadlines(timeout_minutes=45.0, on_gpu=True).first == 2700.0  # the flag's, longer
+    expected = (2100.0, "the first evaluation may compile: --engine_timeout_minutes 5 + 30 minutes on a GPU")
+    assert gpu.deadline("evaluation") == expected
+    assert (
+        plumbing.engine._Deadlines(timeout_minutes=0.5, on_gpu=True).first == 1830.0
+    )  # the flag's counts, however short
     # a call in flight is overdue once past its deadline; one that raised is not the pace
     with cpu.call("weight push", 7):
         call = cpu.open
@@ -614,17 +637,20 @@ def test_a_failure_of_the_generation_thread_is_raised_once_with_its_traceback():
 
 def test_the_engines_start_has_a_deadline():
     """plumbing.engine._StopSignals.start_deadline, around the engine's start in Engine.start: a start that takes
-    longer (a stopped process here) ends the run at once with one line and status 1, killing what it started, as SIGTERM
-    does while starting. In a process of its own: it kills its process's children. (_StopSignals is private: its
-    deadline is what is tested.)"""
+    longer than the flag's minutes and the compile's (a stopped process here; both made short) ends the run at once
+    with one line and status 1, killing what it started, as SIGTERM does while starting. In a process of its own: it
+    kills its process's children. (_StopSignals and _Deadlines are private: the start's deadline is what is tested.)"""
     program = """
 import subprocess, sys, time
-from plumbing.engine import _StopSignals
+import plumbing.engine
+from plumbing.engine import _Deadlines, _StopSignals
 
+plumbing.engine._COMPILE_MINUTES["CPU"] = 0.03  # 1.8 s, and the flag's 1.2 s: 3 s
+deadlines = _Deadlines(timeout_minutes=0.02, on_gpu=False)
 signals = _StopSignals()
 engine = subprocess.Popen(["sleep", "60"])
 print(engine.pid, flush=True)
-with signals.start_deadline(3.0, "its start may compile"):
+with signals.start_deadline(deadlines.first, "error: " + deadlines.start_failed("engine 1 of 2") + "; no checkpoint"):
     time.sleep(60)
 """
     proc = subprocess.Popen(
@@ -635,6 +661,336 @@ with signals.start_deadline(3.0, "its start may compile"):
     _, stderr = proc.communicate(timeout=60)
     assert proc.returncode == 1 and 2.5 < time.time() - started < 3 + PROMPTLY, stderr
     assert stderr.strip().splitlines()[-1] == (
-        "error: the engine did not start in 0.05 minutes (its start may compile): stopped it"
+        "error: engine 1 of 2 did not start in 0.05 minutes (its start may compile: --engine_timeout_minutes 0.02 + "
+        "0.03 minutes on a CPU): stopped it; no checkpoint"
     )
     assert not psutil.pid_exists(engine) or psutil.Process(engine).status() == psutil.STATUS_ZOMBIE
+
+
+class RecordingLLM:
+    """A stand-in for one of several vLLM engines (Engine.around drives it as it drives vLLM's LLM): its generate
+    answers each prompt with `n` completions that record which engine made them, from which prompt and with which
+    seed; `hold`: it waits for that event first (a frozen engine, until the test lets it go)."""
+
+    def __init__(self, index: int, hold=None):
+        self.index, self.hold = index, hold
+
+    def generate(self, prompts, params, use_tqdm=False):
+        from types import SimpleNamespace
+
+        if self.hold is not None:
+            self.hold.wait(timeout=60)
+        return [
+            SimpleNamespace(
+                outputs=[
+                    SimpleNamespace(token_ids=[prompt["prompt_token_ids"][0], param.seed, self.index], logprobs=None)
+                    for _ in range(param.n)
+                ]
+            )
+            for prompt, param in zip(prompts, params)
+        ]
+
+
+def test_several_engines_give_back_completions_in_prompt_order_each_prompt_with_its_own_seed():
+    """Engine.generate over 3 engines (fakes), through the files' `generate` (the same text in the three): 7 prompts
+    cut into contiguous parts of 3, 2 and 2, each engine generating its part, and the completions put back in the
+    prompts' order, each with its prompt's own seed whichever engine made it; 2 prompts leave the third engine idle."""
+    import online_dpo_async as dpo
+
+    engine = plumbing.Engine.around([RecordingLLM(i) for i in range(3)], buckets=[None] * 3)
+    prompts, seeds = [[100 + i, 7] for i in range(7)], [1000 + 3 * i for i in range(7)]
+    responses, _ = dpo.generate(engine, prompts, 2, 1.0, 8, eos=2, seeds=seeds)
+    assert responses == [
+        [100 + i, 1000 + 3 * i, engine] for i, engine in enumerate([0, 0, 0, 1, 1, 2, 2]) for _ in "ab"
+    ]
+    responses, _ = dpo.generate(engine, prompts[:2], 1, 1.0, 8, eos=2, seeds=seeds[:2])
+    assert responses == [[100, 1000, 0], [101, 1003, 1]]
+    assert engine.busy == set()
+
+
+def test_the_engine_that_froze_is_named_of_how_many():
+    """A rollout over two engines past its deadline (the flag's, 0.3 s, as for a call after the first): the line
+    names the engine that has not answered, not "the engines"; with both frozen, both. The trainer's look
+    (Engine.failed), which the generation thread, stuck in the engine, cannot take."""
+    import threading
+
+    from vllm import SamplingParams
+
+    for frozen in ([1], [0, 1]):
+        hold = threading.Event()
+        llms = [RecordingLLM(i, hold if i in frozen else None) for i in range(2)]
+        engine = plumbing.Engine.around(llms, buckets=[None] * 2)
+        engine.deadlines = plumbing.engine._Deadlines(timeout_minutes=0.005, on_gpu=False)
+        engine.deadlines.done["rollout"] = 1  # not the first: no compile's allowance
+
+        def rollout():
+            with engine.deadline("rollout", 12):
+                engine.generate(
+                    [{"prompt_token_ids": [5 + i]} for i in range(4)], [SamplingParams(seed=i) for i in range(4)]
+                )
+
+        generating = threading.Thread(target=rollout, daemon=True)
+        generating.start()
+        time.sleep(0.6)
+        line = engine.failed()
+        which = "engine 1 of 2" if frozen == [1] else "engines 0 and 1 of 2"
+        assert re.fullmatch(
+            rf"{which} froze: the rollout of step 12 had no answer in 0\.\d s, its deadline 0\.3 s "
+            r"\(--engine_timeout_minutes 0\.005\)",
+            line,
+        ), line
+        hold.set()
+        generating.join(timeout=10)
+
+
+def test_a_signal_while_the_final_evaluations_are_owed_stops_at_once_saying_no_checkpoint_can_be_written():
+    """After the last step rank 0 waits for the final evaluations (Engine.arrived_evaluations), where no checkpoint can
+    be written: a SIGTERM there, the engine frozen, stops the wait within the half second it polls, with 128 + 15 and
+    one line that says so and names the newest checkpoint; the engine failing there ends it with the failure's line."""
+    import queue
+    import threading
+    from types import SimpleNamespace
+
+    engine, children = sleeping_engine(1)
+    engine.processes = SimpleNamespace(is_main=True, zero_stage=0)
+    engine.signals = SimpleNamespace(received=[])
+    threading.Timer(0.3, lambda: engine.signals.received.append(signal.SIGTERM)).start()
+    started = time.monotonic()
+    with pytest.raises(SystemExit) as stopped, contextlib.redirect_stderr(io.StringIO()) as said:
+        engine.arrived_evaluations(queue.Queue(), wait=True)
+    assert stopped.value.code == 128 + signal.SIGTERM and time.monotonic() - started < 1.5
+    assert said.getvalue() == (
+        "SIGTERM: no checkpoint can be written while the final evaluations are owed, after the last step: stopping "
+        "now; resume from runs/r/checkpoints/step_000007 with --resume\n"
+    )
+    engine.signals.received.clear()
+    children[0].kill()
+    children[0].wait()
+    with pytest.raises(SystemExit) as stopped:
+        engine.arrived_evaluations(queue.Queue(), wait=True)
+    assert stopped.value.code == (
+        f"error: the engine died: its process VLLM::EngineCore (pid {children[0].pid}) ended (a crash prints its "
+        "traceback above; none: it was killed, e.g. by the out-of-memory killer); resume from "
+        "runs/r/checkpoints/step_000007 with --resume"
+    )
+
+
+SIGNALS_PROGRAM = """
+import os, signal, sys, time
+from plumbing.engine import _StopSignals
+
+if sys.argv[1] == "launcher":
+    os.environ["TORCHELASTIC_RUN_ID"] = "test"  # as accelerate's launcher (torchrun's agent) sets it
+signals = _StopSignals(speaks=sys.argv[2] == "0")
+signals.starting = False  # the engine is up
+os.kill(os.getpid(), signal.SIGTERM)
+time.sleep(0.2)
+os.kill(os.getpid(), signal.SIGTERM)  # a launcher's copy, or a second signal
+time.sleep(0.2)
+print(signals.received, flush=True)
+time.sleep(2.5)
+os.kill(os.getpid(), signal.SIGTERM)  # a second signal
+time.sleep(5)
+print("not stopped", flush=True)
+"""
+
+
+@pytest.mark.parametrize("under, rank", [("launcher", "0"), ("launcher", "1"), ("none", "0")])
+def test_a_launchers_copy_of_a_signal_is_not_a_second_one_and_only_rank_0_speaks(under, rank):
+    """SIGTERM to a job reaches each training process, and accelerate's launcher, which forwards it to each again: that
+    copy, within 2 s, is not the second signal that exits at once (it would, and the checkpoint the first promised
+    would not be written); a second signal after it still exits at once. Without a launcher, a second is one at once.
+    Only rank 0 says what it will do. (_StopSignals is private: the signals' handling is what is tested.)"""
+    proc = subprocess.run(
+        [sys.executable, "-c", SIGNALS_PROGRAM, under, rank], cwd=ROOT, capture_output=True, text=True, timeout=60
+    )
+    assert proc.returncode == -signal.SIGTERM
+    assert proc.stdout.splitlines() == ([f"[{signal.SIGTERM.value}]"] if under == "launcher" else [])
+    said = "\nSIGTERM: writing a checkpoint at the end of this step, then exiting\n"
+    assert proc.stderr == (said if rank == "0" else "")
+
+
+# ------------------------------------------------------------------------------------------ a training process lost
+def test_a_lost_training_process_is_named_of_how_many_and_said_by_one_process():
+    """plumbing.Processes.lost, by hand, with the processes' places (machine, pid) as each process gathers them at
+    start: an error of a collective that another process left names the dead ones on this machine (gone, or a zombie
+    not yet reaped), said by rank 0, or by the first process alive when rank 0 is among them; one on another machine,
+    or none dead, "stopped answering"; any other error is not a lost process."""
+    from types import SimpleNamespace
+
+    here = socket.gethostname()
+    gone, zombie, alive = (subprocess.Popen(["sleep", seconds]) for seconds in ("0", "0", "60"))
+    gone.wait()
+    while psutil.Process(zombie.pid).status() != psutil.STATUS_ZOMBIE:
+        time.sleep(0.05)
+    closed = RuntimeError(
+        "[/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:537] Read error [127.0.0.1]:20401: Connection reset by "
+        "peer. This is typically caused by a remote worker hanging or bugs in the application."
+    )
+
+    def lost(places, rank, error=closed):
+        processes = SimpleNamespace(places=places, accelerator=SimpleNamespace(process_index=rank))
+        return plumbing.Processes.lost(processes, error)
+
+    places = [(here, os.getpid()), (here, gone.pid), (here, alive.pid)]
+    assert lost(places, 0) == (f"training process 1 (pid {gone.pid}) of 3 died", True)
+    assert lost(places, 2) == (f"training process 1 (pid {gone.pid}) of 3 died", False)
+    places = [(here, zombie.pid), (here, alive.pid), (here, gone.pid), (here, os.getpid())]
+    named = f"training processes 0 (pid {zombie.pid}), 2 (pid {gone.pid}) of 4 died"
+    assert [lost(places, rank) for rank in (1, 3)] == [(named, True), (named, False)]
+    started = time.monotonic()
+    assert lost([(here, os.getpid()), ("elsewhere", gone.pid)], 0) == (
+        "a training process of 2 stopped answering (Read error [127.0.0.1]:20401: Connection reset by peer)",
+        True,
+    )
+    assert 3 <= time.monotonic() - started < 10  # it looked for a dying one for 3 s
+    assert lost(places, 0, RuntimeError("CUDA out of memory")) is None
+    assert lost([(here, os.getpid())], 0) is None  # one process: no other to lose
+    alive.kill()
+    zombie.wait()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def lose_rank_1(rank: int, port: int, out: str) -> None:
+    """One of two training processes (gloo, as `accelerate launch --num_processes 2` on a CPU sets them up): rank 1
+    dies at once after the start, as the out-of-memory killer leaves a process; rank 0, in the training loop (the
+    engine's context), waits in its next collective, and writes what the run's last line is."""
+    from types import SimpleNamespace
+
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", LOCAL_WORLD_SIZE="2")
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), ACCELERATE_USE_CPU="true")
+    args = plumbing.RunArgs(dtype="float32", collective_timeout_minutes=1)
+    processes = plumbing.Processes(args, local_micro_batch_size=1, gradient_accumulation_steps=1, max_grad_norm=None)
+    if rank == 1:
+        os._exit(9)
+    engine = plumbing.Engine.around(llms=[], buckets=[])
+    engine.processes = processes
+    engine.folder = SimpleNamespace(last_checkpoint="runs/r/checkpoints/step_000008")
+    try:
+        with engine:
+            time.sleep(1)
+            processes.broadcast("the next rollout")
+    except SystemExit as stopped:
+        Path(out).write_text(json.dumps({"code": stopped.code, "cause": repr(stopped.__cause__)}))
+
+
+def test_a_training_process_that_dies_leaves_one_line_from_rank_0_naming_it_and_the_checkpoint():
+    """Real gloo: rank 1 of 2 gone, rank 0's broadcast fails with gloo's "Connection closed by peer", which ends the
+    run with one line (no traceback of the collective, whose error it replaces) naming the process and the checkpoint
+    to resume from."""
+    import multiprocessing
+
+    context, port = multiprocessing.get_context("spawn"), free_port()
+    with tempfile.TemporaryDirectory() as folder:
+        out = os.path.join(folder, "rank0.json")
+        ranks = [context.Process(target=lose_rank_1, args=(rank, port, out)) for rank in (0, 1)]
+        for process in ranks:
+            process.start()
+        ranks[1].join(timeout=120)
+        ranks[0].join(timeout=120)
+        assert [process.exitcode for process in ranks] == [0, 9]
+        said = json.loads(Path(out).read_text())
+    assert said == {
+        "code": f"error: training process 1 (pid {ranks[1].pid}) of 2 died; resume from runs/r/checkpoints/step_000008 "
+        "with --resume",
+        "cause": "None",
+    }
+
+
+def run_and_act(argv: list[str], log: Path, act, env: dict | None = None) -> tuple[int, float, list[int]]:
+    """Run `argv` from the repository root, in a session of its own, its output in `log`, calling `act(proc)` every
+    0.1 s while it runs (up to 400 s); returns its exit code, the time it exited and the processes it started that
+    are still alive 15 s after. Whatever happens, the session and every process it started are killed after."""
+    with open(log, "w") as output:
+        proc = subprocess.Popen(
+            argv,
+            cwd=ROOT,
+            stdout=output,
+            stderr=subprocess.STDOUT,
+            env={**os.environ, **(env or {})},
+            start_new_session=True,
+        )
+    family = {}
+    try:
+        deadline = time.time() + 400
+        while proc.poll() is None and time.time() < deadline:
+            with contextlib.suppress(psutil.Error):
+                for process in psutil.Process(proc.pid).children(recursive=True):
+                    family[(process.pid, process.create_time())] = process.name()
+            act(proc)
+            time.sleep(0.1)
+        code, exited = proc.wait(timeout=60), time.time()
+        while alive(list(family)) and time.time() < exited + 15:
+            time.sleep(0.2)
+        return code, exited, alive(list(family))
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        kill_all(list(family))
+
+
+@pytest.mark.slow
+def test_a_training_process_killed_mid_run_leaves_rank_0_s_line_naming_it_and_the_newest_checkpoint(tmp_path):
+    """Two training processes (configs/cpu_2proc.yaml), checkpointed every 4 steps; rank 1 killed (SIGKILL, as the
+    out-of-memory killer does) once step 6 is logged. Rank 0's last line names it, of 2, and the run folder's newest
+    checkpoint, with no traceback of its own about the closed connection; no process is left. (What the
+    launcher prints after it, its summary of the failed ranks, is accelerate's.)"""
+    run, log = tmp_path / "run", tmp_path / "output.log"
+    launch = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", "configs/cpu_2proc.yaml"]
+    flags = [*SMALL[:2], "--local_micro_batch_size", "4", *SMALL[4:], "--save_freq", "4", "--output_dir", str(run)]
+    killed = []
+
+    def kill_rank_1(proc) -> None:
+        metrics = run / "metrics.jsonl"
+        if not killed and metrics.exists() and metrics.read_text().count('"async/lag"') >= 6:
+            ranks = [p for p in psutil.Process(proc.pid).children() if "online_dpo_async.py" in p.cmdline()]
+            killed.append(next(p for p in ranks if p.environ().get("RANK") == "1"))
+            killed[0].kill()
+
+    launched = [*launch, "online_dpo_async.py", *flags]
+    code, _, left = run_and_act(launched, log, kill_rank_1, {"ACCELERATE_USE_CPU": "1"})
+    output = log.read_text()
+    assert code != 0 and killed, output[-4000:]
+    ours = [line for line in output.splitlines() if line.startswith("error: ")]
+    newest = sorted((run / "checkpoints").iterdir())[-1]  # step 4's, or 8's if step 7 ended before the kill
+    # the launcher sends rank 0 SIGTERM as it sees rank 1 gone, often before rank 0's collective fails
+    signalled = ": the checkpoint the stop signal asked for cannot be written without it"
+    assert len(ours) == 1 and re.fullmatch(
+        rf"error: training process 1 \(pid {killed[0].pid}\) of 2 died({signalled})?; resume from {newest} with "
+        "--resume",
+        ours[0],
+    ), output[-4000:]
+    before_launcher = output[: output.index(ours[0])]
+    assert "Traceback" not in before_launcher and "Connection" not in before_launcher, output[-4000:]
+    assert newest.name in ("step_000004", "step_000008") and left == []
+
+
+@pytest.mark.slow
+def test_a_sigterm_while_the_final_evaluation_waits_on_a_frozen_engine_stops_at_once(tmp_path):
+    """The engine frozen (SIGSTOP) in the final evaluation, after the last step, where no checkpoint can be written;
+    SIGTERM 2 s later: the run stops within PROMPTLY (the wait polls every half second), not at the evaluation's
+    deadline (5 minutes), with 143 and a last line that says no checkpoint can be written and names the newest one;
+    no process is left."""
+    run, log = tmp_path / "run", tmp_path / "output.log"
+    argv = [sys.executable, "tests/fault_launcher.py", "freeze_evaluation:16", "online_dpo_async.py", *SMALL_RUN]
+    sent = []
+
+    def stop_once_frozen(proc) -> None:
+        if not sent and "injected test fault in the engine" in log.read_text():
+            time.sleep(2)
+            proc.send_signal(signal.SIGTERM)
+            sent.append(time.time())
+
+    code, exited, left = run_and_act([*argv, "--save_freq", "4", "--output_dir", str(run)], log, stop_once_frozen)
+    output = log.read_text()
+    assert sent and code == 128 + signal.SIGTERM and exited - sent[0] < PROMPTLY, output[-4000:]
+    assert output.strip().splitlines()[-1] == (
+        "SIGTERM: no checkpoint can be written while the final evaluations are owed, after the last step: stopping "
+        f"now; resume from {run}/checkpoints/step_000012 with --resume"
+    )
+    assert "Traceback" not in output and left == []

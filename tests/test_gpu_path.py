@@ -638,3 +638,21 @@ def test_a_layer_of_experts_is_one_load_unit_whatever_its_experts_numbers():
         {"model.layers.1"},
         {"model.norm", "lm_head"},
     ]
+
+
+def test_engines_on_gpus_of_their_own_get_their_share_from_each_gpu_s_free_memory(monkeypatch):
+    """engine_shares with two engines on GPUs 6 and 7 of their own beside rank 0's GPU 0 (each GPU's free memory its
+    own, as torch.cuda.mem_get_info reads it): the engine on GPU 7, all 80 GiB free, gets vLLM's 0.9; the one on GPU 6,
+    50 GiB free (another process holds 30), (50 - 1 - 2 - 4) / 80 = 0.5375: 0.53, by hand; neither gets rank 0's 20
+    GiB free. Rank 0's GPU is checked against its own: with 15 GiB free it cannot take training's 12 GiB and the 4
+    kept, though the engines' GPUs could."""
+    gib = 2**30
+    free = {0: 20 * gib, 6: 50 * gib, 7: 80 * gib}
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (free[device], 80 * gib))
+    to_come = {"optimizer state": 8 * gib, "gradients": 4 * gib}
+    placements = [Placement("6", False, 6, None), Placement("7", False, 7, None)]
+    shares, totals = engine_shares(placements, to_come, gib)
+    assert [placement.memory_utilization for placement in shares] == [0.53, 0.9] and totals == [80 * gib] * 2
+    free[0] = 15 * gib
+    with pytest.raises(plumbing.UsageError, match=r"^rank 0's GPU has 15.0 GiB free once the models are loaded"):
+        engine_shares(placements, to_come, gib)

@@ -362,3 +362,29 @@ def test_docs_show_the_no_robots_layouts_side_by_side():
     shown = plan.summary(plan.plans(commands, H100, None), H100)
     heading = "`VLLM_NUM_ENGINES=2 DRY_RUN=1 bash benchmark/no_robots.sh | python benchmark/plan.py`:"
     assert f"{heading}\n\n{shown}\n" in (ROOT / "docs" / "reproducing.md").read_text()
+
+
+def test_a_float32_run_plans_a_float32_engine():
+    """--vllm_dtype auto is the trainer's dtype (plumbing.Processes): a --dtype float32 run's engine holds float32
+    weights, 4 bytes a parameter, in the memory plan's snapshots (3 at async level 1, each pinned block rounded up to a
+    power of two) and in the run plan's engine (its weights beside the KV cache); --vllm_dtype overrides it. Pythia-1b,
+    1,011,781,632 parameters, one engine of its own at 0.7 of 79 GiB."""
+    import math
+
+    P = 1_011_781_632
+    command = (
+        "accelerate launch --num_processes 4 online_dpo_async.py --sft_model_path mnoukhov/pythia1b-sft-tldr"
+        " --reward_model_path mnoukhov/pythia1b-rm-tldr6.9b --max_prompt_length 512 --response_length 53"
+        " --total_episodes 131072 --local_micro_batch_size 8 --vllm_gpu_memory_utilization 0.7"
+    )
+    for flags, engine_bytes in [
+        ("", 2),  # auto on GPUs: bf16
+        ("--dtype float32", 4),
+        ("--dtype float32 --vllm_dtype bfloat16", 2),
+        ("--vllm_dtype float32", 4),
+    ]:
+        words = f"{command} {flags}".split()
+        assert memory.read_command(words).engine_bytes == engine_bytes, flags
+        host = memory.plan(words, int(79 * GIB), None)["host"]
+        assert host == {"weight snapshots, pinned (3)": 3 * 2 ** math.ceil(math.log2(engine_bytes * P))}, flags
+        assert plan.make_plan(words, H100, None).kv_cache == int(0.7 * 79 * GIB) - engine_bytes * P - 2 * GIB, flags

@@ -390,6 +390,7 @@ def test_checkpoints_are_written_whole_or_not_at_all_and_the_oldest_deleted(tmp_
     with pytest.raises(OSError, match="injected test fault"):
         run_folder._save_checkpoint(accelerator, str(tmp_path), progress, owed, keep=2)
     assert not (tmp_path / "checkpoints" / "step_000008").exists()
+    (tmp_path / "args.json").write_text(json.dumps({"world_size": 1}))  # the run's, which a resume checks
     assert run_folder._checkpoint_to_resume(str(tmp_path), {}, True, 1) == str(newest)
     args_json = tmp_path / "args.json"
     args_json.write_text("the run's flags")

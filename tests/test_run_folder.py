@@ -62,7 +62,7 @@ def write_checkpoint(output_dir: Path, step: int) -> Path:
 
 def resumable(output_dir: Path) -> dict:
     """The flags of a run in `output_dir` that --resume continues, and its args.json."""
-    flags = vars(dpo.Args(output_dir=str(output_dir), resume=True))
+    flags = vars(dpo.Args(exp_name="online_dpo_async", output_dir=str(output_dir), resume=True))
     (output_dir / "args.json").write_text(json.dumps({**flags, "world_size": 1}))
     return flags
 
@@ -141,6 +141,38 @@ def test_with_no_intact_checkpoint_resume_says_how_to_start_over(tmp_path):
     assert _checkpoint_to_resume(str(tmp_path), flags, True, world_size=1) is None  # as it says: step 0
 
 
+# (what a copy, a disk or a hand left as the newest checkpoint, what --resume says of it)
+UNFINISHED = [
+    ("an empty folder", "it is empty: made, never written"),
+    ("a copy cut short: two files", "it has neither a whole format.json nor manifest.json: not finished, or copied in part"),
+    ("format.json cut off, no manifest", "it has neither a whole format.json nor manifest.json: not finished, or copied in part"),
+    ("format.json, no manifest", "manifest.json is missing: it is written last, and the checkpoint was not finished"),
+    ("a file", "it is a file, not a checkpoint's folder"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("what, said", UNFINISHED)
+def test_an_empty_or_half_copied_newest_checkpoint_is_named_and_skipped(what, said, tmp_path, capsys):
+    """A checkpoint folder that no finished save left: named with what it holds, and the run continues from the newest
+    intact one, not refused as another version's."""
+    flags = resumable(tmp_path)
+    older = write_checkpoint(tmp_path, 4)
+    newest = tmp_path / "checkpoints" / "step_000008"
+    if what == "a file":
+        newest.write_text("step 8\n")
+    else:
+        newest.mkdir()
+    if what.startswith("a copy"):
+        shutil.copy(older / "model.safetensors", newest)
+        shutil.copy(older / "optimizer.bin", newest)
+    if what.startswith("format.json"):
+        (newest / "format.json").write_text('{"format": 4}' if what == "format.json, no manifest" else '{"for')
+    assert _checkpoint_to_resume(str(tmp_path), flags, True, world_size=1) == str(older)
+    assert capsys.readouterr().out.splitlines() == [
+        f"--resume: {newest} is damaged ({said}; delete it): continuing from the newest intact one, {older}"
+    ]
+
+
 def test_checkpoints_of_older_formats_are_refused_not_skipped(tmp_path):
     """Format 3 and before had no manifest: such a checkpoint is another version's, refused as before, not taken
     for a damaged one of this version."""
@@ -179,6 +211,115 @@ def test_a_real_checkpoint_has_a_manifest_written_last_and_no_temporary_folder(t
     assert list((tmp_path / "checkpoints").iterdir()) == [path]
 
 
+def run_folder(output_dir: Path, resume: bool = True):
+    """plumbing.RunFolder as the three files make it, before any model loads: rank 0's checks of the folder (one
+    process), its lock released at once."""
+    import plumbing
+
+    args = dpo.Args(exp_name="online_dpo_async", output_dir=str(output_dir), resume=resume, save_freq=4)
+    processes = plumbing.Processes(args, local_micro_batch_size=1, gradient_accumulation_steps=1, max_grad_norm=None)
+    folder = plumbing.RunFolder(args, processes, trained=[args.sft_model_path], async_level=1)
+    folder.close()
+    return folder
+
+
+def test_files_a_kill_left_half_written_are_never_read_and_removed_on_resume(tmp_path, capsys):
+    """A run killed while it wrote its step-8 checkpoint, args.json and an evaluation's completions leaves their
+    temporary files (each written under *.tmp, then renamed): no resume reads them (the step-8 checkpoint, whole but
+    for its manifest, is not taken for one), and a --resume removes them before it goes on, in one line."""
+    flags = resumable(tmp_path)
+    (tmp_path / "metrics.jsonl").write_text(json.dumps({"step": 0, "episode": 8}) + "\n")
+    older = write_checkpoint(tmp_path, 4)
+    shutil.copytree(older, tmp_path / "checkpoints" / "step_000008.tmp")
+    (tmp_path / "checkpoints" / "step_000008.tmp" / "manifest.json").unlink()
+    (tmp_path / "args.json.tmp").write_text(json.dumps(flags)[:50])
+    (tmp_path / "eval_completions").mkdir()
+    (tmp_path / "eval_completions" / "step_000008.jsonl.tmp").write_text('{"step": 8, "prom')
+    assert _checkpoint_to_resume(str(tmp_path), flags, True, world_size=1) == str(older)
+    folder = run_folder(tmp_path)
+    assert folder.checkpoint == str(older)
+    assert capsys.readouterr().out.splitlines() == [
+        "--resume: removed args.json.tmp, checkpoints/step_000008.tmp, eval_completions/step_000008.jsonl.tmp, left "
+        "half-written by a run killed while writing it"
+    ]
+    assert sorted(str(p.relative_to(tmp_path)) for p in tmp_path.rglob("*.tmp")) == []
+    assert (tmp_path / "metrics.jsonl").exists() and (older / "manifest.json").exists()  # the rest as it was
+
+
+def test_a_full_disk_removes_what_it_left_half_written_and_names_the_checkpoint_to_resume_from(tmp_path):
+    """RunFolder.writing, around every write of the run: an error of a full disk (ENOSPC) removes the temporary files
+    (a checkpoint half-written, args.json's), so that the space is free for the --resume it names."""
+    folder = run_folder(tmp_path, resume=False)
+    folder.last_checkpoint = str(tmp_path / "checkpoints" / "step_000004")
+    (tmp_path / "checkpoints" / "step_000008.tmp").mkdir(parents=True)
+    (tmp_path / "checkpoints" / "step_000008.tmp" / "model.safetensors").write_bytes(b"\0" * 100)
+    (tmp_path / "args.json.tmp").write_text("{")
+    with pytest.raises(UsageError) as stopped, folder.writing("checkpoints/step_000008"):
+        raise OSError(errno.ENOSPC, "No space left on device")
+    assert str(stopped.value) == (
+        f"no space left on the device of --output_dir {tmp_path} (writing checkpoints/step_000008): free some, and "
+        f"--resume continues from {tmp_path}/checkpoints/step_000004"
+    )
+    assert list(tmp_path.rglob("*.tmp")) == []
+    with pytest.raises(ValueError), folder.writing("metrics.jsonl"):  # any other error: as it was, nothing removed
+        (tmp_path / "policy.tmp").mkdir()
+        raise ValueError("not a disk's")
+    assert (tmp_path / "policy.tmp").exists()
+
+
+# ------------------------------------------------------------------------------------------ args.json
+@pytest.mark.parametrize(
+    "content, problem",
+    [
+        ("cut", "does not parse (line {line}: Unterminated string starting at)"),
+        ("[]", "is a JSON array, not an object of flags"),
+        ("folder", "cannot be read (Is a directory)"),
+    ],
+)
+def test_a_damaged_args_json_is_named_before_any_model_loads(content, problem, tmp_path):
+    flags = resumable(tmp_path)
+    write_checkpoint(tmp_path, 4)
+    text = json.dumps(flags, indent=2)
+    (tmp_path / "args.json").unlink()
+    if content == "cut":
+        (tmp_path / "args.json").write_text(text[: text.index('"seed"') + 3])
+    elif content == "folder":
+        (tmp_path / "args.json").mkdir()
+    else:
+        (tmp_path / "args.json").write_text(content)
+    line = text[: text.index('"seed"')].count("\n") + 1
+    with pytest.raises(UsageError) as error:
+        _checkpoint_to_resume(str(tmp_path), flags, True, world_size=1)
+    assert str(error.value) == (
+        f"--resume: {tmp_path / 'args.json'} {problem.format(line=line)}: it holds the run's flags, which a resume must "
+        "match; restore it from a copy, or start the run again in another --output_dir"
+    )
+
+
+def test_a_run_without_its_args_json_gets_the_same_line_with_resume_and_without(tmp_path):
+    """Its logs or checkpoints say it holds a run, whose flags are lost: "leave out --resume" and then "pass --resume"
+    would send the user in a circle. A folder that holds nothing of a run is no run to --resume (RunFolder.claim)."""
+    flags = resumable(tmp_path)
+    (tmp_path / "args.json").unlink()
+    line = (
+        f"--output_dir {tmp_path} holds a run (its metrics or checkpoints) but not its args.json, which holds the flags "
+        "a resume must match: restore args.json to --resume it, or choose another --output_dir"
+    )
+    for holds in ("metrics", "checkpoint"):
+        if holds == "metrics":
+            (tmp_path / "metrics.jsonl").write_text(json.dumps({"step": 0, "episode": 8}) + "\n")
+        else:
+            (tmp_path / "metrics.jsonl").unlink()
+            write_checkpoint(tmp_path, 4)
+        for resume in (True, False):
+            with pytest.raises(UsageError) as error:
+                _checkpoint_to_resume(str(tmp_path), {**flags, "resume": resume}, resume, world_size=1)
+            assert str(error.value) == line
+    shutil.rmtree(tmp_path / "checkpoints")
+    with pytest.raises(UsageError, match=r"holds no run \(no args.json\): check the folder, or leave out --resume"):
+        run_folder(tmp_path)
+
+
 # ------------------------------------------------------------------------------------------ metrics.jsonl
 def test_a_cut_off_last_line_of_the_metrics_is_dropped_and_an_earlier_bad_line_refused(tmp_path):
     metrics = tmp_path / "metrics.jsonl"
@@ -194,6 +335,53 @@ def test_a_cut_off_last_line_of_the_metrics_is_dropped_and_an_earlier_bad_line_r
         f"--resume: {metrics} line 2 is not JSON (Expecting property name enclosed in double quotes): mend or delete it"
     )
     assert _metrics_lines(str(tmp_path / "none.jsonl")) == ([], None)
+    metrics.write_text("".join(line + "\n" for line in lines))  # whole: every line kept, the last too
+    assert _metrics_lines(str(metrics)) == (lines, None)
+
+
+def test_a_resume_keeps_a_whole_last_line_and_exactly_the_evaluations_its_checkpoint_logged(tmp_path):
+    """A run stopped after logging steps 0 to 5, resumed from its step-4 checkpoint, whose Progress had logged the
+    evaluations of versions 0 and 4: the evaluation of version 2, logged after that checkpoint was written (an
+    evaluation arrives late), is dropped though its version is before step 4, as the resumed run logs it again; the
+    whole last line, step 3's, is kept (only a line cut off is dropped)."""
+    steps = [{"step": step, "episode": 8 * (step + 1), "async/lag": 1} for step in range(4)]
+    evaluations = {v: {"step": v, "episode": 8 * v, "eval/win_rate": 0.5} for v in (0, 2, 4)}
+    lines = [steps[0], evaluations[0], steps[1], steps[2], evaluations[2], evaluations[4], steps[3]]
+    metrics = tmp_path / "metrics.jsonl"
+    metrics.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    _keep_metrics_before(str(metrics), start_step=4, evals_logged={0, 4})
+    kept = [json.loads(line) for line in metrics.read_text().splitlines()]
+    assert kept == [steps[0], evaluations[0], steps[1], steps[2], evaluations[4], steps[3]]
+
+
+@pytest.mark.parametrize(
+    "line, what",
+    [
+        ('["step", 1]', "a JSON array"),
+        ('{"note": "restarted by hand"}', "an object without an integer step"),
+        ('{"step": "1", "episode": 32}', "an object without an integer step"),
+        ("7", "a JSON number"),
+    ],
+)
+def test_a_metrics_line_that_is_json_but_not_a_metrics_record_is_refused_naming_it(line, what, tmp_path):
+    """Where it stands, the last line too: a resume keeps the lines before its checkpoint by their step, and a line
+    that has none would be a KeyError after the engine started."""
+    metrics = tmp_path / "metrics.jsonl"
+    records = [json.dumps({"step": s, "episode": 16 * (s + 1)}) for s in range(3)]
+    for number in (2, 4):
+        metrics.write_text("\n".join([*records[: number - 1], line, *records[number - 1 :]][:number]) + "\n")
+        with pytest.raises(UsageError) as error:
+            _metrics_lines(str(metrics))
+        assert str(error.value) == (
+            f"--resume: {metrics} line {number} is not a metrics record (a JSON object with its step), it is {what}: "
+            "mend or delete it"
+        )
+    metrics.unlink()
+    metrics.mkdir()
+    with pytest.raises(
+        UsageError, match=rf"^--resume: {metrics} cannot be read \(Is a directory\): mend or delete it$"
+    ):
+        _metrics_lines(str(metrics))
 
 
 # ------------------------------------------------------------------------------------------ the lock
