@@ -595,7 +595,7 @@ def test_each_split_says_once_how_many_prompts_it_has_and_from_which_files(tmp_p
     split_of(str(TINY / "data"), "test", evaluation=True, dataset_eval_file=train)
     import online_dpo_async as dpo
 
-    folder_name, columns = str(TINY / "data"), dpo.TASK_COLUMNS["tiny"]
+    folder_name, columns = str(TINY / "data"), dpo.TASKS["tiny"].columns
     load_split(folder_name, None, "test", columns, "tiny", evaluation=True, eval_file=train, num_prompts=2)
     assert capsys.readouterr().out.splitlines() == [
         f"train: 3 prompts from {train}",
