@@ -4,6 +4,7 @@ engine's), what each part takes, from a script's command line and its accelerate
     python benchmark/memory.py -- accelerate launch --config_file configs/deepspeed_zero3.yaml --num_processes 7 \\
         online_dpo_async.py --sft_model_path models/llama-3.1-8b-sft-no-robots ...
     DRY_RUN=1 bash benchmark/no_robots.sh | python benchmark/memory.py     # every experiment of a benchmark script
+    python benchmark/memory.py --scripts_page benchmark/plans/memory.md    # every benchmark script's, as one page
 
 A model's parameters are counted from its config.json (a local folder), else from the architecture its name names
 (ARCHITECTURES: the paper's Pythia, Llama 3.1 8B and Rho-1B models), built on the meta device. The parts follow the
@@ -23,7 +24,9 @@ forward of --local_rollout_forward_batch_size sequences. A GPU fits when its tot
 import argparse
 import dataclasses
 import importlib
+import os
 import shlex
+import subprocess
 import sys
 from pathlib import Path
 from types import ModuleType
@@ -300,12 +303,60 @@ def plans(lines: list[str], gpu_bytes: int, gpus: int | None) -> list[tuple[list
     return [(names, text, fits) for (text, fits), names in grouped.items()]
 
 
+# == The plans of every benchmark script, as a page of their own ==============================================
+BENCHMARKS = ("tldr", "no_robots", "gsm8k")
+
+
+def script_commands(bench: str, **env: str) -> list[str]:
+    """The command lines benchmark/<bench>.sh runs, as it prints them with DRY_RUN=1 (and `env`'s variables)."""
+    proc = subprocess.run(
+        ["bash", f"benchmark/{bench}.sh"],
+        cwd=ROOT,
+        env={**os.environ, "DRY_RUN": "1", **env},
+        capture_output=True,
+        text=True,
+    )
+    if proc.returncode != 0:
+        raise SystemExit(f"error: DRY_RUN=1 bash benchmark/{bench}.sh failed: {proc.stderr.strip()}")
+    return proc.stdout.splitlines()
+
+
+def write_page(path: Path, text: str) -> None:
+    """`text` to `path`, whole or not at all (a temporary file beside it, renamed)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    temporary = path.with_name(path.name + ".tmp")
+    temporary.write_text(text)
+    temporary.replace(path)
+
+
+def scripts_page(gpu_bytes: int) -> str:
+    """The memory plan of every experiment of every benchmark script, a section per script (docs/reproducing.md
+    links it and says what the plans show)."""
+    sections = [
+        "# Memory plans of the benchmark scripts",
+        "",
+        "Written by `python benchmark/memory.py --scripts_page benchmark/plans/memory.md` from each script's",
+        f"commands (`DRY_RUN=1`), GPUs of {gpu_bytes / GIB:g} GiB; what the plans show and why the scripts set what",
+        "they set: [docs/reproducing.md](../../docs/reproducing.md#memory-plans). A test fails when this page",
+        "differs from what the tool writes today.",
+    ]
+    for bench in BENCHMARKS:
+        results = plans(script_commands(bench), gpu_bytes, None)
+        shown = "\n".join(f"{', '.join(f'`{name}`' for name in names)}:\n\n{text}\n" for names, text, _ in results)
+        sections += ["", f"## {bench}.sh", "", shown.strip()]
+    return "\n".join(sections) + "\n"
+
+
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--gpu_gib", type=float, default=79.0, help="memory of each GPU (an H100 80GB: 79.0 GiB)")
     parser.add_argument("--gpus", type=int, default=None, help="GPUs of the node (default: training + engines x P)")
+    parser.add_argument("--scripts_page", type=Path, help="write every benchmark script's plans to this page")
     parser.add_argument("command", nargs=argparse.REMAINDER, help="after --: one command line (else: read from stdin)")
     options = parser.parse_args(argv)
+    if options.scripts_page:
+        write_page(options.scripts_page, scripts_page(int(options.gpu_gib * GIB)))
+        return 0
     command = options.command[1:] if options.command[:1] == ["--"] else options.command
     lines = [shlex.join(command)] if command else sys.stdin.read().splitlines()
     results = plans(lines, int(options.gpu_gib * GIB), options.gpus)

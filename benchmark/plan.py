@@ -6,6 +6,7 @@ docs/reproducing.md ("Run plans"); the memory of each GPU: benchmark/memory.py.
     python benchmark/plan.py -- accelerate launch --config_file configs/deepspeed_zero3.yaml --num_processes 7 \\
         online_dpo_async.py --sft_model_path models/llama-3.1-8b-sft-no-robots ...
     DRY_RUN=1 bash benchmark/no_robots.sh | python benchmark/plan.py     # every experiment of a benchmark script
+    python benchmark/plan.py --scripts_page benchmark/plans/runs.md      # every benchmark script's, as one page
 
 The engine's KV cache is vLLM's share of its GPU less the policy's weights in the engine's dtype and a reserve for the
 engine's activations and workspace (vLLM's profile forward, its sampler's logits, CUDA graphs, cuBLAS): vLLM's own
@@ -490,6 +491,34 @@ def summary(results: list[tuple[list[str], Plan, str]], hardware: Hardware) -> s
     return "\n".join(lines)
 
 
+def scripts_page(hardware: Hardware) -> str:
+    """The run plan of every experiment of every benchmark script, and of No Robots on two engines, under the
+    assumptions' table (docs/reproducing.md links it and says what the plans show)."""
+    sections = [
+        "# Run plans of the benchmark scripts",
+        "",
+        "Written by `python benchmark/plan.py --scripts_page benchmark/plans/runs.md` from each script's commands",
+        "(`DRY_RUN=1`); what the plans show, and the layouts compared by hand:",
+        "[docs/reproducing.md](../../docs/reproducing.md#run-plans). A test fails when this page differs from what",
+        "the tool writes today.",
+        "",
+        assumptions(hardware),
+    ]
+    variants = [(bench, {}) for bench in memory.BENCHMARKS] + [("no_robots", {"VLLM_NUM_ENGINES": "2"})]
+    for bench, env in variants:
+        shown = summary(plans(memory.script_commands(bench, **env), hardware, None), hardware)
+        prefix = "".join(f"{name}={value} " for name, value in env.items())
+        sections += [
+            "",
+            f"## {prefix}{bench}.sh",
+            "",
+            f"`{prefix}DRY_RUN=1 bash benchmark/{bench}.sh | python benchmark/plan.py`:",
+            "",
+            shown,
+        ]
+    return "\n".join(sections) + "\n"
+
+
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--gpu_gib", type=float, default=79.0, help="memory of each GPU (an H100 80GB: 79.0 GiB)")
@@ -500,6 +529,7 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--engine_reserve_gib", type=float, default=ENGINE_RESERVE_GIB, help="engine's workspace")
     parser.add_argument("--max_num_seqs", type=int, default=MAX_NUM_SEQS, help="vLLM's most sequences in flight")
     parser.add_argument("--block_size", type=int, default=BLOCK_SIZE, help="vLLM's KV block, tokens")
+    parser.add_argument("--scripts_page", type=Path, help="write every benchmark script's run plans to this page")
     parser.add_argument("command", nargs=argparse.REMAINDER, help="after --: one command line (else: read from stdin)")
     options = parser.parse_args(argv)
     hardware = Hardware(
@@ -511,6 +541,9 @@ def main(argv: list[str]) -> int:
         max_num_seqs=options.max_num_seqs,
         block_size=options.block_size,
     )
+    if options.scripts_page:
+        memory.write_page(options.scripts_page, scripts_page(hardware))
+        return 0
     command = options.command[1:] if options.command[:1] == ["--"] else options.command
     lines = [shlex.join(command)] if command else sys.stdin.read().splitlines()
     results = plans(lines, hardware, options.gpus)

@@ -244,8 +244,8 @@ def test_the_memory_plan_of_every_placement_by_hand(placement, tmp_path):
 
 @pytest.mark.parametrize("bench", ["tldr", "no_robots", "gsm8k"])
 def test_every_benchmark_experiment_fits_and_docs_show_its_plan(bench):
-    """Each command the benchmark script prints (DRY_RUN=1) fits its GPUs by the plan, and docs/reproducing.md shows
-    the plans as the tool prints them today."""
+    """Each command the benchmark script prints (DRY_RUN=1) fits its GPUs by the plan, and benchmark/plans/memory.md
+    shows the plans as the tool prints them today."""
     import memory
 
     commands = subprocess.run(
@@ -254,8 +254,23 @@ def test_every_benchmark_experiment_fits_and_docs_show_its_plan(bench):
     results = memory.plans(commands, int(79 * memory.GIB), None)
     assert results and all(fits for _, _, fits in results), [names for names, _, fits in results if not fits]
     shown = "\n".join(f"{', '.join(f'`{name}`' for name in names)}:\n\n{text}\n" for names, text, _ in results)
-    docs = (ROOT / "docs" / "reproducing.md").read_text()
-    assert f"#### {bench}.sh\n\n{shown.strip()}\n" in docs, f"docs/reproducing.md: the {bench}.sh plans changed"
+    page = (ROOT / "benchmark" / "plans" / "memory.md").read_text()
+    assert f"## {bench}.sh\n\n{shown.strip()}\n" in page, f"benchmark/plans/memory.md: the {bench}.sh plans changed"
+
+
+@pytest.mark.parametrize("tool, page", [("memory.py", "memory.md"), ("plan.py", "runs.md")])
+def test_the_planners_write_the_committed_plan_pages(tool, page, tmp_path):
+    """`--scripts_page` writes the page of every benchmark script's plans that the repository holds, byte for byte
+    (a changed script, model or formula without the page rewritten fails here), and leaves no temporary file."""
+    written = tmp_path / "plans" / page
+    proc = subprocess.run(
+        [sys.executable, f"benchmark/{tool}", "--scripts_page", str(written)], cwd=ROOT, capture_output=True, text=True
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert written.read_text() == (ROOT / "benchmark" / "plans" / page).read_text(), (
+        f"run: python benchmark/{tool} --scripts_page benchmark/plans/{page}"
+    )
+    assert [p.name for p in written.parent.iterdir()] == [page]
 
 
 def test_the_memory_plan_of_engines_of_their_own_by_hand():

@@ -199,16 +199,17 @@ def test_training_bound_online_dpo_is_told_how_many_samples_level_the_step():
 
 @pytest.mark.parametrize("bench", ["tldr", "no_robots", "gsm8k"])
 def test_docs_show_every_benchmark_experiments_run_plan(bench):
-    """docs/reproducing.md's run plans are the tool's summary of each benchmark script's commands (DRY_RUN=1), today,
-    and its assumptions table is the tool's."""
+    """benchmark/plans/runs.md's run plans are the tool's summary of each benchmark script's commands (DRY_RUN=1),
+    today, and its assumptions table, as docs/reproducing.md's, is the tool's."""
     commands = subprocess.run(
         ["bash", f"benchmark/{bench}.sh"], cwd=ROOT, env={**os.environ, "DRY_RUN": "1"}, capture_output=True, text=True
     ).stdout.splitlines()
     shown = plan.summary(plan.plans(commands, H100, None), H100)
-    docs = (ROOT / "docs" / "reproducing.md").read_text()
+    page = (ROOT / "benchmark" / "plans" / "runs.md").read_text()
     heading = f"`DRY_RUN=1 bash benchmark/{bench}.sh | python benchmark/plan.py`:"
-    assert f"{heading}\n\n{shown}\n" in docs, f"docs/reproducing.md: the {bench}.sh run plans changed"
-    assert f"{plan.assumptions(H100)}\n" in docs
+    assert f"{heading}\n\n{shown}\n" in page, f"benchmark/plans/runs.md: the {bench}.sh run plans changed"
+    assert f"{plan.assumptions(H100)}\n" in page
+    assert f"{plan.assumptions(H100)}\n" in (ROOT / "docs" / "reproducing.md").read_text()
 
 
 def test_docs_show_what_the_tool_prints_for_their_example():
@@ -351,7 +352,7 @@ def test_kv_heads_split_over_an_engine_s_gpus_or_copied():
 
 
 def test_docs_show_the_no_robots_layouts_side_by_side():
-    """docs/reproducing.md's No Robots plans at VLLM_NUM_ENGINES=2 are the tool's summary of no_robots.sh's commands."""
+    """benchmark/plans/runs.md's No Robots plans at VLLM_NUM_ENGINES=2 are the tool's summary of no_robots.sh's commands."""
     commands = subprocess.run(
         ["bash", "benchmark/no_robots.sh"],
         cwd=ROOT,
@@ -361,7 +362,7 @@ def test_docs_show_the_no_robots_layouts_side_by_side():
     ).stdout.splitlines()
     shown = plan.summary(plan.plans(commands, H100, None), H100)
     heading = "`VLLM_NUM_ENGINES=2 DRY_RUN=1 bash benchmark/no_robots.sh | python benchmark/plan.py`:"
-    assert f"{heading}\n\n{shown}\n" in (ROOT / "docs" / "reproducing.md").read_text()
+    assert f"{heading}\n\n{shown}\n" in (ROOT / "benchmark" / "plans" / "runs.md").read_text()
 
 
 def test_a_float32_run_plans_a_float32_engine():
