@@ -8,14 +8,14 @@ engine's), what each part takes, from a script's command line and its accelerate
 
 A model's parameters are counted from its config.json (a local folder), else from the architecture its name names
 (ARCHITECTURES: the paper's Pythia, Llama 3.1 8B and Rho-1B models), built on the meta device. The parts follow the
-code: the trained models' weights, gradients and AdamW state by ZeRO stage (plumbing.engine.trained_memory); the
+code: the trained models' weights, gradients and AdamW state by ZeRO stage (plumbing.placement.trained_memory); the
 reference (fp32, or sharded in the run's precision under ZeRO-3) and the reward model (--dtype) on every rank, the gold
 judge on rank 0; the weight push's bucket on the engine's GPU (plumbing.weights.bucket_bytes: 1 GiB, or the largest
 layer, or the snapshot if smaller), and async level + 2 weight snapshots in rank 0's pinned host memory
-(plumbing.engine.snapshot_memory), shown under the table; --vllm_num_engines E engines of
+(plumbing.placement.snapshot_memory), shown under the table; --vllm_num_engines E engines of
 --vllm_tensor_parallel_size P GPUs each on GPUs of their own after the training processes', each GPU alike (vLLM's
 share is of each GPU, and each has a bucket): one column for them; a CUDA context per process and GPU
-(plumbing.engine.CUDA_CONTEXT); the activations of one micro-batch (Korthikanti et al. 2022, table 2: 34 s b h bytes
+(plumbing.placement.CUDA_CONTEXT); the activations of one micro-batch (Korthikanti et al. 2022, table 2: 34 s b h bytes
 per layer in 16-bit, without the 5 a s^2 b of attention scores that transformers' SDPA attention does not keep; 2 s b h
 with gradient checkpointing, plus one layer's), the response logits in fp32 (3 copies), and the largest no-grad
 forward of --local_rollout_forward_batch_size sequences. A GPU fits when its total is at most 95 % of it.
@@ -215,7 +215,7 @@ def memory_plan(run: Run, gpu_bytes: int, gpus: int | None) -> dict:
     trained = policy.params + (value.params if value else 0)
     shard = processes if stage == 3 else 1
     L, R, micro = args.max_prompt_length + args.response_length, args.response_length, args.local_micro_batch_size
-    training = plumbing.engine.trained_memory(trained, stage, processes, bf16)
+    training = plumbing.placement.trained_memory(trained, stage, processes, bf16)
     rank = {f"trained models' {part}": n for part, n in training.items()}
     rank["reference policy"] = policy.params * (2 if stage and bf16 else 4) // shard  # DeepSpeed's bf16 parameters
     if reward:
@@ -229,7 +229,7 @@ def memory_plan(run: Run, gpu_bytes: int, gpus: int | None) -> dict:
     rank["largest no-grad forward"] = max(
         no_grad_forward(policy, forward, L, R + 1, act), no_grad_forward(reward, forward, L, 0, act) if reward else 0
     )
-    rank["CUDA context"] = plumbing.engine.CUDA_CONTEXT
+    rank["CUDA context"] = plumbing.placement.CUDA_CONTEXT
     rank0 = dict(rank)
     if gold:
         rank0["gold judge (rank 0 only)"] = gold.params * 2
@@ -239,12 +239,12 @@ def memory_plan(run: Run, gpu_bytes: int, gpus: int | None) -> dict:
     utilization = args.vllm_gpu_memory_utilization
     if gpus >= processes + engine_gpus:  # the engines' GPUs of their own, each alike
         engine = {"engine (vLLM's share)": int((utilization or 0.9) * gpu_bytes), BUCKET: bucket}
-        engine["rank 0's CUDA context (it writes the bucket)"] = plumbing.engine.CUDA_CONTEXT
-        engine["engine's CUDA context"] = plumbing.engine.CUDA_CONTEXT
+        engine["rank 0's CUDA context (it writes the bucket)"] = plumbing.placement.CUDA_CONTEXT
+        engine["engine's CUDA context"] = plumbing.placement.CUDA_CONTEXT
         result = {"training rank 0": rank0, engine_column(run): engine}
     elif engine_gpus == 1:
         rank0 |= {"engine (vLLM's share)": int((utilization or 0.3) * gpu_bytes), BUCKET: bucket}
-        rank0["engine's CUDA context"] = plumbing.engine.CUDA_CONTEXT
+        rank0["engine's CUDA context"] = plumbing.placement.CUDA_CONTEXT
         result = {"training rank 0, shared with the engine": rank0}
     else:
         raise SystemExit(
@@ -261,7 +261,7 @@ def memory_plan(run: Run, gpu_bytes: int, gpus: int | None) -> dict:
     summary += (
         f", micro-batch {micro} x {L} tokens, async level {args.async_level}, {gpus} GPUs of {gpu_bytes / GIB:.0f} GiB"
     )
-    pinned = plumbing.engine.snapshot_memory(snapshot, args.async_level)
+    pinned = plumbing.placement.snapshot_memory(snapshot, args.async_level)
     host = {f"weight snapshots, pinned ({args.async_level + 2})": pinned}
     return {"summary": summary, "gpus": result, "host": host}
 

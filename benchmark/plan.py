@@ -10,12 +10,12 @@ docs/reproducing.md ("Run plans"); the memory of each GPU: benchmark/memory.py.
 
 The engine's KV cache is vLLM's share of its GPU less the policy's weights in the engine's dtype and a reserve for the
 engine's activations and workspace (vLLM's profile forward, its sampler's logits, CUDA graphs, cuBLAS): vLLM's own
-accounting. The share is --vllm_gpu_memory_utilization, or, left out, what plumbing.engine.engine_share would give the
+accounting. The share is --vllm_gpu_memory_utilization, or, left out, what plumbing.placement.engine_share would give the
 run at its start, approximated as: the engine's GPU empty (free = total) and rank 0's GPU holding what memory.py plans
 there for the models loaded and its CUDA context (free = total less those; the gradients and optimizer state to come).
 Beside vLLM's share the engine's GPU holds the weight push's bucket (plumbing.weights.bucket_bytes: 1 GiB, or the
 largest layer, or the snapshot if smaller), whatever the async level; the async level + 2 snapshots alive at once are in
-rank 0's pinned host memory (plumbing.engine.snapshot_memory).
+rank 0's pinned host memory (plumbing.placement.snapshot_memory).
 
 A token's KV is layers x KV heads x head dim x 2 (K and V) x the engine's bytes (GPTNeoX has no GQA: KV heads =
 attention heads). A sequence is counted at its longest, max_prompt_length + response_length, in whole blocks: vLLM
@@ -73,7 +73,7 @@ ENGINE_RESERVE_GIB = 2.0
 MAX_NUM_SEQS = 1024  # vLLM's default for its LLM class on a GPU of 70 GiB or more other than an A100
 BLOCK_SIZE = 16  # tokens per KV block: vLLM's default on CUDA
 MOST_SAMPLES = 64  # the largest K the advice tries
-# memory.py's rank-0 parts in GPU memory when the engine starts (plumbing.engine.engine_share's "free once the models
+# memory.py's rank-0 parts in GPU memory when the engine starts (plumbing.placement.engine_share's "free once the models
 # are loaded"), and those training allocates later (its `to_come`)
 SHARED = "training rank 0, shared with the engine"  # memory.py's name of that GPU
 LOADED = ("trained models' weights", "reference policy", "reward model", "gold judge (rank 0 only)", "CUDA context")
@@ -155,7 +155,7 @@ def phase_flops(run: memory.Run, sizes: NamedTuple) -> dict[str, int]:
 
 
 def engine_share(run: memory.Run, plan: dict, gpu_bytes: int) -> tuple[float, str]:
-    """The engine's share of its GPU and where it comes from: the flag, or plumbing.engine.engine_share on the GPUs as
+    """The engine's share of its GPU and where it comes from: the flag, or plumbing.placement.engine_share on the GPUs as
     the module docstring approximates them."""
     if run.args.vllm_gpu_memory_utilization is not None:
         return run.args.vllm_gpu_memory_utilization, "--vllm_gpu_memory_utilization"
@@ -163,16 +163,16 @@ def engine_share(run: memory.Run, plan: dict, gpu_bytes: int) -> tuple[float, st
     rank0 = plan["gpus"][SHARED if shared else "training rank 0"]
     rank0_gpu = (gpu_bytes - sum(rank0.get(part, 0) for part in LOADED), gpu_bytes)
     to_come = {part.removeprefix("trained models' "): rank0[part] for part in TO_COME}
-    placement = plumbing.engine.Placement(
+    placement = plumbing.placement.Placement(
         devices="0", shared=shared, engine_gpu=0 if shared else run.processes, memory_utilization=None
     )
     engine_gpu = rank0_gpu if shared else (gpu_bytes, gpu_bytes)
     bucket = plumbing.weights.bucket_bytes(run.policy.sizes, run.engine_bytes)
     try:
-        share = plumbing.engine.engine_share(placement, rank0_gpu, engine_gpu, to_come, bucket=bucket)
+        share = plumbing.placement.engine_share(placement, rank0_gpu, engine_gpu, to_come, bucket=bucket)
     except plumbing.UsageError as error:
         raise SystemExit(f"{run.script}: the run would not start: {error}") from None
-    return share, "left out: the largest the run leaves, plumbing.engine.engine_share"
+    return share, "left out: the largest the run leaves, plumbing.placement.engine_share"
 
 
 def predict(run: memory.Run, sizes: NamedTuple, share: float, hardware: Hardware) -> dict:
@@ -321,7 +321,7 @@ def report(plan: Plan, hardware: Hardware) -> str:
     run, args, full = plan.run, plan.run.args, plan.full_step
     P, R = args.max_prompt_length, args.response_length
     snapshot = run.policy.params * run.engine_bytes
-    host = plumbing.engine.snapshot_memory(snapshot, args.async_level)
+    host = plumbing.placement.snapshot_memory(snapshot, args.async_level)
     bucket = plumbing.weights.bucket_bytes(run.policy.sizes, run.engine_bytes)
     engines, gpus = run.engines, run.tensor_parallel
     if plan.shared:

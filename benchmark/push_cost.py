@@ -48,7 +48,8 @@ def main() -> None:
     from transformers import AutoModelForCausalLM
 
     from plumbing.flags import quiet_known_noise
-    from plumbing.engine import Engine, engine_placements, make_engine, visible_gpus
+    from plumbing.engine import Engine, make_engine
+    from plumbing.placement import engine_placements, visible_gpus
     from plumbing.weights import (
         SnapshotPlace,
         WeightBucket,

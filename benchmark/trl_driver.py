@@ -125,7 +125,8 @@ def our_engine(args: argparse.Namespace, policy, dtype):
     against what the engine holds): the evaluation of the HF-generate path. Returns the engine, `load`, `close()`."""
     import torch
 
-    from plumbing.engine import engine_placement, make_engine, visible_gpus
+    from plumbing.engine import make_engine
+    from plumbing.placement import engine_placement, visible_gpus
     from plumbing.weights import SnapshotPlace, WeightBucket, checkpoint_names, push_weights, take_snapshot
 
     visible = visible_gpus()

@@ -1,10 +1,12 @@
 """The plumbing the three algorithm files share, none of it the method, in the order of a run's life:
 
 1. flags.py         the flags, their --help and domains; `run`, the entry point
-   command_line.py  the checks of the input files: data, model folders, tokenizers
-2. run_folder.py    the run's folder: resume, args.json, the metrics and their timings, checkpoints
+   inputs.py  the checks of the input files: data, model folders, tokenizers
+2. run_folder.py    the run's folder: resume, args.json, the metrics, checkpoints
+   timings.py       a step's timings and FLOPs, the async pipeline's figures
 3. distributed.py   the training processes: accelerate, DeepSpeed, what every process computes together
-4. engine.py        the vLLM engine: its GPU and cores, its processes, the generation thread, the signals
+4. placement.py     where the engines run and what they may take: GPUs, cores, memory arithmetic
+   engine.py        the vLLM engine: its processes, the generation thread, the signals, the deadlines
    weights.py       the weight push: the policy's snapshots in host memory, a bucket, the proof of each push
 5. watchdog.py      a program of its own that ends the engine's processes if the trainer dies
 
@@ -25,20 +27,21 @@ _NAMES = {
     "RunArgs": "flags",
     "UsageError": "flags",
     "check_domains": "flags",
-    "load_split": "command_line",
-    "load_tokenizers": "command_line",
-    "load_reward_model": "command_line",
-    "encode_text": "command_line",
-    "same_tokenizer": "command_line",
+    "load_split": "inputs",
+    "load_tokenizers": "inputs",
+    "load_reward_model": "inputs",
+    "encode_text": "inputs",
+    "same_tokenizer": "inputs",
     "RunFolder": "run_folder",
-    "Laps": "run_folder",
-    "forward_flops": "run_folder",
+    "Laps": "timings",
+    "forward_flops": "timings",
     "Processes": "distributed",
     "Engine": "engine",
     "PolicySnapshots": "weights",
 }
 __all__ = list(_NAMES)
-_MODULES = {"flags", "command_line", "run_folder", "distributed", "engine", "weights", "watchdog"}
+_MODULES = {"flags", "inputs", "run_folder", "timings", "distributed", "placement", "engine", "weights"}
+_MODULES |= {"watchdog"}
 
 
 def __getattr__(name: str):

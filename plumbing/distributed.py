@@ -222,7 +222,7 @@ def _whole_models(accelerator: Accelerator):
         accelerator.state.deepspeed_plugin.set_deepspeed_weakref()
 
 
-def _gathered_tensors(accelerator: Accelerator, module, names):
+def gathered_tensors(accelerator: Accelerator, module, names):
     """The tensors of a module's state named in `names`, (name, tensor), where they are. Under ZeRO-3 the
     parameters are gathered a transformer layer at a time, each valid while the iteration is on its layer:
     never a whole copy of the model, never through the CPU, and never a parameter not asked for (PPO's value

@@ -72,7 +72,7 @@ def quiet_known_noise() -> None:
 
     # vLLM's Triton dispatcher reads `torch.distributed.reduce_op` when it loads, which torch deprecates:
     # vLLM's code, on its import; nothing of ours uses it
-    warnings.filterwarnings("ignore", message=_REDUCE_OP_WARNING, category=FutureWarning)
+    warnings.filterwarnings("ignore", message=REDUCE_OP_WARNING, category=FutureWarning)
     # torch looks for Triton kernels when vLLM loads; the CPU build has no Triton, and vLLM's CPU backend
     # needs none
     logging.getLogger("torch._library.triton").setLevel(logging.ERROR)
@@ -89,7 +89,7 @@ def quiet_known_noise() -> None:
     datasets.disable_progress_bars()
 
 
-_REDUCE_OP_WARNING = "`torch.distributed.reduce_op` is deprecated"
+REDUCE_OP_WARNING = "`torch.distributed.reduce_op` is deprecated"
 
 
 # == The flags and their --help ==============================================================================

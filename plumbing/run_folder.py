@@ -6,7 +6,7 @@ is made before any model loads: rank 0 locks the folder (_FolderLock), so a seco
 checks it, so a bad --output_dir, --exp_name or --resume, a damaged checkpoint or too little space is said in
 one line; it writes the folder once the engine is up (open), so a start stopped by a signal or a failure
 leaves none. A checkpoint proves itself by its manifest; a full disk stops the run in one line (_DiskFull). A
-step's timings (Laps) and FLOPs (forward_flops) are logged with its metrics."""
+step's timings and FLOPs (plumbing/timings.py) are logged with its metrics."""
 
 import atexit
 import errno
@@ -31,8 +31,9 @@ from accelerate.utils import broadcast_object_list, gather_object
 from safetensors.torch import load_file, save_file
 from tqdm import tqdm
 
-from plumbing.command_line import _json_error, _json_kind
+from plumbing.inputs import json_error, json_kind
 from plumbing.flags import RunArgs, UsageError
+from plumbing.timings import Laps, pipeline_metrics
 
 # Flags that may change when a run is resumed; any other must be what the run started with.
 _RESUMABLE_CHANGES = {"resume", "output_dir", "track", "wandb_project", "wandb_entity", "save_freq"}
@@ -158,9 +159,9 @@ class RunFolder:
 
     def log(self, metrics: dict, laps: "Laps", generator: dict, flops: dict, tokens: float) -> None:
         """A training step's line of metrics.jsonl, rank 0's: `metrics` and its timings
-        (_pipeline_metrics)."""
+        (pipeline_metrics)."""
         if self.logger is not None:
-            timings = _pipeline_metrics(laps, generator, self.origin, flops, self.episodes_per_step, tokens)
+            timings = pipeline_metrics(laps, generator, self.origin, flops, self.episodes_per_step, tokens)
             with self.writing("metrics.jsonl"):
                 self.logger.log(metrics | timings)
             score, kl = f"{metrics['objective/scores']:.3f}", f"{metrics['objective/kl']:.2f}"
@@ -316,11 +317,11 @@ def _run_flags(output_dir: str) -> dict | None:
     except OSError as exc:
         problem = f"cannot be read ({exc.strerror})"
     except ValueError as exc:
-        problem = f"does not parse ({_json_error(exc)})"
+        problem = f"does not parse ({json_error(exc)})"
     else:
         if isinstance(flags, dict):
             return flags
-        problem = f"is a JSON {_json_kind(flags)}, not an object of flags"
+        problem = f"is a JSON {json_kind(flags)}, not an object of flags"
     raise UsageError(
         f"--resume: {path} {problem}: it holds the run's flags, which a resume must match; restore it from a "
         "copy, or start the run again in another --output_dir"
@@ -593,7 +594,7 @@ def _metrics_lines(metrics: str) -> tuple[list[str], str | None]:
                 return lines[:-1], line
             raise UsageError(f"--resume: {metrics} line {number} is not JSON ({exc.msg}): mend or delete it")
         if not (isinstance(record, dict) and type(record.get("step")) is int):
-            kind = _json_kind(record)
+            kind = json_kind(record)
             what = "an object without an integer step" if kind == "object" else f"a JSON {kind}"
             raise UsageError(
                 f"--resume: {metrics} line {number} is not a metrics record (a JSON object with its step), "
@@ -662,7 +663,7 @@ def _follow_umask(path: str) -> None:
             os.chmod(file, 0o666 & ~mask)
 
 
-def _load_owed_version(checkpoint: str, version: int) -> dict[str, torch.Tensor]:
+def load_owed_version(checkpoint: str, version: int) -> dict[str, torch.Tensor]:
     return load_file(os.path.join(checkpoint, f"version_{version:06d}.safetensors"))
 
 
@@ -762,56 +763,3 @@ def _write_eval_completions(
     path = os.path.join(folder, f"step_{step:06d}.jsonl")
     _write_atomically(path, "".join(json.dumps(row) + "\n" for row in rows))
     return path
-
-
-class Laps:
-    """A training step's phases, timed one after the other: `lap(name)` ends phase `name`, begun where the
-    previous one ended. The first phase is the wait for the step's rollouts; the others are its training."""
-
-    def __init__(self):
-        self.start = self.last = time.perf_counter()
-        self.seconds, self.begun = {}, {}
-
-    def lap(self, name: str) -> None:
-        now = time.perf_counter()
-        self.seconds[name], self.begun[name], self.last = now - self.last, self.last, now
-
-
-def _pipeline_metrics(
-    laps: Laps, generator: dict, origin: float, flops: dict, episodes: int, tokens: float
-) -> dict:
-    """A step's figures of the async pipeline: the seconds of each phase, the trainer's (`laps`) and the
-    generator's (`generator`: name -> (start or None, seconds)); their starts (`timeline/`, seconds since
-    `origin`); the FLOPs of the trainer's phases; the throughput of the `episodes` and (response) `tokens`
-    trained on."""
-    step = time.perf_counter() - laps.start
-    training_start = laps.start + next(iter(laps.seconds.values()))
-    seconds = {name: s for name, (_, s) in generator.items()} | laps.seconds
-    seconds |= {"training": laps.last - training_start, "step": step}
-    starts = {"step_start": laps.start, "training_start": training_start}
-    starts |= {f"{name}_start": start for name, (start, _) in generator.items() if start is not None}
-    return {
-        **{f"time/{k}": v for k, v in seconds.items()},
-        **{f"flops/{k}": v for k, v in flops.items()},
-        **{f"timeline/{k}": v - origin for k, v in starts.items()},
-        "throughput/episodes_per_second": episodes / step,
-        "throughput/tokens_per_second": tokens / step,
-    }
-
-
-def _numel(tensor: torch.Tensor) -> int:
-    """A parameter's size, whole: ZeRO-3 leaves each process a shard of it."""
-    return getattr(tensor, "ds_numel", tensor.numel())
-
-
-def forward_flops(model, sequences: int, length: int, logit_positions: int | None = None) -> int:
-    """Matmul FLOPs of a forward pass, 2 per parameter and token (Kaplan et al. 2020, no attention term):
-    every token through the body, `logit_positions` per sequence (None: all) through the output head, none
-    through the input embedding (a lookup). A training pass is 3 forwards' worth, 4 when recomputing
-    activations."""
-    embedding, head = model.get_input_embeddings().weight, model.get_output_embeddings()
-    head_params = 0 if head is None else _numel(head.weight)
-    tied = head is not None and head.weight is embedding
-    body = sum(_numel(p) for p in model.parameters()) - _numel(embedding) - (0 if tied else head_params)
-    head_tokens = length if logit_positions is None else logit_positions
-    return 2 * sequences * (body * length + head_params * head_tokens)

@@ -1,7 +1,7 @@
 """5. The watchdog: a program of its own that cleans up after a trainer that died without doing so, and the
 functions that end the engine's processes and release what they held, which the trainer calls too.
 
-The trainer starts it (_start_watchdog) before the engine, in a session of its own (a Ctrl-C to the terminal
+The trainer starts it (start_watchdog) before the engine, in a session of its own (a Ctrl-C to the terminal
 does not reach it), as `python -P plumbing/watchdog.py`: it imports the standard library and psutil only, so
 it is up at once. It watches the trainer's children (a second apart) and the shared memory files they and the
 trainer map, and blocks reading a pipe whose only write end the trainer holds. If the trainer dies, however it
@@ -24,7 +24,7 @@ from pathlib import Path
 import psutil
 
 
-def _start_watchdog() -> subprocess.Popen:
+def start_watchdog() -> subprocess.Popen:
     """The watchdog's process; its stdin takes the weights folder (as the engine starts), then "done"."""
     command = [sys.executable, "-P", os.path.abspath(__file__)]  # -P: our folder is not put first on its path
     return subprocess.Popen(command, stdin=subprocess.PIPE, start_new_session=True, text=True)
@@ -47,17 +47,17 @@ def _watch() -> None:
                 if process.pid != os.getpid() and process.pid not in watched and process.pid not in trackers:
                     (trackers if _is_resource_tracker(process) else watched)[process.pid] = process
             watched = {pid: process for pid, process in watched.items() if process.is_running()}
-            files.update(_shared_memory_files([trainer, *watched.values()]))
+            files.update(shared_memory_files([trainer, *watched.values()]))
         except psutil.Error:
             pass  # the trainer is gone, or a child: the pipe says so next
-    _kill_process_trees(list(watched.values()))
+    kill_process_trees(list(watched.values()))
     if folder:
         shutil.rmtree(folder, ignore_errors=True)
     psutil.wait_procs(list(trackers.values()), timeout=5)
-    _release_orphaned_shared_memory(sorted(files))
+    release_orphaned_shared_memory(sorted(files))
 
 
-def _dead_processes(processes: list[psutil.Process], wait: float = 0) -> list[int]:
+def dead_processes(processes: list[psutil.Process], wait: float = 0) -> list[int]:
     """The pids of these processes that are dead (a zombie is), looking again for up to `wait` seconds until
     one is."""
     deadline = time.monotonic() + wait
@@ -74,7 +74,7 @@ def _dead_processes(processes: list[psutil.Process], wait: float = 0) -> list[in
         time.sleep(0.1)
 
 
-def _kill_process_trees(processes: list[psutil.Process], timeout: float = 5) -> None:
+def kill_process_trees(processes: list[psutil.Process], timeout: float = 5) -> None:
     """SIGKILL these processes and all they started, each stopped first so none can start another between our
     listing its children and killing it. Waits (up to `timeout`) for them to die without reaping them (vLLM
     reaps its own)."""
@@ -94,7 +94,7 @@ def _kill_process_trees(processes: list[psutil.Process], timeout: float = 5) -> 
         except psutil.Error:
             pass
     deadline = time.time() + timeout
-    while len(_dead_processes(list(stopped.values()))) < len(stopped) and time.time() < deadline:
+    while len(dead_processes(list(stopped.values()))) < len(stopped) and time.time() < deadline:
         time.sleep(0.02)
 
 
@@ -102,7 +102,7 @@ def _is_resource_tracker(process: psutil.Process) -> bool:
     return "multiprocessing.resource_tracker" in " ".join(process.cmdline())
 
 
-def _started_processes(before: set[int]) -> list[psutil.Process]:
+def started_processes(before: set[int]) -> list[psutil.Process]:
     """Children of this process not in `before`, but for Python's resource tracker (multiprocessing starts it
     here for the engine: it must outlive the engine to clean up after it)."""
     started = []
@@ -115,7 +115,7 @@ def _started_processes(before: set[int]) -> list[psutil.Process]:
     return started
 
 
-def _release_shared_memory(paths: list[str]) -> None:
+def release_shared_memory(paths: list[str]) -> None:
     """Unlink the message queues (psm_*) and the semaphores (sem.mp-*) of the engine's processes, dead now:
     killed by their shutdown's timeout or by a fault, they could not (vLLM's scheduler unlinks its queue only
     after its worker exits, seconds later). Python's resource tracker is told, or it would unlink them again
@@ -123,7 +123,7 @@ def _release_shared_memory(paths: list[str]) -> None:
     mapped is left."""
     from multiprocessing import resource_tracker
 
-    for path in _release_orphaned_shared_memory(paths):
+    for path in release_orphaned_shared_memory(paths):
         name = os.path.basename(path)
         kind = "shared_memory" if name.startswith("psm_") else "semaphore"
         resource_tracker.unregister("/" + name.removeprefix("sem."), kind)  # the names Python registered
@@ -147,7 +147,7 @@ def _mapped_inodes(folder: str = "/dev/shm", pids: list[int] | None = None) -> s
     return inodes
 
 
-def _shared_memory_files(processes: list[psutil.Process], folder: str = "/dev/shm") -> list[str]:
+def shared_memory_files(processes: list[psutil.Process], folder: str = "/dev/shm") -> list[str]:
     """The message queues (psm_*) and multiprocessing's named semaphores (sem.mp-*) in `folder` that these
     processes map: what their resource trackers would unlink at exit."""
     inodes = _mapped_inodes(folder, [process.pid for process in processes])
@@ -155,7 +155,7 @@ def _shared_memory_files(processes: list[psutil.Process], folder: str = "/dev/sh
     return sorted(str(p) for p in paths if p.exists() and p.stat().st_ino in inodes)
 
 
-def _release_orphaned_shared_memory(
+def release_orphaned_shared_memory(
     paths: list[str] | None = None, folder: str = "/dev/shm", min_age: float = 60
 ) -> list[str]:
     """Unlink the message queues (psm_*) and multiprocessing's named semaphores (sem.mp-*) that no process
@@ -182,7 +182,7 @@ def _release_orphaned_shared_memory(
     return released
 
 
-def _remove_stale_weights_folders(parent: str) -> list[str]:
+def remove_stale_weights_folders(parent: str) -> list[str]:
     """Remove the weights folders (policy-weights-<pid>-*) of trainers no longer alive: what a trainer killed
     together with its watchdog leaves in RAM. Returns the folders removed."""
     removed = []

@@ -21,8 +21,8 @@ import numpy as np
 import torch
 
 from plumbing.flags import UsageError
-from plumbing.distributed import _gathered_tensors
-from plumbing.run_folder import _load_owed_version
+from plumbing.distributed import gathered_tensors
+from plumbing.run_folder import load_owed_version
 
 
 class Weights(NamedTuple):
@@ -53,7 +53,7 @@ class PolicySnapshots:
         memory on GPUs (accelerate's get_state_dict would copy each to the CPU under DeepSpeed), under ZeRO-3
         gathered a layer at a time, with every process taking part."""
         module = self.accelerator.unwrap_model(model)
-        tensors = _gathered_tensors(self.accelerator, module, {self.prefix + name for name in self.saved})
+        tensors = gathered_tensors(self.accelerator, module, {self.prefix + name for name in self.saved})
         if not self.accelerator.is_main_process:
             for _ in tensors:  # the gathers of ZeRO-3 are collective
                 pass
@@ -67,7 +67,7 @@ class PolicySnapshots:
         """theta_version as `checkpoint` carries it (owed), rank 0's (None on the other ranks)."""
         if not self.accelerator.is_main_process:
             return None
-        tensors = _load_owed_version(checkpoint, version)
+        tensors = load_owed_version(checkpoint, version)
         saved = {name: [(name, list(tensor.shape))] for name, tensor in tensors.items()}
         self.held[version] = take_snapshot(version, tensors.items(), saved, self.dtype, self.place)
         return self.held[version]
@@ -210,15 +210,15 @@ def _snapshot_weights(pairs, shapes: dict[str, list[int]], dtype: torch.dtype, p
     return flat, layout
 
 
-def _snapshot_sizes(saved: dict[str, list[tuple[str, list[int]]]]) -> dict[str, int]:
+def snapshot_sizes(saved: dict[str, list[tuple[str, list[int]]]]) -> dict[str, int]:
     """The elements of each tensor of one weight snapshot (`saved`: checkpoint_names), whole: from the shapes,
     not from `state_dict()`, whose tensors ZeRO-3 leaves empty (it would count 0)."""
     return {written: math.prod(shape) for parts in saved.values() for written, shape in parts}
 
 
 def snapshot_bytes(saved: dict[str, list[tuple[str, list[int]]]], dtype: torch.dtype) -> int:
-    """The bytes of one weight snapshot in `dtype` (_snapshot_sizes)."""
-    return sum(_snapshot_sizes(saved).values()) * dtype.itemsize
+    """The bytes of one weight snapshot in `dtype` (snapshot_sizes)."""
+    return sum(snapshot_sizes(saved).values()) * dtype.itemsize
 
 
 class SnapshotPlace(NamedTuple):

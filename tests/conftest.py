@@ -373,7 +373,7 @@ def start_and_stop(
 
     import psutil
 
-    from plumbing.watchdog import _shared_memory_files
+    from plumbing.watchdog import shared_memory_files
 
     proc = subprocess.Popen(
         argv, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
@@ -387,7 +387,7 @@ def start_and_stop(
             )
             time.sleep(0.05)
         family = [psutil.Process(proc.pid), *psutil.Process(proc.pid).children(recursive=True)]
-        shared_memory = _shared_memory_files(family)
+        shared_memory = shared_memory_files(family)
         if sig == signal.SIGKILL:
             os.killpg(proc.pid, sig)
         else:

@@ -19,10 +19,10 @@ from mutation_check import MODULE, Mutant, Suite, main
 # The mutants name the plumbing's functions, private ones included (leading underscore): they plant bugs in them.
 
 WEIGHTS, ENGINE, RUN_FOLDER = "plumbing/weights.py", "plumbing/engine.py", "plumbing/run_folder.py"
-DISTRIBUTED, COMMAND_LINE = "plumbing/distributed.py", "plumbing/command_line.py"
-FLAGS = "plumbing/flags.py"
+DISTRIBUTED, INPUTS = "plumbing/distributed.py", "plumbing/inputs.py"
+FLAGS, PLACEMENT, TIMINGS = "plumbing/flags.py", "plumbing/placement.py", "plumbing/timings.py"
 PLAN, MEMORY = "benchmark/plan.py", "benchmark/memory.py"
-FILES = (WEIGHTS, ENGINE, RUN_FOLDER, DISTRIBUTED, FLAGS, COMMAND_LINE, PLAN, MEMORY)
+FILES = (WEIGHTS, ENGINE, PLACEMENT, RUN_FOLDER, TIMINGS, DISTRIBUTED, FLAGS, INPUTS, PLAN, MEMORY)
 
 # A table, one mutant to a line or two: left as laid out (the formatter would spread each over eight lines).
 # fmt: off
@@ -77,28 +77,28 @@ MUTANTS = [
            equivalent="vLLM's loader fills the padding rows with zeros (VocabParallelEmbedding.weight_loader): they add "
            "nothing to either sum"),
     # -------- plumbing/engine.py: the engine's GPU memory
-    Mutant("E01", ENGINE, "trained_memory", "(2, 2, 12) if zero_stage and bf16 else (4, 4, 8)",
+    Mutant("E01", PLACEMENT, "trained_memory", "(2, 2, 12) if zero_stage and bf16 else (4, 4, 8)",
            "(2, 2, 12) if bf16 else (4, 4, 8)", "DeepSpeed's bf16 bytes for a run without DeepSpeed (fp32 weights)"),
-    Mutant("E02", ENGINE, "trained_memory", '"optimizer state": shard(state, 1)', '"optimizer state": shard(state, 2)',
+    Mutant("E02", PLACEMENT, "trained_memory", '"optimizer state": shard(state, 1)', '"optimizer state": shard(state, 2)',
            "ZeRO-1 counted as not sharding the optimizer state"),
-    Mutant("E03", ENGINE, "engine_share", "(bucket + 2 * CUDA_CONTEXT if placement.shared else 0)",
+    Mutant("E03", PLACEMENT, "engine_share", "(bucket + 2 * CUDA_CONTEXT if placement.shared else 0)",
            "(2 * CUDA_CONTEXT if placement.shared else 0)", "the push's bucket left out of a shared GPU"),
-    Mutant("E04", ENGINE, "engine_share", "(free - bucket - 2 * CUDA_CONTEXT - 0.05 * total)",
+    Mutant("E04", PLACEMENT, "engine_share", "(free - bucket - 2 * CUDA_CONTEXT - 0.05 * total)",
            "(free - 2 * CUDA_CONTEXT - 0.05 * total)", "the push's bucket left out of the engine's own GPU"),
-    Mutant("E05", ENGINE, "engine_share", '_DEFAULT_SHARE["shared" if placement.shared else "separate"]',
+    Mutant("E05", PLACEMENT, "engine_share", '_DEFAULT_SHARE["shared" if placement.shared else "separate"]',
            '_DEFAULT_SHARE["separate" if placement.shared else "shared"]', "the two placements' default shares swapped"),
-    Mutant("E06", ENGINE, "snapshot_memory", "(async_level + 2)", "(async_level + 1)",
+    Mutant("E06", PLACEMENT, "snapshot_memory", "(async_level + 2)", "(async_level + 1)",
            "one snapshot fewer than can be alive at once"),
-    Mutant("E07", ENGINE, "engine_placements", "separate = len(visible) >= needed",
+    Mutant("E07", PLACEMENT, "engine_placements", "separate = len(visible) >= needed",
            "separate = len(visible) >= needed - 1", "one GPU short counted as enough: an engine given a GPU it lacks"),
-    Mutant("E08", ENGINE, "contiguous_parts", "i * size + min(i, longer)", "i * size + min(i, longer - 1)",
+    Mutant("E08", PLACEMENT, "contiguous_parts", "i * size + min(i, longer)", "i * size + min(i, longer - 1)",
            "a batch cut into parts that drop or repeat a prompt"),
     Mutant("W20", WEIGHTS, "combined_fingerprints", "first if all(part == first for part in parts)",
            "first if any(part == first for part in parts)", "a sharded parameter counted as one worker's part"),
     # -------- plumbing/run_folder.py: checkpoints, resuming, timings
-    Mutant("R01", RUN_FOLDER, "_pipeline_metrics", "training_start = laps.start + next(iter(laps.seconds.values()))",
+    Mutant("R01", TIMINGS, "pipeline_metrics", "training_start = laps.start + next(iter(laps.seconds.values()))",
            "training_start = laps.start", "the step's training timed with its wait for rollouts"),
-    Mutant("R02", RUN_FOLDER, "_pipeline_metrics", '"throughput/episodes_per_second": episodes / step',
+    Mutant("R02", TIMINGS, "pipeline_metrics", '"throughput/episodes_per_second": episodes / step',
            '"throughput/episodes_per_second": episodes / seconds["training"]',
            "the throughput over the training time, not the step"),
     Mutant("R03", RUN_FOLDER, "_save_checkpoint",
@@ -116,7 +116,7 @@ MUTANTS = [
            "Path(path).write_text(text)", "args.json written in place: a crash leaves half of it"),
     Mutant("R08", RUN_FOLDER, "_keep_metrics_before", '(logged["step"] < start_step)', '(logged["step"] <= start_step)',
            "< vs <=: the step a resumed run trains again kept in metrics.jsonl, logged twice"),
-    Mutant("R09", RUN_FOLDER, "forward_flops", "tied = head is not None and head.weight is embedding", "tied = False",
+    Mutant("R09", TIMINGS, "forward_flops", "tied = head is not None and head.weight is embedding", "tied = False",
            "a tied head's parameters left out of the body twice"),
     # -------- plumbing/distributed.py: what the processes compute together
     Mutant("D01", DISTRIBUTED, "Processes", 'torch.stack(list(stats.values())), "mean")',
@@ -132,7 +132,7 @@ MUTANTS = [
            "self.engine_dtype = self.dtype", "--vllm_dtype ignored: the snapshots in the trainer's dtype"),
     Mutant("D06", DISTRIBUTED, "Processes", 'bf16 = args.dtype == "bfloat16" or (args.dtype == "auto" and self.on_gpu)',
            'bf16 = args.dtype in ("bfloat16", "auto")', "--dtype auto is bf16 on a CPU too"),
-    # -------- plumbing/command_line.py: the checks of the flags
+    # -------- plumbing/inputs.py: the checks of the flags
     Mutant("C01", FLAGS, "check_domains", 'value > float(bound) if op == ">" else value >= float(bound)',
            'value >= float(bound) if op == ">" else value > float(bound)',
            "> vs >=: each bound refused where it is allowed and let in where it is not"),
@@ -140,7 +140,7 @@ MUTANTS = [
            "(low <= value)", "an open interval's bound let in: --vllm_gpu_memory_utilization 0"),
     Mutant("C03", FLAGS, "check_domains", "if not (inside and math.isfinite(value)):", "if not inside:",
            "an infinite value let in: --learning_rate inf"),
-    Mutant("C04", COMMAND_LINE, "encode_text", "add_special_tokens=not has_bos", "add_special_tokens=True",
+    Mutant("C04", INPUTS, "encode_text", "add_special_tokens=not has_bos", "add_special_tokens=True",
            "a second BOS before a chat-templated prompt"),
     # -------- benchmark/plan.py: the run plan
     Mutant("P01", PLAN, "predict", "- shard - hardware.engine_reserve", "- shard + hardware.engine_reserve",
@@ -198,28 +198,28 @@ MUTANTS = [
            "            if False:\n", "a run without its args.json told to pass --resume, which says to leave it out"),
     Mutant("R18", RUN_FOLDER, "_run_flags", "        if isinstance(flags, dict):\n", "        if True:\n",
            "an args.json that is not an object of flags taken for one"),
-    Mutant("C05", COMMAND_LINE, "_chat_problem", 'if not message["content"].strip():', 'if not message["content"]:',
+    Mutant("C05", INPUTS, "_chat_problem", 'if not message["content"].strip():', 'if not message["content"]:',
            "a chat turn of white space only let through: an empty prompt"),
-    Mutant("C06", COMMAND_LINE, "_chat_problem", "if not isinstance(value, list) or not value:",
+    Mutant("C06", INPUTS, "_chat_problem", "if not isinstance(value, list) or not value:",
            "if not isinstance(value, list):", "a conversation of no turns let through: an empty prompt"),
-    Mutant("C07", COMMAND_LINE, "_model_file_problem", "if size != end:", "if size < end:",
+    Mutant("C07", INPUTS, "_model_file_problem", "if size != end:", "if size < end:",
            "a safetensors file longer than its header says let through"),
-    Mutant("C08", COMMAND_LINE, "_model_file_problem", "if missing := sorted(shard for shard in shards",
+    Mutant("C08", INPUTS, "_model_file_problem", "if missing := sorted(shard for shard in shards",
            "if missing := sorted(shard for shard in set()", "a shard an index names, missing, not looked for"),
-    Mutant("C09", COMMAND_LINE, "_data_file_problem", 'return None if text.strip() else "is empty: it holds no rows"',
+    Mutant("C09", INPUTS, "_data_file_problem", 'return None if text.strip() else "is empty: it holds no rows"',
            'return None if text else "is empty: it holds no rows"', "a data file of blank lines taken for rows"),
-    Mutant("C10", COMMAND_LINE, "_json_file_problem", "        if not isinstance(value, dict):\n",
+    Mutant("C10", INPUTS, "_json_file_problem", "        if not isinstance(value, dict):\n",
            "        if False:\n", "a JSON Lines line of the wrong kind not named: the builder names a wrong row"),
-    Mutant("C11", COMMAND_LINE, "_json_file_problem", "        if not line.strip():\n            continue\n", "",
+    Mutant("C11", INPUTS, "_json_file_problem", "        if not line.strip():\n            continue\n", "",
            "blank lines parsed as rows: the line named is a blank one"),
-    Mutant("C12", COMMAND_LINE, "_prompts_line", 'f"{used} prompts" if used == rows', 'f"{rows} prompts" if True',
+    Mutant("C12", INPUTS, "_prompts_line", 'f"{used} prompts" if used == rows', 'f"{rows} prompts" if True',
            "the evaluation's prompts said to be all the split's, not the first --num_eval_prompts"),
-    Mutant("C13", COMMAND_LINE, "_rows_in", "if line.strip())", ")", "a file's blank lines counted as prompts"),
-    Mutant("C14", COMMAND_LINE, "load_split", 'if os.environ.get("RANK", "0") == "0":', "if True:",
+    Mutant("C13", INPUTS, "_rows_in", "if line.strip())", ")", "a file's blank lines counted as prompts"),
+    Mutant("C14", INPUTS, "load_split", 'if os.environ.get("RANK", "0") == "0":', "if True:",
            "every training process says the split's prompts, not rank 0 once"),
-    Mutant("E09", ENGINE, "engine_shares", "torch.cuda.mem_get_info(placement.engine_gpu)", "torch.cuda.mem_get_info(0)",
+    Mutant("E09", PLACEMENT, "engine_shares", "torch.cuda.mem_get_info(placement.engine_gpu)", "torch.cuda.mem_get_info(0)",
            "an engine on a GPU of its own sized from rank 0's free memory"),
-    Mutant("E10", ENGINE, "engine_shares", "engine_share(placement, rank0, gpu, to_come, bucket=bucket)",
+    Mutant("E10", PLACEMENT, "engine_shares", "engine_share(placement, rank0, gpu, to_come, bucket=bucket)",
            "engine_share(placement, gpu, gpu, to_come, bucket=bucket)",
            "rank 0's GPU checked against the engine's free memory: training's share not looked at"),
     Mutant("E11", ENGINE, "Engine", "for outputs in self.on_each(generate_part, engines, parts)",

@@ -11,7 +11,7 @@ import pytest
 from conftest import ROOT, TINY, save_random_policy, small_config
 
 import plumbing
-from plumbing.command_line import _check_model, _load_tokenizer, load_reward_model, load_split
+from plumbing.inputs import _check_model, _load_tokenizer, load_reward_model, load_split
 from plumbing.flags import _COMMON_DOMAINS, UsageError, check_domains
 
 # Private plumbing names (leading underscore) are used here on purpose: the checks of a model's files, a tokenizer

@@ -25,7 +25,6 @@ from plumbing.flags import _COMMON_DOMAINS, RunArgs, _flag_sections, _parse_args
 README = (ROOT / "README.md").read_text()
 DOC_FILES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 DOCS = {path: path.read_text() for path in DOC_FILES}
-README_MAX_BYTES = 20_000
 
 
 def block(marker: str) -> list[str]:
@@ -210,8 +209,8 @@ def test_gpu_commands_parse():
         and tyro.cli(dpo.Args, args=one_gpu[2:]).vllm_placement == "auto"
     )
     # auto: one GPU is shared with the one training process; 8 GPUs give 7 training processes and the engine its own
-    assert plumbing.engine.engine_placement("auto", ["0"], 1, None).shared
-    assert not plumbing.engine.engine_placement("auto", [str(i) for i in range(8)], 7, None).shared
+    assert plumbing.placement.engine_placement("auto", ["0"], 1, None).shared
+    assert not plumbing.placement.engine_placement("auto", [str(i) for i in range(8)], 7, None).shared
     commands = [line for line in lines if line.startswith("accelerate launch")]
     assert len(commands) == 3
     for command in commands:
@@ -242,9 +241,33 @@ def test_every_flag_is_documented_in_help_and_readme(script):
         assert f"| `--{field.name}`" in flags, f"docs/flags.md flag list misses --{field.name} of {script}"
 
 
-def test_readme_size_is_at_most_20000_bytes():
-    size = len((ROOT / "README.md").read_bytes())
-    assert size <= README_MAX_BYTES, f"README.md is {size} bytes, over {README_MAX_BYTES}: move details to a docs/ page"
+def readme_layout() -> dict[str, str]:
+    """The README's Layout block: each listed path (a folder's files indented under it) -> what it says of it."""
+    block = README.split("## Layout")[1].split("```\n")[1]
+    listed, folder = {}, ""
+    for line in block.splitlines():
+        name, _, said = line.partition("#")
+        indented, name = name.startswith("  "), name.strip()
+        if not indented:
+            folder = name if name.endswith("/") else ""
+        listed[folder + name if indented else name] = said.strip()
+    return listed
+
+
+def test_the_readme_layout_names_every_folder_and_module_and_what_each_is_for():
+    """Every top-level folder and file the repository tracks but the project's own dotfiles, and every plumbing
+    module, is in the README's Layout with a word on what it is for; every path it lists exists."""
+    listed = readme_layout()
+    tracked = subprocess.run(["git", "ls-files"], cwd=ROOT, capture_output=True, text=True).stdout.splitlines()
+    top = {path.split("/")[0] + ("/" if "/" in path else "") for path in tracked if not path.startswith(".")}
+    top |= {path.split("/")[0] + "/" for path in listed if "/" in path}  # folders not yet committed
+    said_together = " ".join(f"{name} {said}" for name, said in listed.items())
+    missing = sorted(name for name in top if name not in said_together)
+    assert not missing, f"the README's Layout does not say what these are for: {missing}"
+    modules = sorted(p.name for p in (ROOT / "plumbing").glob("*.py") if p.name != "__init__.py")
+    assert [m for m in modules if f"plumbing/{m}" not in listed] == []
+    assert all(said for said in listed.values()), [name for name, said in listed.items() if not said]
+    assert [name for name in listed if not (ROOT / name.rstrip("/")).exists()] == []
 
 
 def heading_anchors(text: str) -> set[str]:

@@ -11,8 +11,9 @@ from conftest import perturbed_policy, save_random_policy
 
 import online_dpo_async as dpo
 import plumbing
-from plumbing.engine import engine_placement, make_engine
-from plumbing.watchdog import _kill_process_trees, _release_shared_memory, _shared_memory_files, _started_processes
+from plumbing.engine import make_engine
+from plumbing.placement import engine_placement
+from plumbing.watchdog import kill_process_trees, release_shared_memory, shared_memory_files, started_processes
 from plumbing.weights import (
     SnapshotPlace,
     WeightBucket,
@@ -23,7 +24,7 @@ from plumbing.weights import (
     push_weights,
     shared_handle,
     snapshot_bytes,
-    _snapshot_sizes,
+    snapshot_sizes,
 )
 
 PROMPT_LENGTH, BLOCK_SIZE = 45, 32  # prompts span more than one KV-cache block
@@ -162,7 +163,7 @@ def test_the_engine_device_holds_one_bucket_at_every_async_level(engine, policy_
             channels.weights.put(snapshots.take(policy, step + 1))
         snapshots.keep(dpo.published_versions(dpo.pending_events(schedule, step + 1, set())))
     link.thread.join(timeout=60)
-    one = bucket_bytes(_snapshot_sizes(snapshots.saved), element_size=4, least=1)
+    one = bucket_bytes(snapshot_sizes(snapshots.saved), element_size=4, least=1)
     assert one < snapshot_bytes(snapshots.saved, torch.float32)
     assert [version for version, _, _ in held] == [1, 2, 3]
     # the bucket and its header: the version and the run it holds, two int64
@@ -418,8 +419,8 @@ def test_each_push_loads_exactly_what_a_checkpoint_would(arch, tied, tokenizer, 
     llm = make_engine(
         str(tmp_path / "v0"), placement, dtype="float32", max_model_len=128, enforce_eager=True, seed=0, block_size=32
     )
-    processes = _started_processes(ours)
-    shared_memory = _shared_memory_files(processes)
+    processes = started_processes(ours)
+    shared_memory = shared_memory_files(processes)
     try:
         g = torch.Generator().manual_seed(0)
         prompts = [
@@ -465,5 +466,5 @@ def test_each_push_loads_exactly_what_a_checkpoint_would(arch, tied, tokenizer, 
     finally:
         # stopped as the scripts stop it (plumbing.Engine.stop): its worker's own exit takes seconds, ten engines here
         llm.llm_engine.engine_core.shutdown(timeout=1)
-        _kill_process_trees(processes)
-        _release_shared_memory(shared_memory)
+        kill_process_trees(processes)
+        release_shared_memory(shared_memory)

@@ -395,7 +395,7 @@ def test_a_signal_while_the_engine_starts_stops_the_run_at_once(script, sig, to_
                     pass
             time.sleep(0.05)
         family = [psutil.Process(proc.pid), *psutil.Process(proc.pid).children(recursive=True)]
-        shared_memory = plumbing.watchdog._shared_memory_files(family)
+        shared_memory = plumbing.watchdog.shared_memory_files(family)
         if to_group:
             os.killpg(proc.pid, sig)
         else:
@@ -428,7 +428,7 @@ def test_the_engine_dies_with_a_trainer_killed_by_sigkill(tmp_path):
     """kill -9 of the trainer alone, mid-run, with two engines: its watchdog (plumbing.watchdog, which every file's
     engine start calls) kills every engine's processes, which would otherwise live on (re-parented to init), and
     removes the weights folder and the engines' message queues in shared memory."""
-    from plumbing.watchdog import _shared_memory_files
+    from plumbing.watchdog import shared_memory_files
 
     script = "online_dpo_async.py"
     run = tmp_path / "run"
@@ -456,7 +456,7 @@ def test_the_engine_dies_with_a_trainer_killed_by_sigkill(tmp_path):
         # each engine's scheduler process and its worker
         assert len(engine) >= 4 and len(folders) == 1, (engine, folders)
         family = [psutil.Process(proc.pid), *psutil.Process(proc.pid).children(recursive=True)]
-        queues = [path for path in _shared_memory_files(family) if "/psm_" in path]
+        queues = [path for path in shared_memory_files(family) if "/psm_" in path]
         assert queues, "the engines' message queues"
         proc.kill()
         proc.wait()
@@ -485,7 +485,7 @@ def test_weights_folders_of_dead_trainers_are_removed(tmp_path):
     for name in names:
         (tmp_path / name).mkdir()
         (tmp_path / name / "model.safetensors").write_bytes(b"weights")
-    assert plumbing.watchdog._remove_stale_weights_folders(str(tmp_path)) == [str(tmp_path / names[0])]
+    assert plumbing.watchdog.remove_stale_weights_folders(str(tmp_path)) == [str(tmp_path / names[0])]
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted(names[1:])
 
 
@@ -510,18 +510,18 @@ def test_orphaned_message_queues_and_semaphores_are_released_and_only_those(tmp_
         os.link(tmp_path / "sem.Xy12ab", tmp_path / "sem.mp-mapped")  # as sem_open does: the maps name sem.Xy12ab
         os.unlink(tmp_path / "sem.Xy12ab")
         os.utime(tmp_path / "sem.mp-mapped", (old, old))
-        assert plumbing.watchdog._shared_memory_files([psutil.Process()], str(tmp_path)) == [
+        assert plumbing.watchdog.shared_memory_files([psutil.Process()], str(tmp_path)) == [
             str(tmp_path / "psm_mapped"),
             str(tmp_path / "sem.mp-mapped"),
         ]
-        released = plumbing.watchdog._release_orphaned_shared_memory(folder=str(tmp_path), min_age=60)
+        released = plumbing.watchdog.release_orphaned_shared_memory(folder=str(tmp_path), min_age=60)
         assert sorted(released) == [str(tmp_path / "psm_orphan"), str(tmp_path / "sem.mp-orphan")]
         assert sorted(p.name for p in tmp_path.iterdir()) == ["other", "psm_mapped", "psm_new", "sem.mp-mapped"]
         # a watchdog names the files: those go whatever their age, if unmapped
         named = [str(tmp_path / name) for name in ("psm_new", "psm_mapped", "sem.mp-mapped", "other")]
-        assert plumbing.watchdog._release_orphaned_shared_memory(named, folder=str(tmp_path)) == [named[0], named[3]]
+        assert plumbing.watchdog.release_orphaned_shared_memory(named, folder=str(tmp_path)) == [named[0], named[3]]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["psm_mapped", "sem.mp-mapped"]
-    assert plumbing.watchdog._release_orphaned_shared_memory(named, folder=str(tmp_path)) == named[1:3]  # unmapped now
+    assert plumbing.watchdog.release_orphaned_shared_memory(named, folder=str(tmp_path)) == named[1:3]  # unmapped now
 
 
 def test_each_call_to_the_engine_has_a_deadline_from_the_runs_own_pace():

@@ -14,7 +14,8 @@ import pytest
 import torch
 from conftest import perturbed_policy, read_metrics, run_script
 
-from plumbing.engine import engine_placement, make_engine, visible_gpus
+from plumbing.engine import make_engine
+from plumbing.placement import engine_placement, visible_gpus
 from plumbing.weights import SnapshotPlace, WeightBucket, model_snapshot, push_weights
 
 # This process may touch CUDA before an engine starts: the engine is spawned (make_engine), never forked.

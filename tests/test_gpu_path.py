@@ -16,10 +16,10 @@ import torch
 from conftest import ROOT, perturbed_policy, run_script, small_config
 
 import plumbing
-from plumbing.engine import (
+from plumbing.placement import (
     Placement,
     contiguous_parts,
-    _engine_line,
+    engine_line,
     engine_placement,
     engine_placements,
     engine_share,
@@ -278,18 +278,18 @@ def test_the_readme_commands_on_n_plus_1_gpus_get_an_engine_with_the_share_the_r
         engine_share(separate._replace(memory_utilization=0.95), *gpus, to_come, bucket=bucket)
 
 
-def test_the_engine_line_says_what_the_engine_got_and_that_its_first_start_compiles():
+def test_theengine_line_says_what_the_engine_got_and_that_its_first_start_compiles():
     """Printed at start: the device, the share and where it came from, the push's bucket and the snapshots in host
     memory; on a GPU with CUDA graphs, that the first start compiles, and the flag that skips it."""
     gib = 2**30
     placement = Placement("7", False, 7, 0.37)
-    line = _engine_line(placement, 80 * gib, 15 * gib, gib, 48 * gib, flag_given=False, eager=False)
+    line = engine_line(placement, 80 * gib, 15 * gib, gib, 48 * gib, flag_given=False, eager=False)
     assert line.startswith("engine: GPU 7 of its own, 0.37 of its 80.00 GiB (the largest share the run leaves")
     assert "bucket of 1.00 GiB (the snapshots of 15.00 GiB: 48.00 GiB at most, in pinned host memory)" in line
     assert "first start compiles the model" in line and "--vllm_enforce_eager" in line
-    eager = _engine_line(placement, 80 * gib, 15 * gib, gib, 48 * gib, flag_given=True, eager=True)
+    eager = engine_line(placement, 80 * gib, 15 * gib, gib, 48 * gib, flag_given=True, eager=True)
     assert "(--vllm_gpu_memory_utilization)" in eager and "compiles" not in eager
-    cpu = _engine_line(Placement(None, False, 0, 0.9), 0, 3 * 2**20, 3 * 2**20, 9 * 2**20, False, True)
+    cpu = engine_line(Placement(None, False, 0, 0.9), 0, 3 * 2**20, 3 * 2**20, 9 * 2**20, False, True)
     assert cpu == "engine: on the CPU; weight snapshots of 3.00 MiB each"
 
 
@@ -535,7 +535,7 @@ print(json.dumps({{"gathered": sorted(ids[i] for i in set(gathered)), "parameter
 @pytest.mark.parametrize("arch, tied", [("gptneox", False), ("llama", True)])
 def test_the_snapshot_pushed_under_zero3_is_the_unsharded_one(tokenizer, tmp_path, arch, tied):
     """Under DeepSpeed ZeRO-3 (one CPU process, fp32) the policy is sharded from the moment it loads; the push
-    (plumbing.PolicySnapshots.take) gathers it a layer at a time (plumbing.distributed._gathered_tensors) into the
+    (plumbing.PolicySnapshots.take) gathers it a layer at a time (plumbing.distributed.gathered_tensors) into the
     snapshot, which equals, name for name and bit for bit, the snapshot of the same weights never sharded."""
     from safetensors.torch import load_file
 

@@ -80,7 +80,7 @@ def test_no_robots_8b_at_a_share_of_0_8_holds_the_batch_only_with_a_smaller_rese
 
 @pytest.mark.parametrize("async_level", [0, 1, 3])
 def test_left_out_the_share_is_what_the_run_would_give_the_engine(async_level):
-    """plumbing.engine.engine_share on an empty engine's GPU of 79 GiB: the push's bucket of 1 GiB
+    """plumbing.placement.engine_share on an empty engine's GPU of 79 GiB: the push's bucket of 1 GiB
     (plumbing.weights._BUCKET_BYTES: the 8B's largest layer, its embedding of 128256 x 4096 x 2 bytes, is 0.98 GiB)
     whatever the async level, the CUDA contexts of rank 0 and the engine and 5 % of the GPU leave (79 GiB - 1 - 2 -
     3.95) / 79 GiB = 0.912, 0.91, of which it takes vLLM's default 0.9 (rank 0's GPU, with 7.2 GiB of models loaded
@@ -117,7 +117,7 @@ def test_on_a_shared_gpu_the_share_left_out_leaves_room_for_the_push_s_bucket():
     p = plan.make_plan(command.split(), H100._replace(gpu_bytes=total), 1)
     assert p.shared and (p.share, p.share_source) == (
         0.2,
-        "left out: the largest the run leaves, plumbing.engine.engine_share",
+        "left out: the largest the run leaves, plumbing.placement.engine_share",
     )
     assert plan.engine_layouts(p, H100) == []
     assert plan.report(p, H100).endswith(
@@ -297,7 +297,7 @@ def test_the_plan_finds_the_fewest_engines_at_which_training_bounds_the_step():
 def test_more_samples_need_more_engines_and_a_layout_that_does_not_fit_is_not_advised():
     """K = 16 on 4 GPUs, 3 training processes (54 prompts x 16 = 864 completions): 1 engine takes 65.79 s. With 2 or 3
     engines, the 8B's ZeRO-3 shards over 2 processes, or 1, leave rank 0's GPU too little for its gradients and optimizer
-    state (plumbing.engine.engine_share): at no layout that fits does training bound the step. The same with the
+    state (plumbing.placement.engine_share): at no layout that fits does training bound the step. The same with the
     engine's share given: 2 engines and 2 training processes would be training-bound (38.78 s against 35.35 s), but the
     memory plan does not fit. K = 8 on 8 GPUs takes 4 engines, the largest of which generates 32 of the 126 prompts."""
     command = [w.replace("7", "3") if w == "7" else w for w in NO_ROBOTS.split()]

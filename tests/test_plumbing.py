@@ -28,7 +28,7 @@ from plumbing.weights import (
     _check_loaded,
     combined_fingerprints,
     fingerprint,
-    _snapshot_sizes,
+    snapshot_sizes,
     _unmatched_fingerprints,
     _views,
 )
@@ -233,7 +233,7 @@ def test_snapshots_are_taken_in_the_engine_s_dtype_from_the_trainer_s_weights(to
     taken = snapshots.take(policy, 1)
     state = policy.state_dict()
     assert taken.flat.dtype == torch.bfloat16 and taken.version == 1
-    assert _snapshot_sizes(snapshots.saved) == {name: state[name].numel() for name in state}
+    assert snapshot_sizes(snapshots.saved) == {name: state[name].numel() for name in state}
     for name, tensor in _views(taken.flat, taken.layout):
         assert torch.equal(tensor, state[name].to(torch.bfloat16)), name
         assert taken.fingerprint[name] == pytest.approx(exact_fingerprint(state[name], torch.bfloat16), rel=1e-13)
@@ -320,7 +320,7 @@ def reduce_on_two_processes(rank: int, port: int, out: str) -> None:
     processes.on_gpu = True
     for rank_0s in (["0", "1"], ["0"]):
         gpus = rank_0s if rank == 0 else ["0"]
-        plumbing.engine.visible_gpus = lambda: gpus
+        plumbing.placement.visible_gpus = lambda: gpus
         try:
             result.setdefault("placements", []).append(
                 [list(p) for p in plumbing.Engine(args, processes, None).placements]
@@ -472,7 +472,7 @@ def test_a_step_s_timings_by_hand(monkeypatch):
     for phase in ("wait_for_rollouts", "scoring", "update"):
         laps.lap(phase)
     generator = {"generation": (95.0, 3.0), "generator_wait": (None, 0.25)}
-    metrics = run_folder._pipeline_metrics(laps, generator, 90.0, {"update": 7e9}, episodes=32, tokens=400.0)
+    metrics = plumbing.timings.pipeline_metrics(laps, generator, 90.0, {"update": 7e9}, episodes=32, tokens=400.0)
     assert metrics == {
         "time/generation": 3.0,
         "time/generator_wait": 0.25,

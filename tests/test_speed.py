@@ -91,7 +91,7 @@ def test_speed_refuses_a_used_out_dir(tmp_path):
 def test_on_cores_places_threads_and_processes_started_in_it():
     """The CPU split: what starts inside `on_cores` (the engine's processes, the generation thread) runs
     on the engine's core; the caller, the trainer, gets its own cores back."""
-    on_cores = importlib.import_module("plumbing.engine")._on_cores  # private: the CPU split it places
+    on_cores = importlib.import_module("plumbing.placement").on_cores  # private: the CPU split it places
     mine = os.sched_getaffinity(0)
     engine = {max(mine)}
     seen = {}

@@ -32,13 +32,13 @@ def _not_reachable(flag: str, name: str, what: str) -> str:
     )
 
 
-def _json_kind(value) -> str:
+def json_kind(value) -> str:
     """The JSON name of a parsed value's type, as an error says what it found."""
     kinds = {dict: "object", list: "array", str: "string", bool: "true/false", type(None): "null"}
     return kinds.get(type(value), "number")
 
 
-def _json_error(error: ValueError) -> str:
+def json_error(error: ValueError) -> str:
     """Where a JSON text stops parsing ("line N: why"), or why its bytes are not text."""
     if isinstance(error, json.JSONDecodeError):
         return f"line {error.lineno}: {error.msg}"
@@ -173,7 +173,7 @@ def _json_file_problem(path: Path) -> str | None:
         wrong = next((i for i, item in enumerate(document) if not isinstance(item, dict)), None)
         if wrong is None:
             return None
-        return f"item {wrong}: a JSON {_json_kind(document[wrong])}, not an object (a row)"
+        return f"item {wrong}: a JSON {json_kind(document[wrong])}, not an object (a row)"
     for number, line in enumerate(text.splitlines(), 1):
         if not line.strip():
             continue
@@ -185,7 +185,7 @@ def _json_file_problem(path: Path) -> str | None:
                 return f"line {whole_error.lineno}: {whole_error.msg}"
             return f"line {number} (row {row}): {exc.msg}"
         if not isinstance(value, dict):
-            return f"line {number} (row {row}): a JSON {_json_kind(value)}, not an object (a row)"
+            return f"line {number} (row {row}): a JSON {json_kind(value)}, not an object (a row)"
         row += 1
     return None
 
@@ -322,7 +322,7 @@ def _model_file_problem(file: Path, folder: Path) -> str | None:
         try:
             index = json.loads(file.read_text())
         except ValueError as exc:
-            return f"does not parse ({_json_error(exc)})"
+            return f"does not parse ({json_error(exc)})"
         shards = set(index.get("weight_map", {}).values()) if isinstance(index, dict) else set()
         if missing := sorted(shard for shard in shards if not (folder / shard).is_file()):
             return f"names weights that are not there ({', '.join(missing)})"
