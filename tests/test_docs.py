@@ -270,6 +270,26 @@ def test_the_readme_layout_names_every_folder_and_module_and_what_each_is_for():
     assert [name for name in listed if not (ROOT / name.rstrip("/")).exists()] == []
 
 
+def test_every_test_the_promises_table_names_exists_and_every_test_file_is_in_it():
+    """docs/tests.md's table of promises names tests that exist, each in the file its row names, and names every test
+    file of tests/."""
+    table = DOCS[ROOT / "docs" / "tests.md"].split("<!-- promises -->\n")[1].split("<!-- end of promises -->")[0]
+    named_files = set()
+    for row in table.splitlines()[2:]:
+        tests = row.split(" | ")[-1]
+        for part in re.split(r"; ", tests):
+            files = re.findall(r"`(test_\w+\.py)`", part)
+            names = [n for n in re.findall(r"`(test_\w+)`", part) if not n.endswith(".py")]
+            assert files, f"a row of docs/tests.md's promises names no test file: {row[:80]}"
+            named_files |= set(files)
+            for name in names:
+                holders = [
+                    f for f in files if re.search(rf"^(async )?def {name}\(", (ROOT / "tests" / f).read_text(), re.M)
+                ]
+                assert holders, f"docs/tests.md names {name} in {files}, which define no such test"
+    assert named_files == {p.name for p in (ROOT / "tests").glob("test_*.py")}
+
+
 def heading_anchors(text: str) -> set[str]:
     """The anchors GitHub gives a page's headings: lower case, punctuation dropped, spaces to hyphens, -1, -2, ... for repeats."""
     anchors, seen = set(), {}

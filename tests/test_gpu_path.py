@@ -278,7 +278,7 @@ def test_the_readme_commands_on_n_plus_1_gpus_get_an_engine_with_the_share_the_r
         engine_share(separate._replace(memory_utilization=0.95), *gpus, to_come, bucket=bucket)
 
 
-def test_theengine_line_says_what_the_engine_got_and_that_its_first_start_compiles():
+def test_the_engine_line_says_what_the_engine_got_and_that_its_first_start_compiles():
     """Printed at start: the device, the share and where it came from, the push's bucket and the snapshots in host
     memory; on a GPU with CUDA graphs, that the first start compiles, and the flag that skips it."""
     gib = 2**30
