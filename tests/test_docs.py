@@ -543,16 +543,15 @@ def test_every_path_the_docs_scripts_and_comments_name_exists():
 
 
 def test_the_picture_of_the_layout_is_what_the_code_imports():
-    """docs/import_graph.svg, which the README's Layout shows, is what docs/import_graph.py draws from the code
+    """docs/import_graph.svg, which the README's Layout shows, is what dev/import_graph.py draws from the code
     now; and the layout's rules hold: the plumbing and the tasks import nothing of the other folders, the algorithm
     files only the plumbing."""
-    sys.path.insert(0, str(ROOT / "docs"))
-    import import_graph
+    from dev import import_graph
 
     imports, runs = import_graph.dependencies()
     assert "(docs/import_graph.svg)" in README
     assert (ROOT / "docs" / "import_graph.svg").read_text() == import_graph.draw(imports, runs), (
-        "run python docs/import_graph.py"
+        "run python dev/import_graph.py"
     )
     assert {target for source, target in imports if source == import_graph.METHOD} == {"plumbing/"}
     assert not {target for source, target in imports if source in ("plumbing/", "tasks/")}

@@ -1,14 +1,16 @@
 """The mutation checks' lists against the current files (docs/tests.md#mutation-check): every mutant still applies, so
-the lists cannot rot silently; the method's (tests/mutation_check.py) and the plumbing's
-(tests/mutation_check_plumbing.py). No mutant is run here."""
+the lists cannot rot silently; the method's (dev/mutation_check.py) and the plumbing's
+(dev/mutation_check_plumbing.py). No mutant is run here."""
 
 import ast
+import sys
 
 import pytest
 from conftest import ROOT
 
-import mutation_check as mc
-import mutation_check_plumbing as mcp
+sys.path.insert(0, str(ROOT / "dev"))  # the checks are the developers' scripts, which import each other by name
+import mutation_check as mc  # noqa: E402
+import mutation_check_plumbing as mcp  # noqa: E402
 
 SOURCES = {name: (ROOT / name).read_text() for name in mc.FILES}
 PLUMBING_SOURCES = {name: (ROOT / name).read_text() for name in mcp.FILES}
@@ -60,7 +62,7 @@ def test_every_test_module_of_the_algorithm_files_is_run_or_left_out_with_its_re
         for path in (ROOT / "tests").glob("test_*.py")
         if any(name.removesuffix(".py") in path.read_text() for name in mc.FILES)
     }
-    assert not importing - run - set(mc.LEFT_OUT), "add them to SHARED_TESTS or LEFT_OUT in tests/mutation_check.py"
+    assert not importing - run - set(mc.LEFT_OUT), "add them to SHARED_TESTS or LEFT_OUT in dev/mutation_check.py"
 
 
 def test_every_plumbing_mutant_applies_once_to_its_function_and_the_result_compiles():

@@ -2,12 +2,12 @@
 plumbing/ (the weight push and its proof, the engine's memory, the run folder, the processes' collectives, the command
 line's checks) and in benchmark/plan.py and benchmark/memory.py, each applied in turn to a scratch copy of the
 repository, and the fast tier's tests that call the mutated function run against it; a mutant is killed when they
-fail. The machinery is tests/mutation_check.py's (its Suite); this file holds the list.
+fail. The machinery is dev/mutation_check.py's (its Suite); this file holds the list.
 
-    python tests/mutation_check_plumbing.py                              # every mutant, one worker per core
-    python tests/mutation_check_plumbing.py --file plumbing/weights.py   # the mutants of one file
-    python tests/mutation_check_plumbing.py --only W07 M03               # a few, by id
-    python tests/mutation_check_plumbing.py --list                       # the mutants, nothing run
+    python dev/mutation_check_plumbing.py                              # every mutant, one worker per core
+    python dev/mutation_check_plumbing.py --file plumbing/weights.py   # the mutants of one file
+    python dev/mutation_check_plumbing.py --only W07 M03               # a few, by id
+    python dev/mutation_check_plumbing.py --list                       # the mutants, nothing run
 
 tests/test_mutation_check.py checks that every fragment still applies once to its function.
 """

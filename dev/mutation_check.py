@@ -2,13 +2,13 @@
 of realistic bugs, each applied in turn to a scratch copy of the repository, and the fast tier's unit tests that can
 see it run against it; a mutant is killed when they fail. Prints a table, the survivors and the score.
 
-    python tests/mutation_check.py                       # every mutant, one worker per core
-    python tests/mutation_check.py --file rloo_async.py  # the mutants that touch one file
-    python tests/mutation_check.py --only D04 P48        # a few, by id
-    python tests/mutation_check.py --list                # the mutants, nothing run
+    python dev/mutation_check.py                       # every mutant, one worker per core
+    python dev/mutation_check.py --file rloo_async.py  # the mutants that touch one file
+    python dev/mutation_check.py --only D04 P48        # a few, by id
+    python dev/mutation_check.py --list                # the mutants, nothing run
 
 A script, not a test module (pytest collects test_*.py only); tests/test_mutation_check.py checks the list itself.
-The same machinery checks the plumbing and the run plan's arithmetic: tests/mutation_check_plumbing.py (a Suite).
+The same machinery checks the plumbing and the run plan's arithmetic: dev/mutation_check_plumbing.py (a Suite).
 """
 
 import argparse

@@ -3,8 +3,8 @@ a folder to another where a Python file of the first imports one of the second (
 importing files), or names one of its scripts to run it (dashed). Writes docs/import_graph.svg, which the
 README's Layout shows; a test checks that the committed picture is what this script draws.
 
-    python docs/import_graph.py            # rewrite docs/import_graph.svg
-    python docs/import_graph.py --check    # exit 1 if the committed picture is not current
+    python dev/import_graph.py            # rewrite docs/import_graph.svg
+    python dev/import_graph.py --check    # exit 1 if the committed picture is not current
 """
 
 import argparse
@@ -36,10 +36,7 @@ def folder_of(path: Path) -> str:
 
 def python_files() -> list[Path]:
     return sorted(
-        path
-        for path in ROOT.rglob("*.py")
-        if not {".venv", ".git", ".gpu", "runs", "docs"}
-        & set(path.relative_to(ROOT).parts)  # docs/: this script
+        path for path in ROOT.rglob("*.py") if not {".venv", ".git", ".gpu", "runs"} & set(path.relative_to(ROOT).parts)
     )
 
 
@@ -47,9 +44,7 @@ def dependencies() -> tuple[dict, dict]:
     """(imports, runs): (folder, folder) -> the files of the first that import a module of the second, or name
     one of its scripts in a string (a command they run)."""
     files = python_files()
-    modules = {
-        path.stem: folder_of(path) for path in files
-    }  # the folders put their files on sys.path by name
+    modules = {path.stem: folder_of(path) for path in files}  # the folders put their files on sys.path by name
     modules["plumbing"] = "plumbing/"
     scripts = {str(path.relative_to(ROOT)): folder_of(path) for path in files}
     scripts |= {path.name: folder_of(path) for path in files if folder_of(path) == METHOD}
@@ -155,7 +150,7 @@ def draw(imports: dict, runs: dict) -> str:
         )
     parts.append(
         f'<text x="10" y="{height - 12:.0f}" font-size="11" fill="#555">arrow: imports (number of importing '
-        "files); dashed: runs its scripts (docs/import_graph.py draws this from the code)</text>"
+        "files); dashed: runs its scripts (dev/import_graph.py draws this from the code)</text>"
     )
     return "\n".join(parts) + "\n</svg>\n"
 
@@ -167,7 +162,7 @@ def main() -> None:
     picture = draw(*dependencies())
     if args.check:
         if not OUT.exists() or OUT.read_text() != picture:
-            sys.exit(f"error: {OUT.relative_to(ROOT)} is not current: run python docs/import_graph.py")
+            sys.exit(f"error: {OUT.relative_to(ROOT)} is not current: run python dev/import_graph.py")
         return
     temporary = OUT.with_suffix(".svg.tmp")
     temporary.write_text(picture)
