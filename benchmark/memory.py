@@ -34,6 +34,8 @@ from typing import NamedTuple
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+from plumbing.tidy import write_atomically  # noqa: E402
+
 GIB = 2**30
 MARGIN = 0.05  # of each GPU, kept free: allocator slack and what the plan does not count
 SCRIPTS = ("online_dpo_async.py", "rloo_async.py", "ppo_async.py")
@@ -322,11 +324,9 @@ def script_commands(bench: str, **env: str) -> list[str]:
 
 
 def write_page(path: Path, text: str) -> None:
-    """`text` to `path`, whole or not at all (a temporary file beside it, renamed)."""
+    """`text` to `path`, whole or not at all, its folder made if need be."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    temporary = path.with_name(path.name + ".tmp")
-    temporary.write_text(text)
-    temporary.replace(path)
+    write_atomically(path, text)
 
 
 def scripts_page(gpu_bytes: int) -> str:

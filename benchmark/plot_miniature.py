@@ -25,12 +25,14 @@ quarter of the training steps, and the axis and table say so.
 import argparse
 import io
 import json
-import os
 import sys
 from collections import defaultdict
 from pathlib import Path
 
 import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from plumbing.tidy import write_atomically  # noqa: E402
 
 METHOD_LABELS = {
     "dpo": "online DPO",
@@ -74,12 +76,6 @@ def finished_folders(runs_dir: Path) -> list[Path]:
 
 def read_runs(runs_dir: Path) -> list[dict]:
     return [read_run(f) for f in finished_folders(runs_dir)]
-
-
-def write_atomically(path: Path, data: bytes) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_bytes(data)
-    os.replace(tmp, path)
 
 
 def write_json_atomically(path: Path, data: dict) -> None:

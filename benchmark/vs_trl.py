@@ -33,8 +33,11 @@ from typing import NamedTuple
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(1, str(ROOT))
 import speed  # noqa: E402
 import timing  # noqa: E402
+
+from plumbing.tidy import stop_process_group, write_atomically  # noqa: E402
 
 SCRIPTS = {"online_dpo": "online_dpo_async.py", "rloo": "rloo_async.py"}
 NAMES = {"online_dpo": "online DPO", "rloo": "RLOO"}
@@ -413,15 +416,6 @@ def error_line(log: Path) -> str:
     return lines[-1] if lines else "no output"
 
 
-def stop_group(proc: subprocess.Popen, grace: float = 30.0) -> None:
-    """SIGTERM to the run's process group (our scripts then stop their engine), SIGKILL to what is left after `grace`."""
-    for signum, wait in ((signal.SIGTERM, grace), (signal.SIGKILL, 0)):
-        with suppress(ProcessLookupError, PermissionError):
-            os.killpg(proc.pid, signum)
-        with suppress(subprocess.TimeoutExpired):
-            proc.wait(timeout=wait or None)
-
-
 def execute(run: Run, folder: Path, cores: list[int], timeout: float, interval: float = 0.5) -> float | None:
     """Run one command on `cores`, in a process group of its own, its output in <folder>/run.log. Returns the GPU
     memory it took at its peak over what was in use before it started (trainer, engine and CUDA contexts;
@@ -448,7 +442,7 @@ def execute(run: Run, folder: Path, cores: list[int], timeout: float, interval: 
                 if before is not None and (used := gpu_memory_used()) is not None:
                     peak = max(peak, used)
         except BaseException:  # the deadline, or Ctrl-C, which reaches no process of another session
-            stop_group(proc)
+            stop_process_group(proc)
             raise
     if proc.returncode:
         with suppress(ProcessLookupError, PermissionError):  # what it started and left behind
@@ -472,12 +466,6 @@ def collect(run: Run, folder: Path, gpu_peak_gib: float | None) -> dict:
         gpu_peak_gib,
         run_args.get("torch_threads"),
     )
-
-
-def write_atomically(path: Path, text: str) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
 
 
 def run_or_reuse(run: Run, setup: Setup, timeout: float) -> dict:

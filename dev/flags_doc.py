@@ -22,6 +22,7 @@ sys.path.insert(0, str(ROOT))
 
 from dev.copies import ALGORITHM_FILES  # noqa: E402
 from plumbing.flags import _COMMON_DOMAINS, _flag_sections  # noqa: E402
+from plumbing.tidy import write_atomically  # noqa: E402
 
 DOC = ROOT / "docs" / "flags.md"
 BEGIN = "<!-- flags: written by dev/flags_doc.py from each file's Args and domains -->\n"
@@ -117,9 +118,7 @@ def main() -> int:
     if check:
         print(f"{DOC.relative_to(ROOT)}'s flag list differs from the code's: run python dev/flags_doc.py")
         return 1
-    temporary = DOC.with_suffix(".md.tmp")
-    temporary.write_text(written)
-    temporary.replace(DOC)
+    write_atomically(DOC, written)
     print(f"wrote {DOC.relative_to(ROOT)}")
     return 0
 

@@ -21,8 +21,9 @@ from mutation_check import MODULE, Mutant, Suite, main
 WEIGHTS, ENGINE, RUN_FOLDER = "plumbing/weights.py", "plumbing/engine.py", "plumbing/run_folder.py"
 DISTRIBUTED, INPUTS = "plumbing/distributed.py", "plumbing/inputs.py"
 FLAGS, PLACEMENT, TIMINGS = "plumbing/flags.py", "plumbing/placement.py", "plumbing/timings.py"
+TIDY = "plumbing/tidy.py"
 PLAN, MEMORY = "benchmark/plan.py", "benchmark/memory.py"
-FILES = (WEIGHTS, ENGINE, PLACEMENT, RUN_FOLDER, TIMINGS, DISTRIBUTED, FLAGS, INPUTS, PLAN, MEMORY)
+FILES = (WEIGHTS, ENGINE, PLACEMENT, RUN_FOLDER, TIMINGS, TIDY, DISTRIBUTED, FLAGS, INPUTS, PLAN, MEMORY)
 
 # A table, one mutant to a line or two: left as laid out (the formatter would spread each over eight lines).
 # fmt: off
@@ -112,8 +113,8 @@ MUTANTS = [
            "a flag that changes the schedule (--eval_freq: the versions owed) accepted on --resume"),
     Mutant("R06", RUN_FOLDER, "_checkpoint_to_resume", 'if previous.get("world_size") != world_size:', "if False:",
            "a run resumed on another number of training processes (its shards and shuffles no longer match)"),
-    Mutant("R07", RUN_FOLDER, "_write_atomically", 'Path(f"{path}.tmp").write_text(text)\n    os.replace(f"{path}.tmp", path)',
-           "Path(path).write_text(text)", "args.json written in place: a crash leaves half of it"),
+    Mutant("R07", TIDY, "write_atomically", 'temporary = Path(f"{path}.tmp")', "temporary = Path(path)",
+           "args.json written in place: a crash leaves half of it"),
     Mutant("R08", RUN_FOLDER, "_keep_metrics_before", '(logged["step"] < start_step)', '(logged["step"] <= start_step)',
            "< vs <=: the step a resumed run trains again kept in metrics.jsonl, logged twice"),
     Mutant("R09", TIMINGS, "forward_flops", "tied = head is not None and head.weight is embedding", "tied = False",

@@ -9,6 +9,7 @@
    engine.py        the vLLM engine: its processes, the generation thread, the signals, the deadlines
    weights.py       the weight push: the policy's snapshots in host memory, a bucket, the proof of each push
 5. watchdog.py      a program of its own that ends the engine's processes if the trainer dies
+   tidy.py          nothing left half done: a file written whole, a process group stopped whole
 
 A package, not one module: each part reads alone, and the watchdog runs as its own program, importing
 nothing of the rest. Nothing runs at import, and a module loads when one of its names is first used
@@ -41,7 +42,7 @@ _NAMES = {
 }
 __all__ = list(_NAMES)
 _MODULES = {"flags", "inputs", "run_folder", "timings", "distributed", "placement", "engine", "weights"}
-_MODULES |= {"watchdog"}
+_MODULES |= {"watchdog", "tidy"}
 
 
 def __getattr__(name: str):

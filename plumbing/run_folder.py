@@ -33,6 +33,7 @@ from tqdm import tqdm
 
 from plumbing.inputs import json_error, json_kind
 from plumbing.flags import RunArgs, UsageError
+from plumbing.tidy import write_atomically
 from plumbing.timings import Laps, pipeline_metrics
 
 # Flags that may change when a run is resumed; any other must be what the run started with.
@@ -147,7 +148,7 @@ class RunFolder:
         with self.writing("args.json and the logs"):
             _keep_metrics_before(metrics, progress.step, progress.evals_logged)
             run_args = asdict(args) | sizes | {"output_dir": self.path, "git_revision": _git_revision()}
-            _write_atomically(os.path.join(self.path, "args.json"), json.dumps(run_args, indent=2))
+            write_atomically(os.path.join(self.path, "args.json"), json.dumps(run_args, indent=2))
             tracking = (args.track, args.wandb_project, args.wandb_entity)
             self.logger = _MetricsLogger(self.path, self.name, asdict(args), *tracking)
 
@@ -381,7 +382,7 @@ def _write_manifest(folder: str) -> None:
         for file in sorted(Path(folder).rglob("*"))
         if file.is_file() and file.name != _MANIFEST
     }
-    _write_atomically(os.path.join(folder, _MANIFEST), json.dumps({"files": files}, indent=1))
+    write_atomically(os.path.join(folder, _MANIFEST), json.dumps({"files": files}, indent=1))
 
 
 def _file_sha256(path: Path) -> str:
@@ -535,7 +536,7 @@ def _disk_full(error: BaseException, path: str) -> bool:
 
 
 def _remove_temporary_files(output_dir: str) -> list[str]:
-    """The *.tmp files and folders the run writes before it renames them (_write_atomically,
+    """The *.tmp files and folders the run writes before it renames them (write_atomically,
     _save_checkpoint, _save_policy), in the folder and its subfolders (checkpoints/, eval_completions/),
     removed: what a full disk or a kill left half-written, which no run reads. Returns their paths in the
     folder."""
@@ -558,12 +559,6 @@ def _git_revision() -> str:
         return "unknown"
 
 
-def _write_atomically(path: str, text: str) -> None:
-    """Temporary file, then rename: a reader (or a crash) never sees half a file."""
-    Path(f"{path}.tmp").write_text(text)
-    os.replace(f"{path}.tmp", path)
-
-
 def _keep_metrics_before(metrics: str, start_step: int, evals_logged: set[int]) -> None:
     """metrics.jsonl without the training steps from `start_step` on and the evaluations not in
     `evals_logged`, and without a last line cut off (_metrics_lines)."""
@@ -575,7 +570,7 @@ def _keep_metrics_before(metrics: str, start_step: int, evals_logged: set[int]) 
         is_eval = any(key.startswith("eval/") for key in logged)
         if (logged["step"] in evals_logged) if is_eval else (logged["step"] < start_step):
             kept.append(line + "\n")
-    _write_atomically(metrics, "".join(kept))
+    write_atomically(metrics, "".join(kept))
 
 
 def _metrics_lines(metrics: str) -> tuple[list[str], str | None]:
@@ -761,5 +756,5 @@ def _write_eval_completions(
         for p, c, r in zip(prompts, completions, references)
     ]
     path = os.path.join(folder, f"step_{step:06d}.jsonl")
-    _write_atomically(path, "".join(json.dumps(row) + "\n" for row in rows))
+    write_atomically(path, "".join(json.dumps(row) + "\n" for row in rows))
     return path

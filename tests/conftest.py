@@ -1,7 +1,6 @@
 import json
 import os
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile
@@ -13,6 +12,8 @@ ROOT = Path(__file__).resolve().parents[1]
 ALL_CORES = sorted(os.sched_getaffinity(0))  # before an xdist worker is pinned to one
 TINY = ROOT / "tasks" / "tiny"
 sys.path.insert(0, str(ROOT))
+from plumbing.tidy import stop_process_group  # noqa: E402
+
 # No network anywhere in the tests; keep the engine's KV cache small.
 os.environ.update(
     HF_HUB_OFFLINE="1",
@@ -181,7 +182,7 @@ def run_script(
         try:
             stdout, stderr = popen.communicate(timeout=timeout)
         except subprocess.TimeoutExpired:
-            os.killpg(popen.pid, signal.SIGKILL)
+            stop_process_group(popen, grace=0)
             stdout, stderr = popen.communicate()
             raise AssertionError(
                 f"{' '.join(argv)} ran past {timeout} s:\n{stdout[-4000:]}\n{stderr[-8000:]}"

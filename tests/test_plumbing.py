@@ -395,7 +395,7 @@ def test_checkpoints_are_written_whole_or_not_at_all_and_the_oldest_deleted(tmp_
     args_json = tmp_path / "args.json"
     args_json.write_text("the run's flags")
     with pytest.raises(OSError, match="injected test fault"):
-        run_folder._write_atomically(str(args_json), "another run's flags")
+        plumbing.tidy.write_atomically(str(args_json), "another run's flags")
     assert args_json.read_text() == "the run's flags"
 
 
