@@ -36,7 +36,9 @@ def folder_of(path: Path) -> str:
 
 def python_files() -> list[Path]:
     return sorted(
-        path for path in ROOT.rglob("*.py") if not {".venv", ".git", ".gpu", "runs"} & set(path.relative_to(ROOT).parts)
+        path
+        for path in ROOT.rglob("*.py")
+        if not {".venv", ".vllm_gpu", ".git", ".gpu", "runs"} & set(path.relative_to(ROOT).parts)
     )
 
 

@@ -689,7 +689,7 @@ METHOD = Suite(FILES, MUTANTS, tests_for(list(FILES)), SUBPROCESS_TESTS, {})
 # ---------------------------------------------------------------------------------------------------------------------
 def copy_repository(source: Path, destination: Path) -> None:
     def ignore(folder: str, names: list[str]) -> set[str]:
-        left_out = {".venv", ".git", "__pycache__", ".pytest_cache", ".ruff_cache"}
+        left_out = {".venv", ".vllm_gpu", ".git", "__pycache__", ".pytest_cache", ".ruff_cache"}
         return {n for n in names if n in left_out or (Path(folder) == source and n == "runs")}
 
     shutil.copytree(source, destination, ignore=ignore, symlinks=True)

