@@ -196,12 +196,27 @@ plumbing.flags._leave_process_group()  # as a run ends
     ), proc.stdout
 
 
+def test_the_readme_s_gpu_command_runs_dry():
+    """The README's one GPU command is a benchmark script's experiment: printed with DRY_RUN=1 (the tiny mode runs it,
+    tests/test_benchmark_scripts.py), it is accelerate launches of online DPO at async levels 0 and 1."""
+    block = re.search(r"## GPUs\n\n```bash\n(.*?)```", README, re.S).group(1).splitlines()
+    assert block[0] == "pip install -r requirements.txt"
+    command = shlex.split(block[1].split("  #")[0])
+    proc = subprocess.run(command, cwd=ROOT, env={**os.environ, "DRY_RUN": "1"}, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    runs = proc.stdout.splitlines()
+    assert runs and all(r.startswith("accelerate launch") and " online_dpo_async.py " in r for r in runs)
+    assert {r.split("--async_level ")[1].split()[0] for r in runs} == {"0", "1"}
+
+
 def test_gpu_commands_parse():
-    """No GPU here: check that the configs load and the script's flags parse as written."""
+    """No GPU here: check that the configs load and the script's flags parse as written (docs/gpus.md's launch
+    block)."""
     import tyro
     from accelerate.commands.config.config_args import load_config_from_file
 
-    match = re.search(r"## GPUs\n\n```bash\n(.*?)```", README, re.S)
+    gpus = DOCS[ROOT / "docs" / "gpus.md"]
+    match = re.search(r"## Launching\n\n```bash\n(.*?)```", gpus, re.S)
     lines = match.group(1).splitlines()
     one_gpu = shlex.split(lines[1].split("  #")[0].replace(" ...", ""))
     assert (

@@ -593,14 +593,16 @@ def test_copy_runs_keeps_the_table_and_drops_local_paths(tmp_path):
 
 
 def test_committed_results_are_the_table_of_the_committed_runs():
-    """benchmark/results/miniature: results.md is the tables computed from the committed runs, the README and
-    docs/reproducing.md show them, and the runs are the driver's whole plan with the flags it gives them (the
+    """benchmark/results/miniature: results.md is the tables computed from the committed runs, docs/reproducing.md
+    shows them and the README the staleness summary, and the runs are the driver's whole plan with the flags it gives them (the
     RLOO runs recorded before its loss flags: miniature.ADDED_FLAGS)."""
     results = ROOT / "benchmark" / "results" / "miniature"
     rows, use_perplexity = plot_miniature.summarise(plot_miniature.read_runs(results / "runs"))
     assert (results / "results.md").read_text() == plot_miniature.results_text(rows, use_perplexity)
     readme, reproducing = (ROOT / "README.md").read_text(), (ROOT / "docs" / "reproducing.md").read_text()
-    assert readme.split("<!-- miniature-results -->\n", 1)[1].startswith(plot_miniature.table(rows, use_perplexity))
+    assert reproducing.split("<!-- miniature-results -->\n", 1)[1].startswith(
+        plot_miniature.table(rows, use_perplexity)
+    )
     staleness = plot_miniature.staleness_table(rows, use_perplexity)
     assert reproducing.split("<!-- staleness-results -->\n", 1)[1].startswith(staleness)
     assert readme.split("<!-- staleness-results -->\n", 1)[1].startswith(
