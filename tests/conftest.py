@@ -110,6 +110,23 @@ FAMILIES = {
 }
 
 
+# The families researchers train now, each as a tiny random model (FAMILIES, above); tied: the output embedding is
+# the input's (Qwen3's small models, Gemma 2 and GPT-2 always).
+PUSHED_FAMILIES = [
+    ("gptneox", False),
+    ("llama", False),
+    ("llama", True),
+    ("qwen2", False),
+    ("qwen3", True),
+    ("mistral", False),
+    ("gemma2", True),
+    ("olmo2", False),
+    ("phi3", False),
+    ("gpt2", True),
+    ("qwen3_moe", False),
+]
+
+
 def small_config(tokenizer, arch: str = "llama", **overrides):
     """A 2-layer, 64-wide model of the family `arch` (FAMILIES) on the tiny vocabulary (head dim 32: vLLM's CPU
     attention minimum)."""

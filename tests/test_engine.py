@@ -7,7 +7,7 @@ import time
 import psutil
 import pytest
 import torch
-from conftest import perturbed_policy, save_random_policy
+from conftest import PUSHED_FAMILIES, perturbed_policy, save_random_policy
 
 import online_dpo_async as dpo
 import plumbing
@@ -374,23 +374,6 @@ def engine_parameters(llm) -> dict[str, torch.Tensor]:
     from safetensors.torch import load
 
     return load(llm.collective_rpc("parameter_copies")[0])
-
-
-# The families researchers train now, each as a tiny random model (conftest.FAMILIES); tied: the output embedding is
-# the input's (Qwen3's small models, Gemma 2 and GPT-2 always).
-PUSHED_FAMILIES = [
-    ("gptneox", False),
-    ("llama", False),
-    ("llama", True),
-    ("qwen2", False),
-    ("qwen3", True),
-    ("mistral", False),
-    ("gemma2", True),
-    ("olmo2", False),
-    ("phi3", False),
-    ("gpt2", True),
-    ("qwen3_moe", False),
-]
 
 
 @pytest.mark.slow

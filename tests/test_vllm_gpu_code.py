@@ -8,24 +8,12 @@ import os
 import sys
 
 import pytest
-from conftest import ROOT, perturbed_policy, run_script
+from conftest import PUSHED_FAMILIES, ROOT, perturbed_policy, run_script
 
 GPU_VLLM = ROOT / ".vllm_gpu"
-# The families the push tests cover (tests/test_engine.py's PUSHED_FAMILIES): the GPU check and the benchmark scripts
-# push GPT-NeoX (Pythia) and Llama (Llama 3.1, Rho-1B)
-FAMILIES = [
-    ("gptneox", False),
-    ("llama", False),
-    ("llama", True),
-    ("qwen2", False),
-    ("qwen3", True),
-    ("mistral", False),
-    ("gemma2", True),
-    ("olmo2", False),
-    ("phi3", False),
-    ("gpt2", True),
-    ("qwen3_moe", False),
-]
+# The families the push tests cover (conftest.PUSHED_FAMILIES): the GPU check and the benchmark scripts push GPT-NeoX
+# (Pythia) and Llama (Llama 3.1, Rho-1B)
+FAMILIES = PUSHED_FAMILIES
 
 
 def gpu_vllm(*argv: str) -> None:
