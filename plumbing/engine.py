@@ -1,4 +1,4 @@
-"""4a. The engine: its GPUs and cores, the memory it may take, its processes and the signals that stop them.
+"""4b. The engine: its processes, the signals that stop them, its deadlines (its GPUs: placement.py).
 
 Engine is made before any model loads (the GPUs it gets, checked; the cores it runs on; the stop signals) and
 started by rank 0 once the trainer's models are in memory, taking what the run leaves of the GPU
