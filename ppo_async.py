@@ -498,8 +498,7 @@ def main(args: Args) -> None:
     # rank 0 starts the engine (it takes the GPU memory the run leaves), writes the run folder, then generates
     length = args.max_prompt_length + args.response_length  # of a sequence, for the engine
     engine.start(model, policy, path=args.sft_model_path, max_model_len=length, async_level=args.async_level)
-    place, probe = engine.snapshot_place, engine.probe
-    snapshots = plumbing.PolicySnapshots(processes, policy, place, prefix="policy.", probe=probe)
+    snapshots = plumbing.PolicySnapshots(processes, policy, engine.snapshot_place, prefix="policy.")
     folder.open(sizes._asdict(), progress, origin=engine.started, episodes_per_step=sizes.episodes_per_step)
     channels = Channels(weights=queue.Queue(), rollouts=queue.Queue(), evals=queue.Queue())
     engine.run_thread(generation_thread, engine, channels, schedule, inputs, args, sizes)

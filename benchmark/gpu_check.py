@@ -28,8 +28,9 @@ cache of a fixed size (tests/test_gpu.py's) and it starts once the other's engin
 logged a training step). Speed measurements run alone.
 
 What $PYTHON (default python3) must import for the stages: requirements.txt's stack with vLLM, pytest, DeepSpeed
-(part 3) and TRL (the vs_trl parts). Export what your vLLM install needs before (VLLM_USE_FLASHINFER_SAMPLER=0 where
-flashinfer is not installed). This file itself needs Python's standard library only.
+(part 3) and TRL (the vs_trl parts); the engines sample without FlashInfer where flashinfer is not installed
+(plumbing.engine.sampler_settings), so nothing need be exported for it. This file itself needs Python's standard
+library only.
 """
 
 import argparse

@@ -101,7 +101,7 @@ def main() -> None:
         seconds = {name: [] for name in names}
         opened = lambda: shared_handle(whole.flat)  # noqa: E731  (allocated at the first push)
         tensors = list(model.state_dict().values())
-        probe = probe_token_ids(model.config.get_text_config().vocab_size, max_model_len=64)
+        probe = probe_token_ids(model.config)
         for version in range(1, options.pushes + 1):
             with torch.no_grad():
                 for parameter in model.parameters():

@@ -59,7 +59,6 @@ from plumbing.weights import (
     WeightBucket,
     bucket_bytes,
     checkpoint_names,
-    probe_token_ids,
     push_weights,
     snapshot_sizes,
 )
@@ -100,7 +99,6 @@ class Engine:
         # 96.1% (docs/speed.md).
         sys.setswitchinterval(0.0005)
         self.watchdog = self.weights_dir = self.thread = self.thread_error = self.snapshot_place = None
-        self.probe = None  # the token sequences each push is probed with (start)
         self.llms, self.buckets, self.versions = [], [], []  # each engine's vLLM, push bucket, proven version
         self.engine_processes, self.shared_memory, self.started, self.stop_signal = [], [], 0.0, 0
         self.failure, self.names = None, {}  # why an engine failed (died, froze); its processes' names
@@ -113,17 +111,7 @@ class Engine:
         """An Engine over LLMs already up, in one process with no signals: how the tests that share engines
         drive them with the generation thread (run_thread, get, push, generate)."""
         engine = cls.__new__(cls)
-        for name in (
-            "args",
-            "processes",
-            "folder",
-            "signals",
-            "cores",
-            "thread",
-            "thread_error",
-            "failure",
-            "probe",
-        ):
+        for name in ("args", "processes", "folder", "signals", "cores", "thread", "thread_error", "failure"):
             setattr(engine, name, None)
         engine.llms, engine.buckets, engine.engine_processes, engine.names = llms, buckets, [], {}
         engine.engine_of, engine.busy = {}, set()
@@ -141,9 +129,7 @@ class Engine:
         dies, once the trainer's `model` is in memory: on GPUs each engine leaves room for what training
         allocates later there and for the push's bucket (engine_share), and says what it got. Each loads the
         policy from `path` and holds sequences of `max_model_len` tokens. The snapshots of `policy` (at most
-        `async_level` + 2 alive: snapshot_memory) go to host memory beside them, at snapshot_place; every rank
-        knows the probe each push is proven by (probe: plumbing.weights.probe_token_ids)."""
-        self.probe = probe_token_ids(policy.config.get_text_config().vocab_size, max_model_len)
+        `async_level` + 2 alive: snapshot_memory) go to host memory beside them, at snapshot_place."""
         if not self.processes.is_main:
             return
         args, accelerator, dtype = self.args, self.processes.accelerator, self.processes.engine_dtype

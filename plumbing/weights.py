@@ -54,37 +54,34 @@ class PolicySnapshots:
     optimizer never writes what the engine reads. Rank 0 holds each until the generator needs it no more
     (keep); a checkpoint carries the older ones it still owes (owed)."""
 
-    def __init__(self, processes, policy, place: "SnapshotPlace | None", prefix: str = "", probe=None):
+    def __init__(self, processes, policy, place: "SnapshotPlace | None", prefix: str = ""):
         """The names are read from `policy`, the module accelerate wraps; `place`: where the engine, started,
         wants the snapshots (Engine.snapshot_place; None on the ranks that hold none); `prefix`: the policy's
-        place in the trained model (PPO's `policy.`); `probe`: the token sequences each version's push is
-        probed with (Engine.probe: probe_token_ids), every rank's; None: no probe."""
+        place in the trained model (PPO's `policy.`). Each version's push is probed with the same token
+        sequences (probe_token_ids), every rank's."""
         self.policy, self.prefix, self.saved = policy, prefix, checkpoint_names(policy)
         self.accelerator, self.dtype, self.place = processes.accelerator, processes.engine_dtype, place
-        self.probe, self.on_gpu = probe, processes.on_gpu
+        self.probe, self.on_gpu = probe_token_ids(policy.config), processes.on_gpu
         self.held: dict[int, Weights] = {}
 
     def take(self, model, version: int) -> Weights | None:
         """theta_version, rank 0's (None on the other ranks). Copied from the parameters where they are, GPU
         memory on GPUs (accelerate's get_state_dict would copy each to the CPU under DeepSpeed), under ZeRO-3
-        gathered a layer at a time, with every process taking part."""
+        gathered a layer at a time, with every process taking part; with the trainer's side of its probe
+        (trainer_probe), one forward pass, under ZeRO-3 every process's too."""
         module = self.accelerator.unwrap_model(model)
         tensors = gathered_tensors(self.accelerator, module, {self.prefix + name for name in self.saved})
         if not self.accelerator.is_main_process:
             for _ in tensors:  # the gathers of ZeRO-3 are collective
                 pass
-            if self.probe is not None:  # and so is its forward pass
-                trainer_probe(self.policy, self.probe, self.accelerator.device, 0.0)
+            trainer_probe(self.policy, self.probe, self.accelerator.device, 0.0)  # and so is its forward pass
             return None
         policy_tensors = ((name.removeprefix(self.prefix), tensor) for name, tensor in tensors)
         weights = take_snapshot(version, policy_tensors, self.saved, self.dtype, self.place, self.policy)
-        if self.probe is not None:
-            tolerance = probe_tolerance(self.dtype, next(self.policy.parameters()).dtype, self.on_gpu)
-            weights = weights._replace(
-                probe=trainer_probe(self.policy, self.probe, self.accelerator.device, tolerance)
-            )
-        self.held[version] = weights
-        return weights
+        tolerance = probe_tolerance(self.dtype, next(self.policy.parameters()).dtype, self.on_gpu)
+        probe = trainer_probe(self.policy, self.probe, self.accelerator.device, tolerance)
+        self.held[version] = weights._replace(probe=probe)
+        return self.held[version]
 
     def load(self, checkpoint: str, version: int) -> Weights | None:
         """theta_version as `checkpoint` carries it (owed), rank 0's (None on the other ranks)."""
@@ -165,15 +162,16 @@ def take_snapshot(version: int, tensors, saved: dict, dtype: torch.dtype, place,
     return Weights(version, flat, layout, {name: tuple(s) for (name, _, _), s in zip(layout, sums)})
 
 
-def model_snapshot(model, version: int, dtype: torch.dtype, place, probe=None) -> Weights:
-    """theta_version, a snapshot (take_snapshot) of all of `model`'s tensors, where they are; with `probe`
-    (token sequences: probe_token_ids), the trainer's side of its probe (trainer_probe)."""
+def model_snapshot(model, version: int, dtype: torch.dtype, place, probed: bool = False) -> Weights:
+    """theta_version, a snapshot (take_snapshot) of all of `model`'s tensors, where they are; `probed`: with
+    the trainer's side of its probe (trainer_probe), as PolicySnapshots.take takes it."""
     weights = take_snapshot(version, model.state_dict().items(), checkpoint_names(model), dtype, place, model)
-    if probe is None:
+    if not probed:
         return weights
     parameter = next(model.parameters())
     tolerance = probe_tolerance(dtype, parameter.dtype, parameter.is_cuda)
-    return weights._replace(probe=trainer_probe(model, probe, parameter.device, tolerance))
+    probe = trainer_probe(model, probe_token_ids(model.config), parameter.device, tolerance)
+    return weights._replace(probe=probe)
 
 
 def _checkpoint_tensors(tensors, saved: dict, model=None):
@@ -228,13 +226,15 @@ _PROBE_EPSILONS = 32
 _TF32_EPSILON = 2.0**-10  # TF32's 10-bit mantissa: fp32 matmuls on GPUs run in it (plumbing.distributed)
 
 
-def probe_token_ids(vocab_size: int, max_model_len: int) -> list[list[int]]:
-    """The probe's token sequences: _PROBE_SEQUENCES of _PROBE_LENGTH tokens (fewer if the engine holds
-    fewer), drawn at random from the model's vocabulary with a fixed seed: the same for every version, every
-    rank and every run. Random tokens: any weight out of place moves their logprobs as it moves a text's."""
+def probe_token_ids(config) -> list[list[int]]:
+    """The probe's token sequences for a model of this `config`: _PROBE_SEQUENCES of _PROBE_LENGTH tokens
+    (fewer if its positions are fewer), drawn at random from its vocabulary with a fixed seed: the same for
+    every version, every rank and every run. Random tokens: any weight out of place moves their logprobs as it
+    moves a text's. An engine that holds shorter sequences is probed on their beginnings (engine_probe)."""
+    text = config.get_text_config()
+    length = min(_PROBE_LENGTH, getattr(text, "max_position_embeddings", None) or _PROBE_LENGTH)
     generator = torch.Generator().manual_seed(0)
-    length = min(_PROBE_LENGTH, max_model_len)
-    return torch.randint(0, vocab_size, (_PROBE_SEQUENCES, length), generator=generator).tolist()
+    return torch.randint(0, text.vocab_size, (_PROBE_SEQUENCES, length), generator=generator).tolist()
 
 
 def probe_tolerance(engine_dtype: torch.dtype, trainer_dtype: torch.dtype, on_gpu: bool) -> float:
@@ -256,13 +256,19 @@ def trainer_probe(policy, token_ids: list[list[int]], device, tolerance: float) 
     return Probe(token_ids, logprobs.tolist(), tolerance)
 
 
-def engine_probe(llm, token_ids: list[list[int]]) -> list[list[float]]:
+def engine_probe(llm, token_ids: list[list[int]]) -> list[list[float]] | None:
     """The engine's side of the probe: its logprob of each token of `token_ids` after the first, given those
     before it (vLLM's prompt logprobs: of the logits before any sampling setting), with one greedy token
-    generated, so that no sampler draws a random number."""
+    generated, so that no sampler draws a random number. Each sequence is cut to what the engine holds with
+    that token (a token's logprob depends on those before it alone: the trainer's for the same tokens stand);
+    None where that leaves no logprob to compare (an engine of 2 tokens)."""
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
+    length = min(len(token_ids[0]), llm.llm_engine.model_config.max_model_len - 1)
+    if length < 2:
+        return None
+    token_ids = [ids[:length] for ids in token_ids]
     params = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=0, detokenize=False)
     outputs = llm.generate([TokensPrompt(prompt_token_ids=ids) for ids in token_ids], params, use_tqdm=False)
     return [
@@ -272,13 +278,11 @@ def engine_probe(llm, token_ids: list[list[int]]) -> list[list[float]]:
 
 
 def probe_gap(probe: Probe, engine: list[list[float]]) -> float:
-    """The mean |difference| between the engine's logprobs on the probe and the trainer's."""
-    return (
-        (torch.tensor(engine, dtype=torch.float64) - torch.tensor(probe.logprobs, dtype=torch.float64))
-        .abs()
-        .mean()
-        .item()
-    )
+    """The mean |difference| between the engine's logprobs on the probe and the trainer's of the same tokens
+    (the engine's may cover the beginning of each sequence only: engine_probe)."""
+    trainer = torch.tensor([row[: len(engine[0])] for row in probe.logprobs], dtype=torch.float64)
+    difference = torch.tensor(engine, dtype=torch.float64) - trainer
+    return difference.abs().mean().item()
 
 
 def _fingerprinted(pairs, dtype: torch.dtype, into: dict):
@@ -537,7 +541,7 @@ def _check_loaded(
         what = "none of its parameters could be compared with the trainer's fingerprint"
     elif cache_reset is False:
         what = "its prefix cache was not reset"
-    elif weights.probe is not None and (gap := probe_gap(weights.probe, probed)) > weights.probe.tolerance:
+    elif probed is not None and (gap := probe_gap(weights.probe, probed)) > weights.probe.tolerance:
         allowed = weights.probe.tolerance
         what = (
             f"its logprobs on the probe are {gap:.3g} from the trainer's on average, more than the "

@@ -24,7 +24,6 @@ from plumbing.weights import (
     engine_probe,
     model_snapshot,
     probe_gap,
-    probe_token_ids,
     push_weights,
     shared_handle,
     snapshot_bytes,
@@ -197,12 +196,11 @@ def test_elements_out_of_order_pass_every_sum_and_stop_the_push_at_its_probe(tok
     shared_memory = shared_memory_files(processes)
     try:
         place, bucket = SnapshotPlace(pinned=False, folder=str(tmp_path)), WeightBucket(None, str(tmp_path), least=1)
-        probe = probe_token_ids(len(tokenizer), max_model_len=128)
-        weights = model_snapshot(models[1], 1, torch.float32, place, probe=probe)
+        weights = model_snapshot(models[1], 1, torch.float32, place, probed=True)
         push_weights(llm, bucket, weights)
         assert len(bucket_chunks(weights.layout, bucket.flat.numel())) > 2
         assert weights.probe.tolerance == 32 * 2.0**-23
-        assert probe_gap(weights.probe, engine_probe(llm, probe)) < 1e-6  # 1.1e-7 measured
+        assert probe_gap(weights.probe, engine_probe(llm, weights.probe.token_ids)) < 1e-6  # 1.1e-7 measured
         fill = WeightBucket.fill
         planted = {
             "permuted": "rows 0 and 1 of model.layers.0.self_attn.q_proj.weight swapped",
@@ -210,7 +208,7 @@ def test_elements_out_of_order_pass_every_sum_and_stop_the_push_at_its_probe(tok
         }
         for version, fault in enumerate(planted, start=2):
             monkeypatch.setattr(WeightBucket, "fill", fault_launcher.faulty_fill(fill, fault, version=version))
-            weights = model_snapshot(models[version], version, torch.float32, place, probe=probe)
+            weights = model_snapshot(models[version], version, torch.float32, place, probed=True)
             with pytest.raises(RuntimeError) as stopped:
                 push_weights(llm, bucket, weights)
             assert f"injected test fault: {planted[fault]} in version {version}'s bucket" in capsys.readouterr().out
@@ -485,9 +483,8 @@ def test_each_push_loads_exactly_what_a_checkpoint_would(arch, tied, tokenizer, 
         before = engine_parameters(llm)
         place = SnapshotPlace(pinned=False, folder=str(tmp_path))
         whole, small = WeightBucket(None, str(tmp_path)), WeightBucket(None, str(tmp_path), least=1)
-        probe = probe_token_ids(len(tokenizer), max_model_len=128)  # each push probed, as the scripts' are
-        for version, model in enumerate(models[1:], start=1):
-            weights = model_snapshot(model, version, torch.float32, place, probe=probe)
+        for version, model in enumerate(models[1:], start=1):  # each push probed, as the scripts' are
+            weights = model_snapshot(model, version, torch.float32, place, probed=True)
             bucket = whole if version == 1 else small
             push_weights(llm, bucket, weights)
             loads = len(bucket_chunks(weights.layout, bucket.flat.numel()))

@@ -16,7 +16,7 @@ from conftest import perturbed_policy, read_metrics, run_script
 
 from plumbing.engine import make_engine
 from plumbing.placement import engine_placement, visible_gpus
-from plumbing.weights import SnapshotPlace, WeightBucket, model_snapshot, probe_token_ids, push_weights
+from plumbing.weights import SnapshotPlace, WeightBucket, model_snapshot, push_weights
 
 # This process may touch CUDA before an engine starts: the engine is spawned (make_engine), never forked.
 pytestmark = pytest.mark.skipif(torch.cuda.device_count() == 0, reason="needs a CUDA GPU")
@@ -108,11 +108,10 @@ def test_each_ipc_push_loads_exactly_what_a_checkpoint_would(arch, tied, eager, 
             SnapshotPlace(pinned=True, folder=None),
             WeightBucket(torch.device("cuda"), None, least=1),
         )
-        probe = probe_token_ids(len(tokenizer), max_model_len=64)  # each push probed, in bfloat16's tolerance
         for version, model in enumerate(models[1:], start=1):
             trainer.cpu()
             trainer = model.cuda()
-            weights = model_snapshot(trainer, version, torch.bfloat16, place, probe=probe)
+            weights = model_snapshot(trainer, version, torch.bfloat16, place, probed=True)  # in bfloat16's tolerance
             push_weights(llm, bucket, weights)
             pushed = engine_parameters(llm)
             outputs = llm.generate(prompts, greedy, use_tqdm=False)

