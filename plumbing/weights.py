@@ -61,7 +61,11 @@ class PolicySnapshots:
         sequences (probe_token_ids), every rank's."""
         self.policy, self.prefix, self.saved = policy, prefix, checkpoint_names(policy)
         self.accelerator, self.dtype, self.place = processes.accelerator, processes.engine_dtype, place
-        self.probe, self.on_gpu = probe_token_ids(policy.config), processes.on_gpu
+        self.probe, self.on_gpu, self.trainer_dtype = (
+            probe_token_ids(policy.config),
+            processes.on_gpu,
+            processes.dtype,
+        )
         self.held: dict[int, Weights] = {}
 
     def take(self, model, version: int) -> Weights | None:
@@ -78,7 +82,8 @@ class PolicySnapshots:
             return None
         policy_tensors = ((name.removeprefix(self.prefix), tensor) for name, tensor in tensors)
         weights = take_snapshot(version, policy_tensors, self.saved, self.dtype, self.place, self.policy)
-        tolerance = probe_tolerance(self.dtype, next(self.policy.parameters()).dtype, self.on_gpu)
+        # the trainer's precision: its compute dtype (bfloat16 autocast over float32 weights computes in it)
+        tolerance = probe_tolerance(self.dtype, self.trainer_dtype, self.on_gpu)
         probe = trainer_probe(self.policy, self.probe, self.accelerator.device, tolerance)
         self.held[version] = weights._replace(probe=probe)
         return self.held[version]
