@@ -12,11 +12,14 @@ says which parts have passed at which code; `--next` names the part the next loa
 
 Each stage has a limit, in seconds from the start of its step: SIGTERM GRACE seconds before it, SIGKILL at it, to the
 stage's whole process group (its engines too). The limits of a part's steps add up to at most --seconds less the
-PACK_SECONDS kept for packing, and no stage runs past that deadline. Beside each limit is its estimate, from the
-measurements of 2026-11-23 on an H100 (vLLM 0.26.0; an engine start, a tiny step of 0.15-0.16 s, a Pythia-1b TLDR
-step of 10.5-12.8 s before the CUDA IPC push) and the code's own numbers (steps, evaluations, engine starts, and
-benchmark/plan.py's 1.5-1.9 s for that step). The seconds a stage took are in the ledger: where they say otherwise,
-move the stages.
+PACK_SECONDS kept for packing, and no stage runs past that deadline. Beside each limit is its estimate, LOW-HIGH
+seconds from the start of its step, from the measurements of 2026-11-23 on an H100 (vLLM 0.26.0; an engine start, a
+tiny step of 0.15-0.16 s, a Pythia-1b TLDR step of 10.5-12.8 s before the CUDA IPC push, 60 % of it moving weights
+through the CPU and files) and the code's own numbers (steps, evaluations, engine starts, and benchmark/plan.py's
+1.5-1.9 s for that step). HIGH is the stage's cold estimate (cold_seconds), on the fresh machine every loan starts:
+vLLM compiles each model its engines run with CUDA graphs at its first start in the loan and captures the graphs at
+every start; no stage's may exceed its limit (tests/test_gpu_check.py). The seconds a stage took are in the ledger:
+where they say otherwise, move the stages.
 
 Side by side: vLLM sizes its KV cache from the free memory of the whole GPU, measured while its engine starts, so a
 neighbour that frees memory then stops that start ("Error in memory profiling") and one that allocates shrinks its
@@ -25,8 +28,9 @@ cache of a fixed size (tests/test_gpu.py's) and it starts once the other's engin
 logged a training step). Speed measurements run alone.
 
 What $PYTHON (default python3) must import for the stages: requirements.txt's stack with vLLM, pytest, DeepSpeed
-(part 3) and TRL (the vs_trl parts). Export what your vLLM install needs before (VLLM_USE_FLASHINFER_SAMPLER=0 where
-flashinfer is not installed). This file itself needs Python's standard library only.
+(part 3) and TRL (the vs_trl parts); the engines sample without FlashInfer where flashinfer is not installed
+(plumbing.engine.sampler_settings), so nothing need be exported for it. This file itself needs Python's standard
+library only.
 """
 
 import argparse
@@ -118,14 +122,26 @@ ZERO = f"{TEST_GPU}::test_zero_runs_under_accelerate_launch_with_the_kl_exactly_
 SEPARATE = f"{TEST_GPU}::test_the_engine_on_a_gpu_of_its_own_runs_there_and_the_run_learns"
 # the TLDR step of 2026-11-23: 64 prompts x 2 samples (PPO: 128 x 1) of 512 + 53 tokens, 8 steps, bf16
 PYTHIA_BATCH = ["--total_episodes", "1024", "--local_micro_batch_size", "16"]
+# vs_trl at Pythia-1b: 5 steps a run (the timing leaves out two warm-up steps and the last), which three runs with
+# two first compiles fit in one loan (vs_trl_part's estimate)
+VS_TRL_EPISODES = 640
 TWO = ["--vllm_num_engines", "2"]  # two engines sharing the GPU, as a one-GPU machine runs them
+# A Pythia-1b TLDR step with the CUDA IPC push: at most 8.0 s, 2026-11-23's 12.8 s (sync) less its push through files
+# (2.5 s) and its snapshot through the CPU (2.6 s), which the push through GPU memory replaced (0.1-0.15 s measured that
+# day, ../shared/gpu/README.md); at least plan.py's 1.5-1.9 s. PPO's steps, with a value model, at most 9 s.
 SPEED_ESTIMATE = (
-    "random Pythia-1b: the sync run loads three 1B models (10-20 s) and starts an engine that compiles Pythia-1b for the "
-    "first time (50-90 s), then 8 steps of 1.9 s (plan.py) to 12.8 s (2026-11-23, before the CUDA IPC push) and two "
-    "evaluations of 64 prompts; the async run the same with the compile cached (engine 20-35 s), steps of 1.5-10.5 s"
+    "80-235 s: random Pythia-1b, engines eager; each run (sync, then async) starts and loads three 1B models (10-20 "
+    "s), starts its engine (15-25 s), evaluates 64 prompts at step 0 and at the end (2-5 s) and runs 8 steps of "
+    "1.5-8.0 s (plan.py's prediction to 2026-11-23's step less the push the CUDA IPC push replaced); speed.py's tables "
+    "and timeline 2-5 s"
 )
 PLAN_ESTIMATE = "5-15 s: plan.py loads no model; importing torch and transformers is most of it"
 MODELS_ESTIMATE = "20-50 s: two random Pythia-1b models (1.0 B parameters each, fp32, 8 GB) built and saved; no GPU"
+# Pythia-1b's speed runs with eager engines: on a fresh machine its first engine start compiles Pythia-1b and
+# captures CUDA graphs (50-90 s, then 20-35 s a start), which two runs of 8 steps at these shapes cannot fit beside in
+# one loan, and generation is 0.3 s of a 12.8 s step (2026-11-23): CUDA graphs would move the step by a few percent.
+# The first compile is timed by part 1's push stage (GPTNeoX with CUDA graphs); the ledger says so.
+SPEED_EAGER = ["--vllm_enforce_eager"]
 
 
 def probe(c: Context) -> list[Stage]:
@@ -158,7 +174,7 @@ def models(c: Context, beside_a_compile: bool = False) -> Stage:
     (on 4 threads where a compile, which a stage times, needs the other cores)."""
     argv = [c.python, "benchmark/speed.py", "--model_size", "pythia-1b", "--out_dir", c.out(), "--models_only"]
     env = {"OMP_NUM_THREADS": "4"} if beside_a_compile else {}
-    return Stage("models", 90, MODELS_ESTIMATE, argv, "models", env=env)
+    return Stage("models", 60, MODELS_ESTIMATE, argv, "models", env=env)
 
 
 def speed(c: Context, name: str, script: str, *flags: str) -> list[str]:
@@ -179,6 +195,7 @@ def speed(c: Context, name: str, script: str, *flags: str) -> list[str]:
         "989",  # an H100's and an H200's dense bf16 (SXM)
         "--",
         *PYTHIA_BATCH,
+        *SPEED_EAGER,
         *flags,
     ]
 
@@ -213,9 +230,9 @@ def vs_trl(c: Context, name: str, size: str, episodes: int, runs: list[str] | No
 
 def part_1(c: Context) -> list[list[Stage]]:
     push = (
-        "100-180 s: pytest 10 s; GPTNeoX of Pythia-160m's shape: 4 models built 10 s, an engine with vLLM's first "
-        "compile and CUDA graph capture 40-90 s, 3 pushes each checked against a reload from a file 15-30 s; tiny "
-        "Llama, eager: an engine 15-25 s, 3 pushes 5-10 s; started 25-40 s into the step"
+        "125-220 s: started 25-40 s into the step; pytest 10 s; GPTNeoX of Pythia-160m's shape: 4 models built 10 s, "
+        "an engine with vLLM's first compile and CUDA graph capture 40-90 s, 3 pushes each probed and checked against a "
+        "reload from a file 15-30 s; tiny Llama, eager: an engine 15-25 s, 3 pushes 5-10 s"
     )
     return [
         probe(c),
@@ -242,7 +259,7 @@ def part_1(c: Context) -> list[list[Stage]]:
             Stage(
                 "speed_dpo",
                 250,
-                f"180-300 s: {SPEED_ESTIMATE}",
+                SPEED_ESTIMATE,
                 speed(
                     c, "speed_dpo", "online_dpo_async.py", "--gradient_accumulation_steps", "4", "--num_samples", "2"
                 ),
@@ -290,7 +307,7 @@ def part_2(c: Context) -> list[list[Stage]]:
             Stage(
                 "snapshots",
                 170,
-                "100-165 s: started 25-40 s in; pytest 10 s, 7 models of Pythia-160m's shape 15-20 s, an engine that "
+                "100-170 s: started 25-40 s in; pytest 10 s, 7 models of Pythia-160m's shape 15-20 s, an engine that "
                 "compiles 40-90 s, 6 pushes 10 s",
                 pytest(c, SNAPSHOTS),
                 "pytest",
@@ -314,7 +331,7 @@ def part_3(c: Context) -> list[list[Stage]]:
             Stage(
                 "speed_rloo",
                 240,
-                f"180-300 s: {SPEED_ESTIMATE}",
+                SPEED_ESTIMATE,
                 speed(c, "speed_rloo", "rloo_async.py", "--gradient_accumulation_steps", "4", "--rloo_k", "2"),
                 "speed",
                 models=True,
@@ -336,8 +353,9 @@ def part_4(c: Context) -> list[list[Stage]]:
         [
             Stage(
                 "speed_ppo",
-                270,
-                f"200-320 s: {SPEED_ESTIMATE}; PPO also trains a value model",
+                300,
+                "85-260 s: as speed_dpo, a fourth model loaded (a value model, which PPO also trains) and steps of at "
+                f"most 9 s; speed_dpo's: {SPEED_ESTIMATE}",
                 speed(c, "speed_ppo", "ppo_async.py", "--gradient_accumulation_steps", "8"),
                 "speed",
                 models=True,
@@ -353,12 +371,15 @@ def part_4(c: Context) -> list[list[Stage]]:
 def vs_trl_part(name: str, size: str, method: str) -> Callable[[Context], list[list[Stage]]]:
     runs = [f"trl_{method}", f"ours_{method}_async0", f"ours_{method}_async1"]
     estimate = (
-        "300-480 s: TRL's trainer, then ours at async levels 0 and 1: each loads its models and starts an engine (the "
-        "first compiles Pythia-1b, 50-90 s; the others 20-35 s), then 8 steps of 2-13 s at TLDR's shapes"
+        "180-440 s: TRL's trainer, then ours at async levels 0 and 1, 5 steps each at TLDR's shapes, with CUDA graphs "
+        "as TRL's engine: TRL's run starts and loads its models (10-20 s), compiles Pythia-1b for its engine (50-90 s), "
+        "runs 5 steps of 2-13 s and its evaluations (2-5 s); ours at async level 0 compiles again (its engine's "
+        "settings are not TRL's: 50-90 s) and runs 5 steps of 1.5-8.0 s (SPEED_ESTIMATE's), async level 1 with the "
+        "compile cached (20-35 s); vs_trl.py's tables and plots 2-5 s"
     )
 
     def steps(c: Context) -> list[list[Stage]]:
-        stage = Stage(name, 405, estimate, vs_trl(c, name, size, 1024, runs), "vs_trl", models=True)
+        stage = Stage(name, 450, estimate, vs_trl(c, name, size, VS_TRL_EPISODES, runs), "vs_trl", models=True)
         return [[*probe(c), models(c)], [stage]]
 
     return steps
@@ -488,6 +509,12 @@ def step_limit(step: list[Stage]) -> int:
     return max(stage.limit for stage in step)
 
 
+def cold_seconds(stage: Stage) -> int:
+    """The stage's cold estimate: the high end of its estimate's range (LOW-HIGH s), seconds from the start of its step
+    on a fresh machine, where vLLM compiles each model at its first start with CUDA graphs in the loan."""
+    return int(re.match(r"(\d+)-(\d+) s: ", stage.estimate)[2])
+
+
 def command_text(stage: Stage) -> str:
     return stage.argv.description if isinstance(stage.argv, Later) else shlex.join(stage.argv)
 
@@ -504,7 +531,7 @@ def plan_text(number: int, part: Part, c: Context, seconds: int, pack_seconds: i
         side = "; side by side" if len(step) > 1 else ""
         lines.append(f"## step {i}: at most {step_limit(step)} s{side}" + "".join(f"; {a}" for a in after))
         for stage in step:
-            estimate = f" (estimate {stage.estimate})" if estimates else ""
+            estimate = f", cold estimate {cold_seconds(stage)} s (estimate {stage.estimate})" if estimates else ""
             env = "".join(f"{key}={value} " for key, value in stage.env.items())
             lines += [f"# {stage.name}: at most {stage.limit} s{estimate}", env + command_text(stage)]
     return "\n".join(lines)
@@ -859,9 +886,7 @@ def speed_numbers(work: Path, stage: Stage) -> tuple[str, str | None]:
         parts.append("MFU (async, of 989 TFLOP/s): " + ", ".join(mfu))
     log = folder / "sync" / "run.log"
     if log.exists() and (starts := vllm_starts(log.read_text())):
-        parts.append(
-            "the sync run's engine start (on a fresh machine, Pythia-1b's first compile): " + ", ".join(starts)
-        )
+        parts.append("the sync run's engine start (eager): " + ", ".join(starts))
     if (folder / "timeline.png").exists():
         parts.append(f"{stage.name}/timeline.png")
     return "; ".join(parts), None

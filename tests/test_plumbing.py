@@ -209,6 +209,72 @@ def test_check_loaded_stops_the_run_naming_the_version_and_what_differs():
         assert str(raised.value).startswith(f"the engine does not hold policy version 7 after its push: {what}"), what
 
 
+def test_the_probe_s_tolerance_is_32_epsilons_of_the_coarser_of_the_engine_s_dtype_and_the_trainer_s_precision():
+    """plumbing.weights.probe_tolerance by hand: float32 everywhere on a CPU, 32 x 2^-23; an engine in bfloat16, 32 x
+    2^-7 whatever the trainer; a float32 trainer on a GPU computes in TF32 (10 bits), 32 x 2^-10; a trainer under
+    DeepSpeed's bfloat16 holds bfloat16 parameters."""
+    f32, bf16 = torch.float32, torch.bfloat16
+    assert weights_module.probe_tolerance(f32, f32, on_gpu=False) == 32 * 2.0**-23
+    assert weights_module.probe_tolerance(bf16, f32, on_gpu=False) == 32 * 2.0**-7
+    assert weights_module.probe_tolerance(bf16, f32, on_gpu=True) == 32 * 2.0**-7
+    assert weights_module.probe_tolerance(f32, f32, on_gpu=True) == 32 * 2.0**-10
+    assert weights_module.probe_tolerance(f32, bf16, on_gpu=True) == 32 * 2.0**-7
+
+
+def test_the_trainer_s_probe_is_each_token_s_logprob_given_those_before_it(tokenizer):
+    """plumbing.weights.trainer_probe against a slow loop, one prefix at a time: the logprob of each token of the
+    probe after the first, given those before it, at temperature 1; the probe's sequences (probe_token_ids) are the
+    same at every call, 4 of 32 tokens of the vocabulary, or as many as the model has positions."""
+    from conftest import small_config
+
+    policy = perturbed_policy(tokenizer, "llama", tied=False, seed=0)
+    probe = weights_module.probe_token_ids(policy.config)
+    assert probe == weights_module.probe_token_ids(small_config(tokenizer))
+    assert [len(ids) for ids in probe] == [32] * 4 and all(0 <= t < len(tokenizer) for ids in probe for t in ids)
+    short = small_config(tokenizer, max_position_embeddings=3)
+    assert [len(ids) for ids in weights_module.probe_token_ids(short)] == [3] * 4
+    taken = weights_module.trainer_probe(policy, probe, torch.device("cpu"), tolerance=0.5)
+    assert taken.token_ids == probe and taken.tolerance == 0.5
+    with torch.no_grad():
+        for ids, logprobs in zip(probe, taken.logprobs):
+            slow = [
+                policy(torch.tensor([ids[:t]])).logits[0, -1].log_softmax(-1)[ids[t]].item() for t in range(1, len(ids))
+            ]
+            assert logprobs == pytest.approx(slow, abs=1e-5)
+
+
+def test_a_push_whose_probe_the_engine_computes_otherwise_stops_the_run():
+    """plumbing.weights._check_loaded with a probe, by hand: the engine's logprobs within the tolerance of the
+    trainer's on average pass (one token far off among many does too: the mean), beyond it the run stops in one line
+    naming the version, the mean difference and the tolerance, once every other check has passed; differences either
+    way do not cancel; an engine holding shorter sequences is compared on the tokens it has."""
+    trainer = [[-1.0, -2.0, -3.0, -4.0], [-0.5, -1.5, -2.5, -3.5]]
+    weights = SENT._replace(probe=weights_module.Probe([[0] * 5] * 2, trainer, tolerance=0.01))
+    ok, fingerprints = [load(7, 0), load(7, 1)], {"held": HELD, "renamed": {}}
+    near = [[value + 0.009 for value in row] for row in trainer]
+    _check_loaded(weights, ok, fingerprints, cache_reset=True, probed=near)
+    one_off = [[trainer[0][0] + 0.07, *trainer[0][1:]], trainer[1]]  # 0.07 / 8 = 0.00875
+    _check_loaded(weights, ok, fingerprints, cache_reset=True, probed=one_off)
+    _check_loaded(weights, ok, fingerprints, cache_reset=True, probed=[row[:2] for row in near])  # a shorter engine
+    with pytest.raises(RuntimeError, match="its logprobs on the probe are 0.125 from"):  # its tokens' compared
+        _check_loaded(
+            weights, ok, fingerprints, cache_reset=True, probed=[[v + 0.125 for v in row[:2]] for row in trainer]
+        )
+    either_side = [[value + 0.2 * (-1) ** i for i, value in enumerate(row)] for row in trainer]  # they do not cancel
+    with pytest.raises(RuntimeError, match="its logprobs on the probe are 0.2 from the trainer's on average"):
+        _check_loaded(weights, ok, fingerprints, cache_reset=True, probed=either_side)
+    far = [[value + 0.25 * (i % 2) for i, value in enumerate(row)] for row in trainer]  # 0.125 on average
+    with pytest.raises(RuntimeError) as raised:
+        _check_loaded(weights, ok, fingerprints, cache_reset=True, probed=far)
+    assert str(raised.value) == (
+        "the engine does not hold policy version 7 after its push: its logprobs on the probe are 0.125 from the "
+        "trainer's on average, more than the 0.01 its dtype allows, its sums matching: it computes with some tensor's "
+        "elements in another order"
+    )
+    with pytest.raises(RuntimeError, match="its prefix cache was not reset"):  # the checks before it come first
+        _check_loaded(weights, ok, fingerprints, cache_reset=False, probed=far)
+
+
 def test_snapshots_are_taken_in_the_engine_s_dtype_from_the_trainer_s_weights(tokenizer, tmp_path):
     """A float32 trainer whose engine runs bfloat16 (--vllm_dtype): PolicySnapshots.take copies the policy's
     parameters rounded to bfloat16, under their checkpoint names, with the fingerprint of the parameters (by hand);

