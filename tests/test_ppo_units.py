@@ -391,7 +391,7 @@ def test_only_the_later_mini_batches_of_a_step_meet_a_moved_policy(tokenizer, nu
     batch = ppo.to_batch(prompts, responses, 1, args, tokenizer, torch.device("cpu"))
     old, values = ppo.old_logprobs_and_values(model, batch, args.temperature, 8)
     scores = torch.tensor([1.0, -1.0, 0.5, 2.0])
-    targets = ppo.ppo_targets(scores, batch, old, values, old, old, 0.05, args)
+    targets, _ = ppo.ppo_targets(scores, batch, old, values, old, old, 0.05, args)
     stats, (ratio_max, ratio_min) = ppo.ppo_update(
         model, optimizer, accelerator, batch, targets, args, sizes, np.random.default_rng(0)
     )
@@ -462,7 +462,7 @@ def test_ppo_targets_match_a_slow_loop_over_every_field(tokenizer, whiten_reward
     scores = torch.randn(5, generator=g) * 2
     args = ppo.Args(whiten_rewards=whiten_rewards, gamma=gamma, lam=lam, old_logprobs=old_logprobs, tis_cap=1.5)
     batch = ppo.Batch(query_ids=None, query_mask=None, response_ids=None, response_mask=mask, contain_eos=None)
-    targets = ppo.ppo_targets(scores, batch, old, values, ref, engine, 0.3, args)
+    targets, stats = ppo.ppo_targets(scores, batch, old, values, ref, engine, 0.3, args)
     kl, advantages, returns, weights = slow_ppo_targets(
         scores.tolist(),
         lengths,
@@ -481,11 +481,16 @@ def test_ppo_targets_match_a_slow_loop_over_every_field(tokenizer, whiten_reward
     torch.testing.assert_close(targets.returns, torch.tensor(returns))
     assert targets.old_logprobs is old and targets.old_values is values and targets.engine_logprobs is engine
     if old_logprobs == "trainer":
-        assert targets.is_weights is None
+        assert targets.is_weights is None and stats == {}
     else:
         torch.testing.assert_close(targets.is_weights, torch.tensor(weights))
         capped = [w == 1.5 for row, n in zip(weights, lengths) for w in row[:n]]
         assert any(capped) and not all(capped)
+        # the statistics logged, over the real tokens: the mean weight, the fraction truncated, none masked
+        real = [w for row, n in zip(weights, lengths) for w in row[:n]]
+        assert stats["correction_weight_mean"].item() == pytest.approx(np.mean(real), rel=1e-6)
+        assert stats["correction_truncated_frac"].item() == pytest.approx(np.mean(capped))
+        assert stats["correction_masked_frac"].item() == 0.0
 
 
 # ------------------------------------------------------------------------------ ppo_update: loss, epochs, mini-batches
@@ -528,7 +533,7 @@ def ppo_step_setup(tokenizer, args, seed: int = 0) -> UpdateCall:
     old, values = ppo.old_logprobs_and_values(model, batch, args.temperature, 8)
     ref = old - torch.randn(old.shape, generator=g) * 0.2 * batch.response_mask
     engine = old + torch.randn(old.shape, generator=g) * 0.5 * batch.response_mask
-    targets = ppo.ppo_targets(torch.tensor([1.0, -1.0, 0.5, 2.0]), batch, old, values, ref, engine, 0.05, args)
+    targets, _ = ppo.ppo_targets(torch.tensor([1.0, -1.0, 0.5, 2.0]), batch, old, values, ref, engine, 0.05, args)
     return UpdateCall(model, by_hand, optimizer, accelerator, batch, targets, sizes)
 
 
@@ -653,13 +658,7 @@ def test_two_epochs_of_two_mini_batches_match_plain_sgd_by_hand(tokenizer, old_l
     errors = [targets.returns[i, t].item() - targets.old_values[i, t].item() for i, t in real]
     explained = 1 - np.var(errors, ddof=1) / np.var(returns, ddof=1)
     assert stats["explained_variance"].item() == pytest.approx(explained, abs=1e-5)
-    if old_logprobs == "trainer":
-        assert "tis_weight_mean" not in stats and "tis_capped_frac" not in stats
-    else:
-        weights = [min(np.exp(-d), args.tis_cap) for d in diffs]
-        assert stats["tis_weight_mean"].item() == pytest.approx(np.mean(weights), rel=1e-5)
-        assert stats["tis_capped_frac"].item() == pytest.approx(np.mean([np.exp(-d) > args.tis_cap for d in diffs]))
-        assert 0 < stats["tis_capped_frac"] < 0.5
+    assert not any(key.startswith("correction_") for key in stats)  # ppo_targets returns the correction's
     # what makes the test able to fail: the first mini-batch meets the old policy and values themselves, the second
     # epoch reorders the same 4 completions and meets a policy and values 2 updates away, some tokens clipped
     first, second = seen["order"]

@@ -292,8 +292,9 @@ def slow_rloo_targets(
         "entropy": -sum(old_logps) / n,
         "engine_abs_diff": sum(abs(d) for d in diffs) / len(diffs),
         "engine_diff": sum(diffs) / len(diffs),
-        "tis_weight_mean": sum(min(r, tis_cap) for r in ratios) / n,
-        "tis_capped_frac": sum(r > tis_cap for r in ratios) / n,
+        "correction_weight_mean": sum(min(r, tis_cap) for r in ratios) / n,
+        "correction_truncated_frac": sum(r > tis_cap for r in ratios) / n,
+        "correction_masked_frac": 0.0,
     }
     return old_logps, advantages, [min(r, tis_cap) for r in ratios], stats
 
@@ -329,10 +330,10 @@ def test_rloo_targets_match_a_slow_loop_over_every_field(tokenizer, k, normalize
     assert targets.old_logps.tolist() == pytest.approx(old_logps, abs=1e-5)
     assert targets.advantages.tolist() == pytest.approx(advantages, abs=1e-5)
     if old_logprobs == "trainer":
-        assert targets.is_weights is None and "tis_weight_mean" not in stats and "tis_capped_frac" not in stats
-        expected_stats = {key: v for key, v in expected_stats.items() if not key.startswith("tis_")}
+        assert targets.is_weights is None and not any(key.startswith("correction_") for key in stats)
+        expected_stats = {key: v for key, v in expected_stats.items() if not key.startswith("correction_")}
     else:
-        assert 0 < expected_stats["tis_capped_frac"] < 1  # the data has capped and uncapped weights
+        assert 0 < expected_stats["correction_truncated_frac"] < 1  # the data has capped and uncapped weights
         assert targets.is_weights.tolist() == pytest.approx(weights, abs=1e-5)
     assert set(stats) == set(expected_stats)
     for key, value in expected_stats.items():
@@ -363,7 +364,7 @@ def test_prime_rl_targets_carry_the_engines_logprobs_and_the_groups_advantages(t
     if form == "group_mean_positive":
         assert min(expected[1]) == 0.0 and max(expected[1]) > 0
     assert torch.equal(targets.engine_logprobs, engine) and targets.is_weights is None
-    assert not any(key.startswith("tis_") for key in stats)
+    assert not any(key.startswith("correction_") for key in stats)
 
 
 # ------------------------------------------------------------------------------ rloo_update: epochs and mini-batches
@@ -620,7 +621,7 @@ def test_rloo_metrics_by_hand():
     assert sizes.episodes_per_step == 8  # 4 prompts x 2 completions
     reduced = dict(
         scores=0.5, kl=2.0, entropy=3.0, num_eos_tokens=0.75, loss=0.6, approxkl=0.01, clipfrac=0.125,
-        ratio_mean=1.02, engine_abs_diff=0.03, engine_diff=-0.02, tis_weight_mean=0.98,
+        ratio_mean=1.02, engine_abs_diff=0.03, engine_diff=-0.02, correction_weight_mean=0.98,
     )  # fmt: skip
     metrics = rloo.rloo_metrics(5, 3, sizes, 0.01, reduced, ratios=(1.4, 0.7), kl_coef=0.1)
     assert metrics == {
@@ -643,5 +644,5 @@ def test_rloo_metrics_by_hand():
         "policy/ratio_min": 0.7,
         "policy/engine_logprob_diff": 0.03,
         "policy/engine_kl": -0.02,
-        "policy/tis_weight_mean": 0.98,
+        "policy/correction_weight_mean": 0.98,
     }
