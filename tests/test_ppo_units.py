@@ -140,6 +140,110 @@ def test_truncated_importance_weights_are_per_token_and_multiply_the_token_losse
     assert loss.item() == pytest.approx(-(0.5 * 1.0 - 1.5 * 1.0 + 2.0 * 2.0 + 1.0 * 0.5) / 4, abs=1e-6)
 
 
+# ------------------------------------------------------------------------------ the corrections of --old_logprobs engine
+# A batch of three completions of 3, 2 and 4 tokens (garbage after EOS), each token's r = pi_old / mu chosen:
+# sequence ratios 3.6, 1.08 and 0.9999, geometric means 3.6 ** (1 / 3) = 1.533, 1.08 ** (1 / 2) = 1.039, 0.99998.
+CORRECTION_MASK = torch.tensor([[1.0, 1, 1, 0], [1, 1, 0, 0], [1, 1, 1, 1]])
+CORRECTION_RATIOS = [[0.4, 1.5, 6.0], [1.2, 0.9], [1.0, 1.0, 1.01, 0.99]]
+
+
+def correction_batch():
+    """pi_old's and mu's per-token logprobs with CORRECTION_RATIOS, garbage (+-50) after each completion's EOS."""
+    old = torch.tensor([[-1.0, -2.0, -0.5, 50.0], [-0.3, -1.1, -50.0, 50.0], [-0.2, -0.7, -1.3, -0.9]])
+    ratios = torch.ones(3, 4)
+    for row, values in enumerate(CORRECTION_RATIOS):
+        ratios[row, : len(values)] = torch.tensor(values)
+    engine = old - ratios.log() - 30 * (1 - CORRECTION_MASK)
+    return old, engine
+
+
+# correction -> (the weight of each real token, the statistics: mean weight, truncated, masked), by hand with the
+# flags' defaults (tis_cap 2, icepop [0.5, 5], sequence_mask [0.5, 2], geo_mask [0.99, 1.01], decoupled_cap 5); a
+# sequence correction's statistics are over the 3 sequences, a token correction's over the 9 real tokens
+BY_HAND = {
+    "tis": ([[0.4, 1.5, 2.0], [1.2, 0.9], [1.0, 1.0, 1.01, 0.99]], (10 / 9, 1 / 9, 0)),
+    "sequence_tis": ([[2.0] * 3, [1.08] * 2, [0.9999] * 4], ((2 + 1.08 + 0.9999) / 3, 1 / 3, 0)),
+    "sequence_mask": ([[0.0] * 3, [1.08] * 2, [0.9999] * 4], ((1.08 + 0.9999) / 3, 0, 1 / 3)),
+    "icepop": ([[0.0, 1.5, 0.0], [1.2, 0.9], [1.0, 1.0, 1.01, 0.99]], (7.6 / 9, 0, 2 / 9)),
+    "geo_mask": ([[0.0] * 3, [0.0] * 2, [1.0] * 4], (1 / 3, 0, 2 / 3)),
+    "decoupled": ([[0.4, 1.5, 0.0], [1.2, 0.9], [1.0, 1.0, 1.01, 0.99]], (8 / 9, 0, 1 / 9)),
+}
+
+
+@pytest.mark.parametrize("correction", list(BY_HAND))
+def test_each_correction_weighs_masks_and_logs_on_hand_computed_numbers(correction):
+    """Each correction's weight on every real token of the batch above, 0 after EOS whatever the garbage there: a
+    token's own (tis, icepop, decoupled) or its sequence's (sequence_tis, sequence_mask, geo_mask); a masked token or
+    sequence weighs 0; the mean weight and the fractions truncated and masked logged as the unit it acts on counts."""
+    old, engine = correction_batch()
+    args = ppo.Args(old_logprobs="engine", correction=correction)
+    weights, stats = ppo.correction_weights(old, engine, CORRECTION_MASK, args)
+    rows, (mean, truncated, masked) = BY_HAND[correction]
+    expected = torch.zeros(3, 4)
+    for row, values in enumerate(rows):
+        expected[row, : len(values)] = torch.tensor(values)
+    torch.testing.assert_close(weights, expected, atol=2e-5, rtol=1e-5)
+    assert stats["correction_weight_mean"].item() == pytest.approx(mean, abs=2e-5)
+    assert stats["correction_truncated_frac"].item() == pytest.approx(truncated)
+    assert stats["correction_masked_frac"].item() == pytest.approx(masked)
+
+
+def test_the_bounds_flags_move_each_correction_s_edges():
+    """The same batch with other bounds: each flag is the one its correction reads, and its edges are inclusive."""
+    old, engine = correction_batch()
+
+    def weights(**flags):
+        args = ppo.Args(old_logprobs="engine", **flags)
+        return ppo.correction_weights(old, engine, CORRECTION_MASK, args)[0][CORRECTION_MASK.bool()]
+
+    # icepop [0.4, 6]: nothing masked, the weights are the ratios themselves (the edges kept)
+    flat = [r for row in CORRECTION_RATIOS for r in row]
+    assert weights(correction="icepop", icepop_low=0.4, icepop_high=6.0).tolist() == pytest.approx(flat, rel=1e-5)
+    assert weights(correction="tis", tis_cap=1.2).tolist() == pytest.approx([min(r, 1.2) for r in flat], rel=1e-5)
+    # sequence_mask [0.5, 3.6]: the first sequence (3.6) kept; [1.0, 2]: the last (0.9999) dropped too
+    kept = weights(correction="sequence_mask", sequence_mask_high=3.7).tolist()
+    assert kept == pytest.approx([3.6] * 3 + [1.08] * 2 + [0.9999] * 4, rel=1e-5)
+    assert weights(correction="sequence_mask", sequence_mask_low=1.0).tolist() == pytest.approx([0] * 3 + [1.08] * 2 + [0] * 4)
+    assert weights(correction="geo_mask", geo_mask_high=1.04).tolist() == [0] * 3 + [1] * 6
+    assert weights(correction="decoupled", decoupled_cap=1.4).tolist() == pytest.approx(
+        [0.4, 0, 0, 1.2, 0.9, 1.0, 1.0, 1.01, 0.99], rel=1e-5
+    )
+
+
+def test_a_masked_token_counts_in_the_normaliser_of_the_token_loss():
+    """PPO's loss at the first mini-batch (ratio 1), advantage 1 on every token, icepop: -sum_t w_t / 9 = -7.6 / 9, the two masked
+    tokens (w 0) still among the 9 real tokens the mean divides by (IcePop's objective; AReaL's code); their gradient
+    is 0 and every other token's -w_t / 9."""
+    old, engine = correction_batch()
+    old = old * CORRECTION_MASK
+    weights, _ = ppo.correction_weights(old, engine, CORRECTION_MASK, ppo.Args(old_logprobs="engine", correction="icepop"))
+    logprobs = old.clone().requires_grad_()
+    advantages = torch.ones(3, 4)
+    loss, _, _ = ppo.ppo_policy_loss(logprobs, old, advantages, CORRECTION_MASK, cliprange=0.2, is_weights=weights)
+    assert loss.item() == pytest.approx(-7.6 / 9, abs=1e-5)
+    loss.backward()
+    torch.testing.assert_close(logprobs.grad, -weights / 9)
+    assert logprobs.grad[0, 0].item() == 0.0 and logprobs.grad[0, 2].item() == 0.0
+
+
+def test_a_correction_needs_the_engine_s_logprobs_and_its_bounds_their_domains():
+    ppo.check_correction_flags(ppo.Args())  # tis, the default, with --old_logprobs trainer: nothing to correct
+    ppo.check_correction_flags(ppo.Args(old_logprobs="engine", correction="geo_mask"))
+    with pytest.raises(ppo.UsageError, match="^--correction icepop weighs each objective by pi_old / mu, mu the engine's logprobs: add --old_logprobs engine$"):
+        ppo.check_correction_flags(ppo.Args(correction="icepop"))
+    for flag, value, domain in [
+        ("icepop_low", 0.0, r"in \(0, 1\]"),
+        ("icepop_high", 0.9, ">= 1"),
+        ("sequence_mask_low", 1.5, r"in \[0, 1\]"),
+        ("sequence_mask_high", 0.5, ">= 1"),
+        ("geo_mask_low", 1.01, r"in \(0, 1\]"),
+        ("geo_mask_high", 0.99, ">= 1"),
+        ("decoupled_cap", 0.5, ">= 1"),
+    ]:
+        with pytest.raises(ppo.UsageError, match=f"^--{flag} must be {domain} .*, got {value}$"):
+            ppo.compute_sizes(ppo.Args(**{flag: value}), world_size=1)
+
+
 # ------------------------------------------------------------------------------ rewards
 def test_per_token_kl_reward_puts_the_score_on_the_eos_or_the_last_token(tokenizer):
     eos = tokenizer.eos_token_id
@@ -406,7 +510,26 @@ def test_only_the_later_mini_batches_of_a_step_meet_a_moved_policy(tokenizer, nu
 
 
 # ------------------------------------------------------------------------------ ppo_targets: everything it returns
-def slow_ppo_targets(scores, lengths, old, values, ref, engine, kl_coef, whiten_rewards, gamma, lam, tis_cap):
+def slow_correction_weights(old, engine, lengths, args) -> list[list[float]]:
+    """--correction's weight of each token, one completion at a time from its real tokens' ratios pi_old / mu: a
+    token's own (tis, icepop, decoupled) or its sequence's, of the product or the geometric mean; 0 after EOS."""
+    out = []
+    for i, length in enumerate(lengths):
+        ratios = [math.exp(old[i][t] - engine[i][t]) for t in range(length)]
+        sequence, geometric = math.prod(ratios), math.prod(ratios) ** (1 / length)
+        weights = {
+            "tis": [min(r, args.tis_cap) for r in ratios],
+            "sequence_tis": [min(sequence, args.tis_cap)] * length,
+            "sequence_mask": [sequence if args.sequence_mask_low <= sequence <= args.sequence_mask_high else 0.0] * length,
+            "icepop": [r if args.icepop_low <= r <= args.icepop_high else 0.0 for r in ratios],
+            "geo_mask": [1.0 if args.geo_mask_low <= geometric <= args.geo_mask_high else 0.0] * length,
+            "decoupled": [r if r <= args.decoupled_cap else 0.0 for r in ratios],
+        }[args.correction]
+        out.append(weights + [0.0] * (len(old[i]) - length))
+    return out
+
+
+def slow_ppo_targets(scores, lengths, old, values, ref, engine, kl_coef, whiten_rewards, gamma, lam, args):
     """ppo_targets one token at a time, on per-token lists whose slots after `lengths[i]` are ignored: the KL penalty on
     every real token and the score on the last one, the rewards whitened (mean kept) over the batch's real tokens,
     GAE (slow_gae), returns before the advantages are whitened over the real tokens, the truncated importance weights.
@@ -425,23 +548,24 @@ def slow_ppo_targets(scores, lengths, old, values, ref, engine, kl_coef, whiten_
     if whiten_rewards:
         rewards = whiten_real(rewards, shift_mean=False)
     advantages, returns = slow_gae(rewards, values, lengths, gamma, lam)
-    weights = [
-        [min(math.exp(old[i][t] - engine[i][t]), tis_cap) if real[i][t] else 0.0 for t in range(width)]
-        for i in range(n)
-    ]
-    return kl, whiten_real(advantages, shift_mean=True), returns, weights
+    return kl, whiten_real(advantages, shift_mean=True), returns, slow_correction_weights(old, engine, lengths, args)
 
 
 @pytest.mark.parametrize(
-    "whiten_rewards, gamma, lam, old_logprobs",
+    "whiten_rewards, gamma, lam, old_logprobs, correction",
     [
-        (False, 1.0, 0.95, "trainer"),
-        (True, 0.9, 0.8, "engine"),
-        (False, 0.99, 0.5, "engine"),
-        (True, 1.0, 1.0, "trainer"),
+        (False, 1.0, 0.95, "trainer", "tis"),
+        (True, 0.9, 0.8, "engine", "tis"),
+        (False, 0.99, 0.5, "engine", "tis"),
+        (True, 1.0, 1.0, "trainer", "tis"),
+        (False, 1.0, 0.95, "engine", "sequence_tis"),
+        (False, 1.0, 0.95, "engine", "sequence_mask"),
+        (False, 1.0, 0.95, "engine", "icepop"),
+        (False, 1.0, 0.95, "engine", "geo_mask"),
+        (False, 1.0, 0.95, "engine", "decoupled"),
     ],
 )
-def test_ppo_targets_match_a_slow_loop_over_every_field(tokenizer, whiten_rewards, gamma, lam, old_logprobs):
+def test_ppo_targets_match_a_slow_loop_over_every_field(tokenizer, whiten_rewards, gamma, lam, old_logprobs, correction):
     """ppo_targets against the slow loop above, on completions cut at their EOS (one at the first token) or at
     response_length, with garbage after the EOS in every per-token input: the per-token KL; through GAE with gamma and
     lambda, the rewards (score on the last real token, --whiten_rewards); the returns (advantages + old values, before
@@ -460,7 +584,11 @@ def test_ppo_targets_match_a_slow_loop_over_every_field(tokenizer, whiten_reward
     values = torch.randn(5, width, generator=g) + garbage
     engine = old + torch.randn(5, width, generator=g) * 0.5 - 2 * garbage  # weights 0.3 .. 3: some capped at 1.5
     scores = torch.randn(5, generator=g) * 2
-    args = ppo.Args(whiten_rewards=whiten_rewards, gamma=gamma, lam=lam, old_logprobs=old_logprobs, tis_cap=1.5)
+    # bounds that the data's ratios (0.3 .. 3 a token) fall on both sides of
+    bounds = dict(tis_cap=1.5, icepop_low=0.6, icepop_high=2.0, sequence_mask_high=1.5, geo_mask_low=0.8, decoupled_cap=1.5)
+    args = ppo.Args(
+        whiten_rewards=whiten_rewards, gamma=gamma, lam=lam, old_logprobs=old_logprobs, correction=correction, **bounds
+    )
     batch = ppo.Batch(query_ids=None, query_mask=None, response_ids=None, response_mask=mask, contain_eos=None)
     targets, stats = ppo.ppo_targets(scores, batch, old, values, ref, engine, 0.3, args)
     kl, advantages, returns, weights = slow_ppo_targets(
@@ -474,7 +602,7 @@ def test_ppo_targets_match_a_slow_loop_over_every_field(tokenizer, whiten_reward
         whiten_rewards,
         gamma,
         lam,
-        1.5,
+        args,
     )
     torch.testing.assert_close(targets.kl, torch.tensor(kl))
     torch.testing.assert_close(targets.advantages, torch.tensor(advantages))
@@ -484,12 +612,15 @@ def test_ppo_targets_match_a_slow_loop_over_every_field(tokenizer, whiten_reward
         assert targets.is_weights is None and stats == {}
     else:
         torch.testing.assert_close(targets.is_weights, torch.tensor(weights))
-        capped = [w == 1.5 for row, n in zip(weights, lengths) for w in row[:n]]
-        assert any(capped) and not all(capped)
-        # the statistics logged, over the real tokens: the mean weight, the fraction truncated, none masked
         real = [w for row, n in zip(weights, lengths) for w in row[:n]]
+        # what makes the test able to fail: some weights capped or masked, others not
+        if correction in ("tis", "sequence_tis"):
+            assert 0 < real.count(1.5) < len(real)
+        else:
+            assert 0 < real.count(0.0) < len(real)
+    if correction == "tis" and old_logprobs == "engine":  # the statistics logged, over the real tokens
         assert stats["correction_weight_mean"].item() == pytest.approx(np.mean(real), rel=1e-6)
-        assert stats["correction_truncated_frac"].item() == pytest.approx(np.mean(capped))
+        assert stats["correction_truncated_frac"].item() == pytest.approx(real.count(1.5) / len(real))
         assert stats["correction_masked_frac"].item() == 0.0
 
 
@@ -604,8 +735,11 @@ def slow_ppo_update(model, batch, targets, args, sizes, seed: int, lr: float) ->
     return seen
 
 
-@pytest.mark.parametrize("old_logprobs, max_grad_norm", [("trainer", None), ("engine", None), ("trainer", 0.05)])
-def test_two_epochs_of_two_mini_batches_match_plain_sgd_by_hand(tokenizer, old_logprobs, max_grad_norm):
+@pytest.mark.parametrize(
+    "old_logprobs, max_grad_norm, correction",
+    [("trainer", None, "tis"), ("engine", None, "tis"), ("trainer", 0.05, "tis"), ("engine", None, "icepop")],
+)
+def test_two_epochs_of_two_mini_batches_match_plain_sgd_by_hand(tokenizer, old_logprobs, max_grad_norm, correction):
     """ppo_update with --num_ppo_epochs 2 --num_mini_batches 2 and two accumulated micro-batches per mini-batch, on
     plain SGD (at --max_grad_norm 0.05 every update clipped): the parameters of the policy and of the value
     model it ends with are the slow version's, and so is every statistic it returns. The second epoch runs over the
@@ -617,6 +751,9 @@ def test_two_epochs_of_two_mini_batches_match_plain_sgd_by_hand(tokenizer, old_l
         num_mini_batches=2,
         num_ppo_epochs=2,
         old_logprobs=old_logprobs,
+        correction=correction,
+        icepop_low=0.6,  # the data's token ratios, 0.5 .. 2.5, fall on both sides of both bounds
+        icepop_high=2.0,
         max_grad_norm=max_grad_norm,
         learning_rate=LEARNING_RATE,
         vf_coef=VF_COEF,
@@ -659,6 +796,8 @@ def test_two_epochs_of_two_mini_batches_match_plain_sgd_by_hand(tokenizer, old_l
     explained = 1 - np.var(errors, ddof=1) / np.var(returns, ddof=1)
     assert stats["explained_variance"].item() == pytest.approx(explained, abs=1e-5)
     assert not any(key.startswith("correction_") for key in stats)  # ppo_targets returns the correction's
+    if correction == "icepop":  # some tokens masked (weight 0), whose gradient the slow version leaves out too
+        assert 0 < (targets.is_weights[batch.response_mask.bool()] == 0).sum() < batch.response_mask.sum()
     # what makes the test able to fail: the first mini-batch meets the old policy and values themselves, the second
     # epoch reorders the same 4 completions and meets a policy and values 2 updates away, some tokens clipped
     first, second = seen["order"]
