@@ -291,7 +291,7 @@ def correction_summary(rows: list[dict], use_perplexity: bool) -> str:
     levels = sorted({r["async_level"] for r in sweep})
     kl = "ref. perplexity" if use_perplexity else "mean objective/kl"
     lines = [
-        f"| method | correction | " + " | ".join(f"k = {k}" for k in levels) + " |",
+        "| method | correction | " + " | ".join(f"k = {k}" for k in levels) + " |",
         "|---|---" + "|---" * len(levels) + "|",
     ]
     for method in (m for m in METHOD_LABELS if any(r["method"] == m for r in sweep)):
