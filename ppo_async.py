@@ -311,14 +311,14 @@ def correction_weights(old_logprobs, engine_logprobs, mask, args: Args, per_sequ
     AReaL's code. Returns the weights and the statistics logged: the mean weight, the fractions truncated and
     masked, over the units the correction acts on (the real tokens, or the sequences)."""
     by_sequence = per_sequence or args.correction in SEQUENCE_CORRECTIONS
-    old, engine = old_logprobs * mask, engine_logprobs * mask
+    log_old, log_mu = old_logprobs * mask, engine_logprobs * mask
     # the sequence's log pi_old and log mu; geo_mask's divided by its tokens: the log of the geometric mean
     if by_sequence:
         length = mask.sum(1).clamp(min=1) if args.correction == "geo_mask" else 1
-        old, engine = old.sum(1) / length, engine.sum(1) / length
-    ratio = torch.exp(old - engine)
+        log_old, log_mu = log_old.sum(1) / length, log_mu.sum(1) / length
+    ratio = torch.exp(log_old - log_mu)
     if args.correction in ("tis", "sequence_tis"):
-        weights = truncated_is_weights(old, engine, args.tis_cap)
+        weights = truncated_is_weights(log_old, log_mu, args.tis_cap)
         kept, truncated = torch.ones_like(ratio, dtype=torch.bool), ratio > args.tis_cap
     else:
         low, high = {

@@ -95,8 +95,8 @@ class Args(plumbing.RunArgs):  # and the plumbing's flags: run, engine, checkpoi
     # names in brackets): leave_one_out (rloo): R - the mean of the other k - 1; group_mean (drgrpo, its
     # default; Dr. GRPO's): R - the group's mean; group_mean_positive (drgrpo-negclipped): that, negatives set
     # to 0; length_weighted_mean (opo): R - the mean weighted by the completions' lengths; group_mean_std
-    # (GRPO's): (R - the group's mean) / (the group's standard deviation + 1e-4). None: the loss's own,
-    # group_mean_std for grpo, leave_one_out for the others
+    # (GRPO's): (R - the group's mean) / (the group's standard deviation + 1e-4) (None: the loss's own,
+    # group_mean_std for grpo, leave_one_out for the others)
     advantage: (
         Literal[
             "leave_one_out", "group_mean", "group_mean_positive", "length_weighted_mean", "group_mean_std"
@@ -105,11 +105,11 @@ class Args(plumbing.RunArgs):  # and the plumbing's flags: run, engine, checkpoi
     ) = None
     # `--loss_type grpo`: what the sum of its token terms is divided by. sequence_mean (GRPO's): each
     # completion's by its tokens, then the mean over completions; token_mean: by the mini-batch's tokens
-    # (DAPO, PRIME-RL); constant: by completions x --response_length (Dr. GRPO's). None: sequence_mean
+    # (DAPO, PRIME-RL); constant: by completions x --response_length (Dr. GRPO's) (None: sequence_mean)
     loss_normalization: Literal["sequence_mean", "token_mean", "constant"] | None = None
     # where the KL to the reference goes. reward: -kl_coef sum_t (log pi_old - log pi_ref) in the sequence
     # reward (RLOO's); k3_loss: kl_coef x GRPO's k3 estimator of each token in the loss (DeepSeekMath eq. 4),
-    # `--loss_type grpo` only. None: the loss's own, k3_loss for grpo, reward for the others
+    # `--loss_type grpo` only (None: the loss's own, k3_loss for grpo, reward for the others)
     kl_term: Literal["reward", "k3_loss"] | None = None
     cliprange: float = 0.2  # epsilon of Proximal RLOO: the sequence probability ratio is clipped to 1 +- eps
     normalize_advantage: bool = False  # whiten the advantages over the batch (mean 0, std 1)
@@ -302,14 +302,14 @@ def correction_weights(old_logprobs, engine_logprobs, mask, args: Args, per_sequ
     AReaL's code. Returns the weights and the statistics logged: the mean weight, the fractions truncated and
     masked, over the units the correction acts on (the real tokens, or the sequences)."""
     by_sequence = per_sequence or args.correction in SEQUENCE_CORRECTIONS
-    old, engine = old_logprobs * mask, engine_logprobs * mask
+    log_old, log_mu = old_logprobs * mask, engine_logprobs * mask
     # the sequence's log pi_old and log mu; geo_mask's divided by its tokens: the log of the geometric mean
     if by_sequence:
         length = mask.sum(1).clamp(min=1) if args.correction == "geo_mask" else 1
-        old, engine = old.sum(1) / length, engine.sum(1) / length
-    ratio = torch.exp(old - engine)
+        log_old, log_mu = log_old.sum(1) / length, log_mu.sum(1) / length
+    ratio = torch.exp(log_old - log_mu)
     if args.correction in ("tis", "sequence_tis"):
-        weights = truncated_is_weights(old, engine, args.tis_cap)
+        weights = truncated_is_weights(log_old, log_mu, args.tis_cap)
         kept, truncated = torch.ones_like(ratio, dtype=torch.bool), ratio > args.tis_cap
     else:
         low, high = {

@@ -55,7 +55,10 @@ def test_engine_logprobs_with_truncated_importance_weights_at_async_2():
     for m in train:
         assert abs(m["policy/correction_weight_mean"] - 1) <= cap * m["policy/engine_logprob_diff"] + 1e-6, m["step"]
         assert m["policy/correction_truncated_frac"] <= m["policy/engine_logprob_diff"] / math.log(cap), m["step"]
-    assert train[0]["policy/correction_truncated_frac"] == 0.0 and abs(train[0]["policy/correction_weight_mean"] - 1) < 1e-5
+    assert (
+        train[0]["policy/correction_truncated_frac"] == 0.0
+        and abs(train[0]["policy/correction_weight_mean"] - 1) < 1e-5
+    )
 
 
 @pytest.mark.slow

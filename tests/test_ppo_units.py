@@ -203,7 +203,9 @@ def test_the_bounds_flags_move_each_correction_s_edges():
     # sequence_mask [0.5, 3.6]: the first sequence (3.6) kept; [1.0, 2]: the last (0.9999) dropped too
     kept = weights(correction="sequence_mask", sequence_mask_high=3.7).tolist()
     assert kept == pytest.approx([3.6] * 3 + [1.08] * 2 + [0.9999] * 4, rel=1e-5)
-    assert weights(correction="sequence_mask", sequence_mask_low=1.0).tolist() == pytest.approx([0] * 3 + [1.08] * 2 + [0] * 4)
+    assert weights(correction="sequence_mask", sequence_mask_low=1.0).tolist() == pytest.approx(
+        [0] * 3 + [1.08] * 2 + [0] * 4
+    )
     assert weights(correction="geo_mask", geo_mask_high=1.04).tolist() == [0] * 3 + [1] * 6
     assert weights(correction="decoupled", decoupled_cap=1.4).tolist() == pytest.approx(
         [0.4, 0, 0, 1.2, 0.9, 1.0, 1.0, 1.01, 0.99], rel=1e-5
@@ -216,7 +218,9 @@ def test_a_masked_token_counts_in_the_normaliser_of_the_token_loss():
     is 0 and every other token's -w_t / 9."""
     old, engine = correction_batch()
     old = old * CORRECTION_MASK
-    weights, _ = ppo.correction_weights(old, engine, CORRECTION_MASK, ppo.Args(old_logprobs="engine", correction="icepop"))
+    weights, _ = ppo.correction_weights(
+        old, engine, CORRECTION_MASK, ppo.Args(old_logprobs="engine", correction="icepop")
+    )
     logprobs = old.clone().requires_grad_()
     advantages = torch.ones(3, 4)
     loss, _, _ = ppo.ppo_policy_loss(logprobs, old, advantages, CORRECTION_MASK, cliprange=0.2, is_weights=weights)
@@ -229,7 +233,10 @@ def test_a_masked_token_counts_in_the_normaliser_of_the_token_loss():
 def test_a_correction_needs_the_engine_s_logprobs_and_its_bounds_their_domains():
     ppo.check_correction_flags(ppo.Args())  # tis, the default, with --old_logprobs trainer: nothing to correct
     ppo.check_correction_flags(ppo.Args(old_logprobs="engine", correction="geo_mask"))
-    with pytest.raises(ppo.UsageError, match="^--correction icepop weighs each objective by pi_old / mu, mu the engine's logprobs: add --old_logprobs engine$"):
+    with pytest.raises(
+        ppo.UsageError,
+        match="^--correction icepop weighs each objective by pi_old / mu, mu the engine's logprobs: add --old_logprobs engine$",
+    ):
         ppo.check_correction_flags(ppo.Args(correction="icepop"))
     for flag, value, domain in [
         ("icepop_low", 0.0, r"in \(0, 1\]"),
@@ -520,7 +527,8 @@ def slow_correction_weights(old, engine, lengths, args) -> list[list[float]]:
         weights = {
             "tis": [min(r, args.tis_cap) for r in ratios],
             "sequence_tis": [min(sequence, args.tis_cap)] * length,
-            "sequence_mask": [sequence if args.sequence_mask_low <= sequence <= args.sequence_mask_high else 0.0] * length,
+            "sequence_mask": [sequence if args.sequence_mask_low <= sequence <= args.sequence_mask_high else 0.0]
+            * length,
             "icepop": [r if args.icepop_low <= r <= args.icepop_high else 0.0 for r in ratios],
             "geo_mask": [1.0 if args.geo_mask_low <= geometric <= args.geo_mask_high else 0.0] * length,
             "decoupled": [r if r <= args.decoupled_cap else 0.0 for r in ratios],
@@ -565,7 +573,9 @@ def slow_ppo_targets(scores, lengths, old, values, ref, engine, kl_coef, whiten_
         (False, 1.0, 0.95, "engine", "decoupled"),
     ],
 )
-def test_ppo_targets_match_a_slow_loop_over_every_field(tokenizer, whiten_rewards, gamma, lam, old_logprobs, correction):
+def test_ppo_targets_match_a_slow_loop_over_every_field(
+    tokenizer, whiten_rewards, gamma, lam, old_logprobs, correction
+):
     """ppo_targets against the slow loop above, on completions cut at their EOS (one at the first token) or at
     response_length, with garbage after the EOS in every per-token input: the per-token KL; through GAE with gamma and
     lambda, the rewards (score on the last real token, --whiten_rewards); the returns (advantages + old values, before
@@ -585,7 +595,9 @@ def test_ppo_targets_match_a_slow_loop_over_every_field(tokenizer, whiten_reward
     engine = old + torch.randn(5, width, generator=g) * 0.5 - 2 * garbage  # weights 0.3 .. 3: some capped at 1.5
     scores = torch.randn(5, generator=g) * 2
     # bounds that the data's ratios (0.3 .. 3 a token) fall on both sides of
-    bounds = dict(tis_cap=1.5, icepop_low=0.6, icepop_high=2.0, sequence_mask_high=1.5, geo_mask_low=0.8, decoupled_cap=1.5)
+    bounds = dict(
+        tis_cap=1.5, icepop_low=0.6, icepop_high=2.0, sequence_mask_high=1.5, geo_mask_low=0.8, decoupled_cap=1.5
+    )
     args = ppo.Args(
         whiten_rewards=whiten_rewards, gamma=gamma, lam=lam, old_logprobs=old_logprobs, correction=correction, **bounds
     )

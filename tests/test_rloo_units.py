@@ -171,10 +171,13 @@ def test_grpo_by_name_is_the_published_grpo_and_each_part_a_flag(tokenizer):
     per-token old and reference logprobs handed to the loss; each part given by its flag instead: --kl_term reward puts
     -kl_coef sum_t (log pi_old - log pi_ref) back in the reward and hands no reference logprobs; the other losses keep
     their own (leave_one_out, the KL in the reward)."""
-    assert [rloo.loss_setting(rloo.Args(loss_type="grpo"), f) for f in ("advantage", "loss_normalization", "kl_term")] == [
-        "group_mean_std", "sequence_mean", "k3_loss"
-    ]
-    assert rloo.loss_setting(rloo.Args(), "advantage") == "leave_one_out" and rloo.loss_setting(rloo.Args(), "kl_term") == "reward"
+    assert [
+        rloo.loss_setting(rloo.Args(loss_type="grpo"), f) for f in ("advantage", "loss_normalization", "kl_term")
+    ] == ["group_mean_std", "sequence_mean", "k3_loss"]
+    assert (
+        rloo.loss_setting(rloo.Args(), "advantage") == "leave_one_out"
+        and rloo.loss_setting(rloo.Args(), "kl_term") == "reward"
+    )
     assert rloo.loss_setting(rloo.Args(loss_type="grpo", advantage="group_mean"), "advantage") == "group_mean"
     eos, width = tokenizer.eos_token_id, 4
     responses = [[5, eos], [5, 5, 5, 5], [5, 5, eos], [eos]]
@@ -203,14 +206,22 @@ def test_the_flags_that_would_make_a_loss_something_else_are_refused():
     check = rloo.check_loss_flags
     with pytest.raises(rloo.UsageError, match="^--loss_normalization token_mean is GRPO's: add --loss_type grpo$"):
         check(rloo.Args(loss_normalization="token_mean"))
-    with pytest.raises(rloo.UsageError, match="^--kl_term k3_loss is a term of GRPO's token loss: add --loss_type grpo$"):
+    with pytest.raises(
+        rloo.UsageError, match="^--kl_term k3_loss is a term of GRPO's token loss: add --loss_type grpo$"
+    ):
         check(rloo.Args(kl_term="k3_loss"))
-    with pytest.raises(rloo.UsageError, match="^--correction icepop masks tokens, and Proximal RLOO's ratio is one of sequences"):
+    with pytest.raises(
+        rloo.UsageError, match="^--correction icepop masks tokens, and Proximal RLOO's ratio is one of sequences"
+    ):
         check(rloo.Args(old_logprobs="engine", correction="icepop"))
     for correction in ("sequence_tis", "decoupled"):
-        with pytest.raises(rloo.UsageError, match=f"^--correction {correction} would weigh PRIME-RL's tokens by pi_old / mu again"):
+        with pytest.raises(
+            rloo.UsageError, match=f"^--correction {correction} would weigh PRIME-RL's tokens by pi_old / mu again"
+        ):
             check(rloo.Args(loss_type="prime_rl", old_logprobs="engine", kl_coef=0.0, correction=correction))
-    with pytest.raises(rloo.UsageError, match="^--correction geo_mask weighs each objective by pi_old / mu, mu the engine's"):
+    with pytest.raises(
+        rloo.UsageError, match="^--correction geo_mask weighs each objective by pi_old / mu, mu the engine's"
+    ):
         check(rloo.Args(loss_type="grpo", correction="geo_mask"))
     check(rloo.Args(loss_type="grpo", old_logprobs="engine", correction="icepop", loss_normalization="constant"))
     check(rloo.Args(loss_type="prime_rl", old_logprobs="engine", kl_coef=0.0, correction="geo_mask"))
@@ -634,7 +645,7 @@ def slow_grpo_micro_batch(model, rows, idx, targets, args, tokens: int, micro_ba
     a 1 / micro_batches share of the mini-batch's gradient; token_mean: the sum over the `tokens` of the whole
     mini-batch (each micro-batch's sum by the tokens over the micro-batches, its share 1 / micro_batches); constant:
     the sum over all micro-batches' completions x response_length. Returns the micro-batch's loss and the share of
-    its gradient in the mini-batch's.""" 
+    its gradient in the mini-batch's."""
     logprobs = rloo.response_logprobs(model, rows, args.temperature)
     eps, normalization = args.cliprange, rloo.loss_setting(args, "loss_normalization")
     per_sequence, clipped_tokens, squares = [], [], []
