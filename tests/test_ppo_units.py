@@ -142,9 +142,9 @@ def test_truncated_importance_weights_are_per_token_and_multiply_the_token_losse
 
 # ------------------------------------------------------------------------------ the corrections of --old_logprobs engine
 # A batch of three completions of 3, 2 and 4 tokens (garbage after EOS), each token's r = pi_old / mu chosen:
-# sequence ratios 3.6, 1.08 and 0.9999, geometric means 3.6 ** (1 / 3) = 1.533, 1.08 ** (1 / 2) = 1.039, 0.99998.
+# sequence ratios 3.6, 1.08 and 1.01, geometric means 3.6 ** (1 / 3) = 1.533, 1.08 ** (1 / 2) = 1.039, 1.0025.
 CORRECTION_MASK = torch.tensor([[1.0, 1, 1, 0], [1, 1, 0, 0], [1, 1, 1, 1]])
-CORRECTION_RATIOS = [[0.4, 1.5, 6.0], [1.2, 0.9], [1.0, 1.0, 1.01, 0.99]]
+CORRECTION_RATIOS = [[0.4, 1.5, 6.0], [1.2, 0.9], [1.0, 1.0, 1.01, 1.0]]
 
 
 def correction_batch():
@@ -161,12 +161,12 @@ def correction_batch():
 # flags' defaults (tis_cap 2, icepop [0.5, 5], sequence_mask [0.5, 2], geo_mask [0.99, 1.01], decoupled_cap 5); a
 # sequence correction's statistics are over the 3 sequences, a token correction's over the 9 real tokens
 BY_HAND = {
-    "tis": ([[0.4, 1.5, 2.0], [1.2, 0.9], [1.0, 1.0, 1.01, 0.99]], (10 / 9, 1 / 9, 0)),
-    "sequence_tis": ([[2.0] * 3, [1.08] * 2, [0.9999] * 4], ((2 + 1.08 + 0.9999) / 3, 1 / 3, 0)),
-    "sequence_mask": ([[0.0] * 3, [1.08] * 2, [0.9999] * 4], ((1.08 + 0.9999) / 3, 0, 1 / 3)),
-    "icepop": ([[0.0, 1.5, 0.0], [1.2, 0.9], [1.0, 1.0, 1.01, 0.99]], (7.6 / 9, 0, 2 / 9)),
+    "tis": ([[0.4, 1.5, 2.0], [1.2, 0.9], [1.0, 1.0, 1.01, 1.0]], (10.01 / 9, 1 / 9, 0)),
+    "sequence_tis": ([[2.0] * 3, [1.08] * 2, [1.01] * 4], ((2 + 1.08 + 1.01) / 3, 1 / 3, 0)),
+    "sequence_mask": ([[0.0] * 3, [1.08] * 2, [1.01] * 4], ((1.08 + 1.01) / 3, 0, 1 / 3)),
+    "icepop": ([[0.0, 1.5, 0.0], [1.2, 0.9], [1.0, 1.0, 1.01, 1.0]], (7.61 / 9, 0, 2 / 9)),
     "geo_mask": ([[0.0] * 3, [0.0] * 2, [1.0] * 4], (1 / 3, 0, 2 / 3)),
-    "decoupled": ([[0.4, 1.5, 0.0], [1.2, 0.9], [1.0, 1.0, 1.01, 0.99]], (8 / 9, 0, 1 / 9)),
+    "decoupled": ([[0.4, 1.5, 0.0], [1.2, 0.9], [1.0, 1.0, 1.01, 1.0]], (8.01 / 9, 0, 1 / 9)),
 }
 
 
@@ -182,8 +182,8 @@ def test_each_correction_weighs_masks_and_logs_on_hand_computed_numbers(correcti
     expected = torch.zeros(3, 4)
     for row, values in enumerate(rows):
         expected[row, : len(values)] = torch.tensor(values)
-    torch.testing.assert_close(weights, expected, atol=2e-5, rtol=1e-5)
-    assert stats["correction_weight_mean"].item() == pytest.approx(mean, abs=2e-5)
+    torch.testing.assert_close(weights, expected, atol=1e-6, rtol=1e-5)
+    assert stats["correction_weight_mean"].item() == pytest.approx(mean, abs=1e-6)
     assert stats["correction_truncated_frac"].item() == pytest.approx(truncated)
     assert stats["correction_masked_frac"].item() == pytest.approx(masked)
 
@@ -196,24 +196,25 @@ def test_the_bounds_flags_move_each_correction_s_edges():
         args = ppo.Args(old_logprobs="engine", **flags)
         return ppo.correction_weights(old, engine, CORRECTION_MASK, args)[0][CORRECTION_MASK.bool()]
 
-    # icepop [0.4, 6]: nothing masked, the weights are the ratios themselves (the edges kept)
+    # icepop [0.3, 7]: nothing masked, the weights are the ratios themselves; [1, 1]: only the ratios of exactly 1 (a
+    # token's log pi_old - log mu of 0) kept, the edges inclusive
     flat = [r for row in CORRECTION_RATIOS for r in row]
-    assert weights(correction="icepop", icepop_low=0.4, icepop_high=6.0).tolist() == pytest.approx(flat, rel=1e-5)
+    assert weights(correction="icepop", icepop_low=0.3, icepop_high=7.0).tolist() == pytest.approx(flat, rel=1e-5)
+    assert weights(correction="icepop", icepop_low=1.0, icepop_high=1.0).tolist() == [0] * 5 + [1, 1, 0, 1]
     assert weights(correction="tis", tis_cap=1.2).tolist() == pytest.approx([min(r, 1.2) for r in flat], rel=1e-5)
     # sequence_mask [0.5, 3.6]: the first sequence (3.6) kept; [1.0, 2]: the last (0.9999) dropped too
     kept = weights(correction="sequence_mask", sequence_mask_high=3.7).tolist()
-    assert kept == pytest.approx([3.6] * 3 + [1.08] * 2 + [0.9999] * 4, rel=1e-5)
-    assert weights(correction="sequence_mask", sequence_mask_low=1.0).tolist() == pytest.approx(
-        [0] * 3 + [1.08] * 2 + [0] * 4
-    )
+    assert kept == pytest.approx([3.6] * 3 + [1.08] * 2 + [1.01] * 4, rel=1e-5)
+    dropped = weights(correction="sequence_mask", sequence_mask_low=1.05).tolist()
+    assert dropped == pytest.approx([0] * 3 + [1.08] * 2 + [0] * 4, rel=1e-5)
     assert weights(correction="geo_mask", geo_mask_high=1.04).tolist() == [0] * 3 + [1] * 6
     assert weights(correction="decoupled", decoupled_cap=1.4).tolist() == pytest.approx(
-        [0.4, 0, 0, 1.2, 0.9, 1.0, 1.0, 1.01, 0.99], rel=1e-5
+        [0.4, 0, 0, 1.2, 0.9, 1.0, 1.0, 1.01, 1.0], rel=1e-5
     )
 
 
 def test_a_masked_token_counts_in_the_normaliser_of_the_token_loss():
-    """PPO's loss at the first mini-batch (ratio 1), advantage 1 on every token, icepop: -sum_t w_t / 9 = -7.6 / 9, the two masked
+    """PPO's loss at the first mini-batch (ratio 1), advantage 1 on every token, icepop: -sum_t w_t / 9 = -7.61 / 9, the two masked
     tokens (w 0) still among the 9 real tokens the mean divides by (IcePop's objective; AReaL's code); their gradient
     is 0 and every other token's -w_t / 9."""
     old, engine = correction_batch()
@@ -224,7 +225,7 @@ def test_a_masked_token_counts_in_the_normaliser_of_the_token_loss():
     logprobs = old.clone().requires_grad_()
     advantages = torch.ones(3, 4)
     loss, _, _ = ppo.ppo_policy_loss(logprobs, old, advantages, CORRECTION_MASK, cliprange=0.2, is_weights=weights)
-    assert loss.item() == pytest.approx(-7.6 / 9, abs=1e-5)
+    assert loss.item() == pytest.approx(-7.61 / 9, abs=1e-5)
     loss.backward()
     torch.testing.assert_close(logprobs.grad, -weights / 9)
     assert logprobs.grad[0, 0].item() == 0.0 and logprobs.grad[0, 2].item() == 0.0
@@ -873,7 +874,8 @@ def test_ppo_metrics_by_hand():
     reduced = dict(
         scores=0.5, kl=2.0, entropy=3.0, num_eos_tokens=0.75, pg_loss=0.6, vf_loss=0.9, approxkl=0.01, clipfrac=0.125,
         policy_entropy=2.5, ratio_mean=1.02, vf_clipfrac=0.375, value_error=0.4, explained_variance=0.3,
-        engine_abs_diff=0.03, engine_diff=-0.02,
+        engine_abs_diff=0.03, engine_diff=-0.02, correction_weight_mean=0.9, correction_truncated_frac=0.0,
+        correction_masked_frac=0.05,
     )  # fmt: skip
     metrics = ppo.ppo_metrics(5, 3, sizes, 0.01, reduced, ratios=(1.4, 0.7), kl_coef=0.1)
     assert metrics == {
@@ -902,4 +904,7 @@ def test_ppo_metrics_by_hand():
         "val/explained_variance": 0.3,
         "policy/engine_logprob_diff": 0.03,
         "policy/engine_kl": -0.02,
+        "policy/correction_weight_mean": 0.9,
+        "policy/correction_truncated_frac": 0.0,
+        "policy/correction_masked_frac": 0.05,
     }

@@ -118,7 +118,7 @@ def grpo_case():
     mask = torch.tensor([[1.0, 1, 1, 0], [1, 0, 0, 0]])
     old = torch.tensor([[-1.0, -2.0, -0.5, 40.0], [-0.3, -50.0, 30.0, 8.0]])
     ratios = torch.tensor([[1.5, 0.9, 1.1, 1.0], [0.5, 1.0, 1.0, 1.0]])
-    logprobs = (old + ratios.log()).requires_grad_()
+    logprobs = (old + ratios.log() + 100 * (1 - mask)).requires_grad_()  # garbage after the EOS here too
     return logprobs, old, torch.tensor([1.0, -2.0]), mask
 
 
@@ -621,14 +621,16 @@ def slow_rloo_update(model, batch, targets, args, sizes, seed: int, lr: float) -
 
 def slow_prime_rl_micro_batch(model, rows, idx, targets, args, tokens: int, seen: dict):
     """PRIME-RL's objective on a micro-batch, one token at a time: -sum_t min(pi / mu, delta) A / `tokens`, the count
-    of the whole mini-batch. Records what the micro-batch saw in `seen`."""
+    of the whole mini-batch, a token a correction's mask drops left out of the sum (not of the count). Records what
+    the micro-batch saw in `seen`."""
     logprobs = rloo.response_logprobs(model, rows, args.temperature)
     objective, capped, ratios, squares = logprobs.sum() * 0, [], [], []
     for row, i in enumerate(idx):
         for t in range(int(rows.response_mask[row].sum())):
             mu = targets.engine_logprobs[i][t]
             ratio = torch.exp(logprobs[row, t] - mu)
-            objective = objective + min(ratio, args.token_ratio_cap) * targets.advantages[i]
+            kept = 1.0 if targets.is_weights is None else targets.is_weights[i][t]
+            objective = objective + kept * min(ratio, args.token_ratio_cap) * targets.advantages[i]
             capped.append(ratio.item() > args.token_ratio_cap)
             ratios.append(ratio.item())
             squares.append((logprobs[row, t] - mu).item() ** 2)
@@ -675,19 +677,20 @@ def slow_grpo_micro_batch(model, rows, idx, targets, args, tokens: int, micro_ba
 
 
 @pytest.mark.parametrize(
-    "loss_type, old_logprobs, max_grad_norm, normalization",
+    "loss_type, old_logprobs, max_grad_norm, normalization, correction",
     [
-        ("proximal_rloo", "trainer", None, None),
-        ("proximal_rloo", "engine", None, None),
-        ("proximal_rloo", "trainer", 0.05, None),
-        ("prime_rl", "engine", None, None),
-        ("grpo", "trainer", None, "sequence_mean"),
-        ("grpo", "engine", None, "token_mean"),
-        ("grpo", "trainer", None, "constant"),
+        ("proximal_rloo", "trainer", None, None, "tis"),
+        ("proximal_rloo", "engine", None, None, "tis"),
+        ("proximal_rloo", "trainer", 0.05, None, "tis"),
+        ("prime_rl", "engine", None, None, "tis"),
+        ("prime_rl", "engine", None, None, "icepop"),  # a correction's token mask on PRIME-RL's objective
+        ("grpo", "trainer", None, "sequence_mean", "tis"),
+        ("grpo", "engine", None, "token_mean", "icepop"),
+        ("grpo", "trainer", None, "constant", "tis"),
     ],
 )
 def test_two_epochs_of_two_mini_batches_match_plain_sgd_by_hand(
-    tokenizer, loss_type, old_logprobs, max_grad_norm, normalization
+    tokenizer, loss_type, old_logprobs, max_grad_norm, normalization, correction
 ):
     """rloo_update with --num_ppo_epochs 2 --num_mini_batches 2 and two accumulated micro-batches per mini-batch, on
     plain SGD (at --max_grad_norm 0.05 every update clipped): the parameters it ends with are the slow version's,
@@ -711,7 +714,7 @@ def test_two_epochs_of_two_mini_batches_match_plain_sgd_by_hand(
         max_grad_norm=max_grad_norm,
         loss_normalization=normalization,
         cliprange=0.005 if loss_type == "grpo" else 0.2,  # a token moves less than a sequence: clipped and not
-        correction="icepop" if (loss_type, old_logprobs) == ("grpo", "engine") else "tis",  # a token mask
+        correction=correction,
         icepop_low=0.95,  # the engine's logprobs are 0.1 nats off the trainer's: some tokens masked, others not
         icepop_high=1.05,
     )
@@ -750,15 +753,15 @@ def test_two_epochs_of_two_mini_batches_match_plain_sgd_by_hand(
     # same 8 completions and meets a policy 2 updates away, clipped on some completions and not on others
     first, second = seen["order"]
     assert sorted(first) == sorted(second) == list(range(8)) and first != second
+    if correction == "icepop":  # a token mask: some tokens dropped, others not
+        real = targets.is_weights[batch.response_mask.bool()]
+        assert 0 < (real == 0).sum() < len(real)
     if loss_type == "prime_rl":  # against the engine's logprobs, 0.1 nats off the trainer's: capped and not
         assert 0 < np.mean(seen["clipfrac"][:2]) < 1 and 0 < np.mean(seen["clipfrac"][4:]) < 1
         return
     if loss_type == "grpo":  # per token: the first mini-batch meets ratio 1, the second epoch clips some tokens
         assert set(seen["ratios"][: int(batch.response_mask[first[:4]].sum())]) == {1.0}
         assert 0 < np.mean(seen["clipfrac"][4:]) < 1 and targets.ref_logprobs is not None
-        if old_logprobs == "engine":
-            real = targets.is_weights[batch.response_mask.bool()]
-            assert 0 < (real == 0).sum() < len(real)
         return
     assert seen["ratios"][:4] == [1.0] * 4
     if max_grad_norm is None:  # clipped to 0.05, the updates are too small to move a ratio far
@@ -861,6 +864,7 @@ def test_rloo_metrics_by_hand():
     reduced = dict(
         scores=0.5, kl=2.0, entropy=3.0, num_eos_tokens=0.75, loss=0.6, approxkl=0.01, clipfrac=0.125,
         ratio_mean=1.02, engine_abs_diff=0.03, engine_diff=-0.02, correction_weight_mean=0.98,
+        correction_masked_frac=0.25,
     )  # fmt: skip
     metrics = rloo.rloo_metrics(5, 3, sizes, 0.01, reduced, ratios=(1.4, 0.7), kl_coef=0.1)
     assert metrics == {
@@ -884,4 +888,5 @@ def test_rloo_metrics_by_hand():
         "policy/engine_logprob_diff": 0.03,
         "policy/engine_kl": -0.02,
         "policy/correction_weight_mean": 0.98,
+        "policy/correction_masked_frac": 0.25,
     }
