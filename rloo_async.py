@@ -386,9 +386,8 @@ def grpo_loss(
     per_token = -torch.min(unclipped, clipped)
     if is_weights is not None:
         per_token = per_token * is_weights
-    if (
-        ref_logprobs is not None
-    ):  # k3 of pi_ref / pi, unbiased and positive (DeepSeekMath eq. 4; Schulman's k3)
+    # k3 of pi_ref / pi, unbiased and positive (DeepSeekMath eq. 4; Schulman's k3)
+    if ref_logprobs is not None:
         log_ratio = (ref_logprobs - logprobs) * mask
         per_token = per_token + kl_coef * (torch.exp(log_ratio) - log_ratio - 1)
     per_token = per_token * mask
@@ -409,9 +408,8 @@ class Targets(NamedTuple):
     # PRIME-RL's objective its masks (1 kept, 0 dropped), None with --correction tis
     is_weights: torch.Tensor | None
     engine_logprobs: torch.Tensor | None  # mu(y_t) of --loss_type prime_rl, 0 after the first EOS
-    old_logprobs: (
-        torch.Tensor | None
-    )  # log pi_old(y_t) of --loss_type grpo, its ratio's denominator per token
+    # log pi_old(y_t) of --loss_type grpo, its ratio's denominator per token
+    old_logprobs: torch.Tensor | None
     ref_logprobs: torch.Tensor | None  # log pi_ref(y_t) of --kl_term k3_loss
 
 
