@@ -7,7 +7,8 @@ import os
 import re
 import socket
 import time
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
+from pathlib import Path
 
 import numpy as np
 import psutil
@@ -153,6 +154,10 @@ def _process_state(timeout_minutes: float) -> PartialState:
     first batch (NCCL's and DeepSpeed's default, 10 minutes, is shorter than an 8B engine's first start with
     its compilation)."""
     timeout = datetime.timedelta(minutes=timeout_minutes)
+    if parse_flag_from_env("ACCELERATE_USE_DEEPSPEED") and not torch.cuda.is_available():
+        for lock in release_stale_build_locks():
+            what = "no process holds it: a process killed while DeepSpeed built or checked its CPU op left it"
+            print(f"removed {lock}, on which every DeepSpeed start would wait forever: {what}")
     state = PartialState(cpu=parse_flag_from_env("ACCELERATE_USE_CPU"), timeout=timeout)
     if state.distributed_type == "DEEPSPEED" and state.backend is None and torch.distributed.is_initialized():
         state.backend = torch.distributed.get_backend()
@@ -163,6 +168,37 @@ def _process_state(timeout_minutes: float) -> PartialState:
         waits = _collective_timeout()
         print(f"{state.num_processes} training processes; a collective waits {waits} for them at most")
     return state
+
+
+def release_stale_build_locks(root: str | None = None) -> list[str]:
+    """Remove the build locks of DeepSpeed's ops that no process holds; returns their paths. On CPUs
+    DeepSpeed builds (or, once built, checks) its shared-memory op through torch's JIT extensions at every
+    start, under a lock file in the extensions' folder (`root`: TORCH_EXTENSIONS_DIR, or torch's default),
+    on which torch waits with no deadline (torch.utils.file_baton.FileBaton.wait). Its holder keeps the
+    file open until it removes it, so a lock no process has open was left by a process killed in between (a
+    Ctrl-C during a first start, a test's timeout): without this, every later DeepSpeed start on the machine
+    waits forever. Only a lock whose inode is the one seen before the search is removed: ranks starting
+    together may find the same stale lock, and one must not remove the new one another has taken since."""
+    from torch.utils.cpp_extension import get_default_build_root
+
+    root = Path(root or os.environ.get("TORCH_EXTENSIONS_DIR") or get_default_build_root())
+    locks = {}
+    for lock in root.glob("*/deepspeed*/lock"):
+        with suppress(FileNotFoundError):
+            locks[lock.resolve()] = lock.stat().st_ino
+    if not locks:
+        return []
+    held = set()
+    for process in psutil.process_iter():
+        with suppress(psutil.Error):
+            held.update(Path(file.path) for file in process.open_files())
+    removed = []
+    for lock, inode in locks.items():
+        with suppress(FileNotFoundError):
+            if lock not in held and lock.stat().st_ino == inode:
+                lock.unlink()
+                removed.append(str(lock))
+    return removed
 
 
 def _collective_timeout() -> datetime.timedelta | None:

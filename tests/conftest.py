@@ -4,8 +4,10 @@ import shutil
 import subprocess
 import sys
 import tempfile
+from contextlib import suppress
 from pathlib import Path
 
+import psutil
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -199,8 +201,16 @@ def run_script(
         try:
             stdout, stderr = popen.communicate(timeout=timeout)
         except subprocess.TimeoutExpired:
+            # what it started, those that left its process group too (torch's launcher starts each rank in a
+            # session of its own): one left would hold its output open, and the test would wait on it forever
+            started = []
+            with suppress(psutil.Error):
+                started = psutil.Process(popen.pid).children(recursive=True)
             stop_process_group(popen, grace=0)
-            stdout, stderr = popen.communicate()
+            for process in started:
+                with suppress(psutil.Error):
+                    process.kill()
+            stdout, stderr = popen.communicate(timeout=60)
             raise AssertionError(
                 f"{' '.join(argv)} ran past {timeout} s:\n{stdout[-4000:]}\n{stderr[-8000:]}"
             ) from None

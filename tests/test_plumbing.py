@@ -579,3 +579,66 @@ def test_an_engine_over_several_gpus_is_fingerprinted_from_all_its_workers():
     _check_loaded(weights, loads, combined, cache_reset=True)
     with pytest.raises(RuntimeError, match="1 of 2 differ from the trainer's fingerprint, first proj.weight"):
         _check_loaded(weights, loads, combined_fingerprints([worker(rows[:1]), worker(rows[:1])]), cache_reset=True)
+
+
+def test_a_deepspeed_build_lock_no_process_holds_is_removed_and_a_held_one_kept(tmp_path, monkeypatch):
+    """plumbing.distributed.release_stale_build_locks: torch waits forever on a JIT build's lock file, which its
+    holder keeps open; one that no process has open (its holder killed) is removed, one a live process holds
+    open is kept, and so are the locks of other extensions. A process killed during DeepSpeed's CPU op check
+    left such a lock, and every later DeepSpeed start on that machine waited on it forever."""
+    import subprocess
+    import sys
+
+    from plumbing.distributed import release_stale_build_locks
+
+    stale, held, other = (
+        tmp_path / "py311_cpu" / name / "lock" for name in ("deepspeed_shm_comm", "deepspeed_x", "mine")
+    )
+    for lock in (stale, held, other):
+        lock.parent.mkdir(parents=True)
+        lock.touch()
+    holder = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            f"import os, time; os.open({str(held)!r}, os.O_RDONLY); print(1, flush=True); time.sleep(60)",
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert holder.stdout.readline() == "1\n"  # the lock is open in the holder
+        monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+        assert release_stale_build_locks() == [str(stale)]
+        assert not stale.exists() and held.exists() and other.exists()
+        assert release_stale_build_locks(str(tmp_path / "empty")) == []
+    finally:
+        holder.kill()
+        holder.wait()
+    assert release_stale_build_locks() == [str(held)]  # its holder gone, it is stale too
+
+
+def test_a_command_past_its_timeout_is_stopped_with_what_it_started_in_sessions_of_their_own():
+    """tests/conftest.py's run_script on a command that starts a process in a session of its own (as torch's
+    launcher starts each rank) holding its output, then runs past its timeout: it fails in seconds with the
+    timeout named and that process killed, rather than wait forever for the output the process held open."""
+    import sys
+    import time
+
+    import psutil
+    from conftest import run_script
+
+    code = (
+        "import subprocess, sys, time; "
+        "child = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(300)'], start_new_session=True); "
+        "print(child.pid, flush=True); time.sleep(300)"
+    )
+    start = time.monotonic()
+    with pytest.raises(AssertionError, match="ran past 3 s") as failed:
+        run_script([sys.executable, "-c", code], timeout=3)
+    assert time.monotonic() - start < 30
+    child = int(str(failed.value).split("ran past 3 s:\n")[1].split()[0])
+    deadline = time.monotonic() + 10  # killed, then reaped by init
+    while psutil.pid_exists(child) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not psutil.pid_exists(child)
