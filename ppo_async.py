@@ -98,11 +98,26 @@ class Args(plumbing.RunArgs):  # and the plumbing's flags: run, engine, checkpoi
     vf_coef: float = 0.1  # weight of the value loss: loss = pg_loss + vf_coef * vf_loss
     # pi_old of the ratio. trainer: theta_n, the trainer's weights at the top of step n, as the paper's code
     # computes it; at N = T = 1 every ratio is then exactly 1 and nothing corrects for a batch that
-    # theta_(n-k) generated. engine: also weight each token by min(pi_old / pi_engine, tis_cap), pi_engine the
-    # policy that generated the batch
+    # theta_(n-k) generated. engine: also weight each token's clipped loss by --correction, from pi_old /
+    # pi_engine, pi_engine the policy that generated the batch
     old_logprobs: Literal["trainer", "engine"] = "trainer"
-    # --old_logprobs engine: cap of the per-token importance weight exp(trainer_old - engine)
-    tis_cap: float = 2.0
+    # `--old_logprobs engine`: what corrects the batch for the engine's policy mu, each token's clipped loss
+    # times a weight of r = pi_old / mu (docs/algorithms.md#the-off-policy-corrections---correction). tis: the
+    # token's min(r, tis_cap); sequence_tis: min(r, tis_cap), r the sequence's; sequence_mask: the sequence's
+    # r inside [sequence_mask_low, sequence_mask_high], else 0; icepop: a token's r inside [icepop_low,
+    # icepop_high], else 0; geo_mask: 1 when the geometric mean of the sequence's token ratios is inside
+    # [geo_mask_low, geo_mask_high], else 0; decoupled: AReaL's, a token's r up to decoupled_cap, 0 above
+    correction: Literal["tis", "sequence_tis", "sequence_mask", "icepop", "geo_mask", "decoupled"] = "tis"
+    tis_cap: float = 2.0  # --correction tis and sequence_tis: the cap of the weight
+    icepop_low: float = 0.5  # --correction icepop: alpha, a token ratio below it is masked (IcePop's 0.5)
+    icepop_high: float = 5.0  # --correction icepop: beta, a token ratio above it is masked (IcePop's 5)
+    sequence_mask_low: float = 0.5  # --correction sequence_mask: a sequence ratio below it is masked
+    sequence_mask_high: float = 2.0  # --correction sequence_mask: a sequence ratio above it is masked
+    # --correction geo_mask: a sequence whose token ratios' geometric mean is below it is masked (SkyRL's)
+    geo_mask_low: float = 0.99
+    geo_mask_high: float = 1.01  # --correction geo_mask: above it, masked (SkyRL's)
+    # --correction decoupled: a weight above it is masked (AReaL's behav_imp_weight_cap)
+    decoupled_cap: float = 5.0
     missing_eos_penalty: float = -3.0  # score of a completion without EOS (not gsm8k: its table 10 has none)
 
     # evaluation
@@ -122,6 +137,13 @@ ALGORITHM_DOMAINS = {
     "cliprange_value": ("> 0", "values are clipped to old value +- it"),
     "vf_coef": ("> 0", "0 would never train the value model that GAE reads"),
     "tis_cap": (">= 1", "a token of the trainer's own policy has weight 1"),
+    "icepop_low": ("in (0, 1]", "a token of the trainer's own policy, ratio 1, is kept"),
+    "icepop_high": (">= 1", "a token of the trainer's own policy, ratio 1, is kept"),
+    "sequence_mask_low": ("in [0, 1]", "a sequence of the trainer's own policy, ratio 1, is kept"),
+    "sequence_mask_high": (">= 1", "a sequence of the trainer's own policy, ratio 1, is kept"),
+    "geo_mask_low": ("in (0, 1]", "a sequence of the trainer's own policy, ratio 1, is kept"),
+    "geo_mask_high": (">= 1", "a sequence of the trainer's own policy, ratio 1, is kept"),
+    "decoupled_cap": (">= 1", "a token of the trainer's own policy, weight 1, is kept"),
 }
 
 if __name__ == "__main__":  # --help answers here, before torch, transformers and vLLM load (seconds)
@@ -257,6 +279,70 @@ def truncated_is_weights(old_logps: torch.Tensor, engine_logps: torch.Tensor, ca
     return torch.exp(old_logps - engine_logps).clamp(max=cap)
 
 
+# The corrections of --old_logprobs engine, each a weight on a token's or a sequence's objective from r =
+# pi_old / mu, mu the engine's (behaviour) policy
+# (docs/algorithms.md#the-off-policy-corrections---correction). tis: Yao et al., "Your efficient RL framework
+# secretly brings you off-policy RL training" (2025), truncated at the cap; sequence_tis, sequence_mask: the
+# sequence-level truncated and masked IS of its follow-up (Liu, Li et al., "When speed kills stability",
+# 2025); icepop: the Ling team's IcePop (its blog, 2025-09; "Every step evolves", 2025), a token's r kept
+# inside [alpha, beta], 0 outside; geo_mask: SkyRL's geometric-mean mask (NovaSky-AI/SkyRL at e9bca5e,
+# skyrl/backends/skyrl_train/utils/off_policy_correction_utils.py, compute_sequence_mask); decoupled: AReaL's
+# decoupled PPO (Fu et al. 2025, "Decoupled PPO objective"), the behaviour weight pi_prox / mu, a token above
+# the cap masked, as inclusionAI/AReaL at 072480e computes it (areal/utils/functional.py, ppo_actor_loss_fn).
+# r of the sequence, its weight on every token of it
+SEQUENCE_CORRECTIONS = ("sequence_tis", "sequence_mask", "geo_mask")
+CORRECTION_STATS = ("correction_weight_mean", "correction_truncated_frac", "correction_masked_frac")
+
+
+def check_correction_flags(args: Args) -> None:
+    """A correction weighs by the engine's logprobs: refused, before any model loads, where the run does not
+    read them (tis, the default, then does nothing)."""
+    if args.correction != "tis" and args.old_logprobs != "engine":
+        what = "weighs each objective by pi_old / mu, mu the engine's logprobs"
+        raise UsageError(f"--correction {args.correction} {what}: add --old_logprobs engine")
+
+
+def correction_weights(old_logprobs, engine_logprobs, mask, args: Args, per_sequence=False, masks_only=False):
+    """--correction's weights from the per-token logprobs of pi_old and of the engine's mu (0 after the first
+    EOS): one per sequence where the loss's ratio is one of sequences (`per_sequence`: Proximal RLOO), else
+    one per token, a sequence correction's on each of the sequence's real tokens, 0 after EOS. `masks_only`: 1
+    where the correction keeps, 0 where it masks, for a loss whose ratio is against mu already (PRIME-RL's). A
+    masked token or sequence weighs 0 and still counts in the loss's normaliser, as in IcePop's objective and
+    AReaL's code. Returns the weights and the statistics logged: the mean weight, the fractions truncated and
+    masked, over the units the correction acts on (the real tokens, or the sequences)."""
+    by_sequence = per_sequence or args.correction in SEQUENCE_CORRECTIONS
+    log_old, log_mu = old_logprobs * mask, engine_logprobs * mask
+    # the sequence's log pi_old and log mu; geo_mask's divided by its tokens: the log of the geometric mean
+    if by_sequence:
+        length = mask.sum(1).clamp(min=1) if args.correction == "geo_mask" else 1
+        log_old, log_mu = log_old.sum(1) / length, log_mu.sum(1) / length
+    ratio = torch.exp(log_old - log_mu)
+    if args.correction in ("tis", "sequence_tis"):
+        weights = truncated_is_weights(log_old, log_mu, args.tis_cap)
+        kept, truncated = torch.ones_like(ratio, dtype=torch.bool), ratio > args.tis_cap
+    else:
+        low, high = {
+            "sequence_mask": (args.sequence_mask_low, args.sequence_mask_high),
+            "icepop": (args.icepop_low, args.icepop_high),
+            "geo_mask": (args.geo_mask_low, args.geo_mask_high),
+            "decoupled": (0.0, args.decoupled_cap),
+        }[args.correction]
+        kept, truncated = (ratio >= low) & (ratio <= high), torch.zeros_like(ratio, dtype=torch.bool)
+        weights = kept.float() if args.correction == "geo_mask" else torch.where(kept, ratio, 0.0)
+    if masks_only:
+        weights = kept.float()
+    units = torch.ones_like(ratio) if by_sequence else mask
+    count = units.sum().clamp(min=1)
+    stats = {
+        "correction_weight_mean": (weights * units).sum() / count,
+        "correction_truncated_frac": (truncated.float() * units).sum() / count,
+        "correction_masked_frac": ((~kept).float() * units).sum() / count,
+    }
+    if by_sequence and not per_sequence:
+        weights = weights[:, None]
+    return (weights if per_sequence else weights * mask), stats
+
+
 def ppo_policy_loss(logprobs, old_logprobs, advantages, response_mask, cliprange: float, is_weights=None):
     """Clipped surrogate (Schulman et al. 2017): masked_mean(w max(-A r, -A clip(r, 1 - eps, 1 + eps))), r =
     pi / pi_old, w the importance weights (1 if None). Returns the loss, the ratios, the clipped tokens."""
@@ -320,7 +406,7 @@ class Targets(NamedTuple):
     returns: torch.Tensor  # advantages + old values, before whitening
     kl: torch.Tensor  # per token: log pi_old - log pi_ref
     engine_logprobs: torch.Tensor  # the behaviour policy's (version step - lag), from the engine
-    is_weights: torch.Tensor | None  # --old_logprobs engine: the truncated importance weights
+    is_weights: torch.Tensor | None  # --old_logprobs engine: the --correction weights, per token
 
     def rows(self, index) -> "Targets":
         return Targets(*(None if tensor is None else tensor[index] for tensor in self))
@@ -337,8 +423,8 @@ def old_logprobs_and_values(model, batch: Batch, temperature: float, batch_size:
 
 
 def ppo_targets(scores, batch: Batch, old_logprobs, old_values, ref_logprobs, engine_logprobs, kl_coef, args):
-    """Per-token rewards, GAE advantages (whitened) and returns, and --old_logprobs engine's truncated
-    importance weights (N details, policy #8 and #9)."""
+    """Per-token rewards, GAE advantages (whitened) and returns (N details, policy #8 and #9), and
+    --old_logprobs engine's --correction weights, with the statistics logged of them."""
     mask = batch.response_mask
     rewards, kl = per_token_rewards(scores, old_logprobs, ref_logprobs, mask, kl_coef)
     if args.whiten_rewards:
@@ -346,11 +432,12 @@ def ppo_targets(scores, batch: Batch, old_logprobs, old_values, ref_logprobs, en
     advantages, returns = gae_advantages(rewards, old_values, mask, args.gamma, args.lam)
     advantages = masked_whiten(advantages, mask)
     # --old_logprobs engine: the engine's policy (version step - lag) is the behaviour policy; the clipped
-    # ratio stays anchored at theta_step and a truncated importance weight corrects from one to the other.
-    is_weights = None
+    # ratio stays anchored at theta_step and the correction's weight corrects from one to the other (AReaL's
+    # decoupled objective).
+    is_weights, stats = None, {}
     if args.old_logprobs == "engine":
-        is_weights = truncated_is_weights(old_logprobs, engine_logprobs, args.tis_cap) * mask
-    return Targets(old_logprobs, old_values, advantages, returns, kl, engine_logprobs, is_weights)
+        is_weights, stats = correction_weights(old_logprobs, engine_logprobs, mask, args)
+    return Targets(old_logprobs, old_values, advantages, returns, kl, engine_logprobs, is_weights), stats
 
 
 def ppo_update(model, optimizer, accelerator, batch: Batch, targets: Targets, args: Args, sizes, shuffle):
@@ -398,9 +485,6 @@ def ppo_update(model, optimizer, accelerator, batch: Batch, targets: Targets, ar
     stats["explained_variance"] = explained_variance(targets.old_values, targets.returns, mask)
     stats["engine_abs_diff"] = masked_mean((engine - old).abs(), mask)
     stats["engine_diff"] = masked_mean(engine - old, mask)
-    if targets.is_weights is not None:
-        stats["tis_weight_mean"] = masked_mean(targets.is_weights, mask)
-        stats["tis_capped_frac"] = masked_mean(((old - engine).exp() > args.tis_cap).float(), mask)
     extremes = torch.stack([ratios.max(), -ratios.min()])[None]
     ratio_max, neg_ratio_min = accelerator.gather(extremes).max(0).values.tolist()
     return stats, (ratio_max, -neg_ratio_min)
@@ -433,7 +517,7 @@ def ppo_metrics(step: int, version: int, sizes: Sizes, lr: float, reduced: dict,
         "val/explained_variance": reduced["explained_variance"],
         "policy/engine_logprob_diff": reduced["engine_abs_diff"],
         "policy/engine_kl": reduced["engine_diff"],
-        **{f"policy/{k}": reduced[k] for k in ("tis_weight_mean", "tis_capped_frac") if k in reduced},
+        **{f"policy/{k}": reduced[k] for k in CORRECTION_STATS if k in reduced},
     }
 
 
@@ -466,6 +550,7 @@ def main(args: Args) -> None:
     )
     accelerator, device = processes.accelerator, processes.accelerator.device
     sizes = compute_sizes(args, accelerator.num_processes)
+    check_correction_flags(args)
     verified = (
         TASKS[args.task].verifier is not None
     )  # no reward model: the value model starts from the policy
@@ -554,7 +639,7 @@ def main(args: Args) -> None:
             with accelerator.autocast():
                 ref_logprobs = batch_logprobs(models.ref_policy, batch, args.temperature, bs)
             laps.lap("reference")
-            targets = ppo_targets(
+            targets, weight_stats = ppo_targets(
                 scores, batch, old_logprobs, old_values, ref_logprobs, engine_logprobs, kl_coef.value, args
             )
 
@@ -568,7 +653,10 @@ def main(args: Args) -> None:
             laps.lap("snapshot")
 
             # 6. log the statistics averaged over the processes
-            stats |= {"scores": scores.mean(), "num_eos_tokens": batch.contain_eos.float().mean()}
+            stats |= weight_stats | {
+                "scores": scores.mean(),
+                "num_eos_tokens": batch.contain_eos.float().mean(),
+            }
             stats["response_tokens"] = batch.response_mask.sum().float()
             reduced = processes.mean(stats, step, folder.last_checkpoint)
             step_kl_coef = kl_coef.step(reduced["kl"], args, sizes.episodes_per_step)  # and the next step's

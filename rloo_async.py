@@ -84,26 +84,59 @@ class Args(plumbing.RunArgs):  # and the plumbing's flags: run, engine, checkpoi
     # RLOO
     # the policy loss. proximal_rloo: the paper's (appendix B), a clipped ratio of sequence probabilities;
     # prime_rl: PRIME-RL's objective (its docs/async.md), min(pi / mu, token_ratio_cap) x advantage per token
-    # over the batch's tokens, mu the engine's logprobs, no KL term: needs --old_logprobs engine, --kl_coef 0
-    loss_type: Literal["proximal_rloo", "prime_rl"] = "proximal_rloo"
-    # beta of the sequence reward: score - kl_coef * sum_t (log pi - log pi_ref) (0: no KL penalty)
+    # over the batch's tokens, mu the engine's logprobs, no KL term: needs --old_logprobs engine, --kl_coef 0;
+    # grpo: GRPO (DeepSeekMath section 4.1), a clipped ratio per token x the completion's advantage, with its
+    # own --advantage, --loss_normalization and --kl_term unless they are given
+    loss_type: Literal["proximal_rloo", "prime_rl", "grpo"] = "proximal_rloo"
+    # beta: of the sequence reward, score - kl_coef * sum_t (log pi - log pi_ref), or of GRPO's k3 term in the
+    # loss (--kl_term) (0: no KL penalty)
     kl_coef: float = 0.05
     # a completion's advantage from its prompt's rloo_k rewards R, in the forms PRIME-RL's code offers (its
     # names in brackets): leave_one_out (rloo): R - the mean of the other k - 1; group_mean (drgrpo, its
-    # default): R - the group's mean; group_mean_positive (drgrpo-negclipped): that, negatives set to 0;
-    # length_weighted_mean (opo): R - the mean weighted by the completions' lengths
-    advantage: Literal["leave_one_out", "group_mean", "group_mean_positive", "length_weighted_mean"] = (
-        "leave_one_out"
-    )
+    # default; Dr. GRPO's): R - the group's mean; group_mean_positive (drgrpo-negclipped): that, negatives set
+    # to 0; length_weighted_mean (opo): R - the mean weighted by the completions' lengths; group_mean_std
+    # (GRPO's): (R - the group's mean) / (the group's standard deviation + 1e-4) (None: the loss's own,
+    # group_mean_std for grpo, leave_one_out for the others)
+    advantage: (
+        Literal[
+            "leave_one_out", "group_mean", "group_mean_positive", "length_weighted_mean", "group_mean_std"
+        ]
+        | None
+    ) = None
+    # `--loss_type grpo`: what the sum of its token terms is divided by. sequence_mean (GRPO's): each
+    # completion's by its tokens, then the mean over completions; token_mean: by the mini-batch's tokens
+    # (DAPO, PRIME-RL); constant: by completions x --response_length (Dr. GRPO's) (None: sequence_mean)
+    loss_normalization: Literal["sequence_mean", "token_mean", "constant"] | None = None
+    # where the KL to the reference goes. reward: -kl_coef sum_t (log pi_old - log pi_ref) in the sequence
+    # reward (RLOO's); k3_loss: kl_coef x GRPO's k3 estimator of each token in the loss (DeepSeekMath eq. 4),
+    # `--loss_type grpo` only (None: the loss's own, k3_loss for grpo, reward for the others)
+    kl_term: Literal["reward", "k3_loss"] | None = None
     cliprange: float = 0.2  # epsilon of Proximal RLOO: the sequence probability ratio is clipped to 1 +- eps
     normalize_advantage: bool = False  # whiten the advantages over the batch (mean 0, std 1)
     # pi_old of the ratio. trainer: theta_n, the trainer's weights at the top of step n, as the paper's code
     # computes it; at N = T = 1 the ratio is then exactly 1 and nothing corrects for a batch that theta_(n-k)
-    # generated. engine: also weight each sequence by min(pi_old / pi_engine, tis_cap), pi_engine the policy
-    # that generated the batch
+    # generated. engine: also weight each sequence's or token's objective by --correction, from pi_old /
+    # pi_engine, pi_engine the policy that generated the batch
     old_logprobs: Literal["trainer", "engine"] = "trainer"
-    # `--old_logprobs engine`: cap of the per-sequence importance weight exp(trainer_old - engine)
-    tis_cap: float = 2.0
+    # `--old_logprobs engine`: what corrects the batch for the engine's policy mu, each sequence's (Proximal
+    # RLOO) or token's (GRPO) objective times a weight of r = pi_old / mu (docs/algorithms.md#the-off-policy-
+    # corrections---correction). tis: min(r, tis_cap), r of the sequence for Proximal RLOO, of the token for
+    # GRPO; sequence_tis: min(r, tis_cap), r the sequence's; sequence_mask: the sequence's r inside
+    # [sequence_mask_low, sequence_mask_high], else 0; icepop: a token's r inside [icepop_low, icepop_high],
+    # else 0 (not Proximal RLOO's); geo_mask: 1 when the geometric mean of the sequence's token ratios is
+    # inside [geo_mask_low, geo_mask_high], else 0; decoupled: AReaL's, r up to decoupled_cap, 0 above.
+    # PRIME-RL's objective, whose ratio is against mu already, takes the masks only (tis: its own cap)
+    correction: Literal["tis", "sequence_tis", "sequence_mask", "icepop", "geo_mask", "decoupled"] = "tis"
+    tis_cap: float = 2.0  # --correction tis and sequence_tis: the cap of the weight
+    icepop_low: float = 0.5  # --correction icepop: alpha, a token ratio below it is masked (IcePop's 0.5)
+    icepop_high: float = 5.0  # --correction icepop: beta, a token ratio above it is masked (IcePop's 5)
+    sequence_mask_low: float = 0.5  # --correction sequence_mask: a sequence ratio below it is masked
+    sequence_mask_high: float = 2.0  # --correction sequence_mask: a sequence ratio above it is masked
+    # --correction geo_mask: a sequence whose token ratios' geometric mean is below it is masked (SkyRL's)
+    geo_mask_low: float = 0.99
+    geo_mask_high: float = 1.01  # --correction geo_mask: above it, masked (SkyRL's)
+    # --correction decoupled: a weight above it is masked (AReaL's behav_imp_weight_cap)
+    decoupled_cap: float = 5.0
     # `--loss_type prime_rl`: delta, the cap of each token's ratio pi / mu (PRIME-RL's default: 8)
     token_ratio_cap: float = 8.0
     missing_eos_penalty: float = -3.0  # score of a completion without EOS (not gsm8k: its table 10 has none)
@@ -120,6 +153,13 @@ ALGORITHM_DOMAINS = {
     "kl_coef": (">= 0", "< 0 would reward moving away from the reference"),
     "cliprange": ("> 0", "the ratio is clipped to [1 - eps, 1 + eps]"),
     "tis_cap": (">= 1", "a sequence of the trainer's own policy has weight 1"),
+    "icepop_low": ("in (0, 1]", "a token of the trainer's own policy, ratio 1, is kept"),
+    "icepop_high": (">= 1", "a token of the trainer's own policy, ratio 1, is kept"),
+    "sequence_mask_low": ("in [0, 1]", "a sequence of the trainer's own policy, ratio 1, is kept"),
+    "sequence_mask_high": (">= 1", "a sequence of the trainer's own policy, ratio 1, is kept"),
+    "geo_mask_low": ("in (0, 1]", "a sequence of the trainer's own policy, ratio 1, is kept"),
+    "geo_mask_high": (">= 1", "a sequence of the trainer's own policy, ratio 1, is kept"),
+    "decoupled_cap": (">= 1", "a token of the trainer's own policy, weight 1, is kept"),
     "token_ratio_cap": (">= 1", "a token of the engine's own policy has ratio 1"),
 }
 
@@ -140,14 +180,42 @@ def completions_per_prompt(args: Args) -> int:
     return args.rloo_k
 
 
+# What each loss takes where --advantage, --loss_normalization and --kl_term are left out (None): `--loss_type
+# grpo` is the published GRPO (DeepSeekMath section 4.1: group-normalised advantages, the mean over each
+# completion's tokens then over completions, the k3 KL term in the loss) in one flag.
+LOSS_DEFAULTS = {
+    "proximal_rloo": {"advantage": "leave_one_out", "loss_normalization": None, "kl_term": "reward"},
+    "prime_rl": {"advantage": "leave_one_out", "loss_normalization": None, "kl_term": "reward"},
+    "grpo": {"advantage": "group_mean_std", "loss_normalization": "sequence_mean", "kl_term": "k3_loss"},
+}
+
+
+def loss_setting(args: Args, flag: str) -> str | None:
+    """The flag's value, or where it is None the loss's own (LOSS_DEFAULTS)."""
+    value = getattr(args, flag)
+    return LOSS_DEFAULTS[args.loss_type][flag] if value is None else value
+
+
 def check_loss_flags(args: Args) -> None:
-    """PRIME-RL's objective weighs each token by pi / mu, mu the policy that sampled it, and has no KL term:
-    the flags that would make it something else are refused before any model loads."""
+    """PRIME-RL's objective weighs each token by pi / mu, mu the policy that sampled it, and has no KL term;
+    GRPO's normalisations and k3 term are its own; Proximal RLOO's ratio is one of sequences: the flags that
+    would make a loss something else are refused before any model loads."""
     if args.loss_type == "prime_rl" and args.old_logprobs != "engine":
         raise UsageError("--loss_type prime_rl's mu is the engine's logprobs: add --old_logprobs engine")
     if args.loss_type == "prime_rl" and args.kl_coef != 0:
         what = f"has no KL term (PRIME-RL leaves AIPO's out): pass --kl_coef 0, not {args.kl_coef}"
         raise UsageError(f"--loss_type prime_rl {what}")
+    if args.loss_type != "grpo" and args.loss_normalization is not None:
+        raise UsageError(f"--loss_normalization {args.loss_normalization} is GRPO's: add --loss_type grpo")
+    if args.loss_type != "grpo" and args.kl_term == "k3_loss":
+        raise UsageError("--kl_term k3_loss is a term of GRPO's token loss: add --loss_type grpo")
+    if args.loss_type == "proximal_rloo" and args.correction == "icepop":
+        what = "masks tokens, and Proximal RLOO's ratio is one of sequences: use --loss_type grpo, or one of"
+        raise UsageError(f"--correction icepop {what} tis, sequence_tis, sequence_mask, geo_mask, decoupled")
+    if args.loss_type == "prime_rl" and args.correction in ("sequence_tis", "decoupled"):
+        what = "would weigh PRIME-RL's tokens by pi_old / mu again (its ratio is against mu): its masks apply"
+        raise UsageError(f"--correction {args.correction} {what} (icepop, sequence_mask, geo_mask)")
+    check_correction_flags(args)
 
 
 def pad_logprobs(logprobs: list[list[float]], batch: Batch) -> torch.Tensor:
@@ -186,6 +254,8 @@ def group_advantages(rewards: torch.Tensor, lengths: torch.Tensor, form: str) ->
         return centred
     if form == "group_mean_positive":
         return centred.clamp(min=0)
+    if form == "group_mean_std":  # GRPO's (DeepSeekMath section 4.1.2); unbiased std and 1e-4 as TRL's
+        return centred / (rewards.std(1, keepdim=True) + 1e-4)
     weights = lengths.to(rewards.dtype)  # length_weighted_mean: the tokens of the completion, EOS included
     return rewards - (rewards * weights).sum(1, keepdim=True) / weights.sum(1, keepdim=True)
 
@@ -200,6 +270,70 @@ def truncated_is_weights(old_logps: torch.Tensor, engine_logps: torch.Tensor, ca
     return torch.exp(old_logps - engine_logps).clamp(max=cap)
 
 
+# The corrections of --old_logprobs engine, each a weight on a token's or a sequence's objective from r =
+# pi_old / mu, mu the engine's (behaviour) policy
+# (docs/algorithms.md#the-off-policy-corrections---correction). tis: Yao et al., "Your efficient RL framework
+# secretly brings you off-policy RL training" (2025), truncated at the cap; sequence_tis, sequence_mask: the
+# sequence-level truncated and masked IS of its follow-up (Liu, Li et al., "When speed kills stability",
+# 2025); icepop: the Ling team's IcePop (its blog, 2025-09; "Every step evolves", 2025), a token's r kept
+# inside [alpha, beta], 0 outside; geo_mask: SkyRL's geometric-mean mask (NovaSky-AI/SkyRL at e9bca5e,
+# skyrl/backends/skyrl_train/utils/off_policy_correction_utils.py, compute_sequence_mask); decoupled: AReaL's
+# decoupled PPO (Fu et al. 2025, "Decoupled PPO objective"), the behaviour weight pi_prox / mu, a token above
+# the cap masked, as inclusionAI/AReaL at 072480e computes it (areal/utils/functional.py, ppo_actor_loss_fn).
+# r of the sequence, its weight on every token of it
+SEQUENCE_CORRECTIONS = ("sequence_tis", "sequence_mask", "geo_mask")
+CORRECTION_STATS = ("correction_weight_mean", "correction_truncated_frac", "correction_masked_frac")
+
+
+def check_correction_flags(args: Args) -> None:
+    """A correction weighs by the engine's logprobs: refused, before any model loads, where the run does not
+    read them (tis, the default, then does nothing)."""
+    if args.correction != "tis" and args.old_logprobs != "engine":
+        what = "weighs each objective by pi_old / mu, mu the engine's logprobs"
+        raise UsageError(f"--correction {args.correction} {what}: add --old_logprobs engine")
+
+
+def correction_weights(old_logprobs, engine_logprobs, mask, args: Args, per_sequence=False, masks_only=False):
+    """--correction's weights from the per-token logprobs of pi_old and of the engine's mu (0 after the first
+    EOS): one per sequence where the loss's ratio is one of sequences (`per_sequence`: Proximal RLOO), else
+    one per token, a sequence correction's on each of the sequence's real tokens, 0 after EOS. `masks_only`: 1
+    where the correction keeps, 0 where it masks, for a loss whose ratio is against mu already (PRIME-RL's). A
+    masked token or sequence weighs 0 and still counts in the loss's normaliser, as in IcePop's objective and
+    AReaL's code. Returns the weights and the statistics logged: the mean weight, the fractions truncated and
+    masked, over the units the correction acts on (the real tokens, or the sequences)."""
+    by_sequence = per_sequence or args.correction in SEQUENCE_CORRECTIONS
+    log_old, log_mu = old_logprobs * mask, engine_logprobs * mask
+    # the sequence's log pi_old and log mu; geo_mask's divided by its tokens: the log of the geometric mean
+    if by_sequence:
+        length = mask.sum(1).clamp(min=1) if args.correction == "geo_mask" else 1
+        log_old, log_mu = log_old.sum(1) / length, log_mu.sum(1) / length
+    ratio = torch.exp(log_old - log_mu)
+    if args.correction in ("tis", "sequence_tis"):
+        weights = truncated_is_weights(log_old, log_mu, args.tis_cap)
+        kept, truncated = torch.ones_like(ratio, dtype=torch.bool), ratio > args.tis_cap
+    else:
+        low, high = {
+            "sequence_mask": (args.sequence_mask_low, args.sequence_mask_high),
+            "icepop": (args.icepop_low, args.icepop_high),
+            "geo_mask": (args.geo_mask_low, args.geo_mask_high),
+            "decoupled": (0.0, args.decoupled_cap),
+        }[args.correction]
+        kept, truncated = (ratio >= low) & (ratio <= high), torch.zeros_like(ratio, dtype=torch.bool)
+        weights = kept.float() if args.correction == "geo_mask" else torch.where(kept, ratio, 0.0)
+    if masks_only:
+        weights = kept.float()
+    units = torch.ones_like(ratio) if by_sequence else mask
+    count = units.sum().clamp(min=1)
+    stats = {
+        "correction_weight_mean": (weights * units).sum() / count,
+        "correction_truncated_frac": (truncated.float() * units).sum() / count,
+        "correction_masked_frac": ((~kept).float() * units).sum() / count,
+    }
+    if by_sequence and not per_sequence:
+        weights = weights[:, None]
+    return (weights if per_sequence else weights * mask), stats
+
+
 def proximal_rloo_loss(logps, old_logps, advantages, cliprange: float, is_weights=None):
     """Paper appendix B eq. 1 on sequence logprobs, r = pi(y) / pi_old(y): -mean(w min(r A, clip(r, 1 +- eps)
     A)), w = 1 without IS weights. Returns the loss, the ratios and the sequences clipped (TRL's clipfrac)."""
@@ -212,68 +346,121 @@ def proximal_rloo_loss(logps, old_logps, advantages, cliprange: float, is_weight
     return -objective.mean(), ratio.detach(), (clipped < unclipped).detach()
 
 
-def prime_rl_loss(logprobs, engine_logprobs, advantages, mask, delta: float, tokens):
+def prime_rl_loss(logprobs, engine_logprobs, advantages, mask, delta: float, tokens, keep=None):
     """PRIME-RL's objective (docs/async.md: token-level AIPO without its KL and entropy terms): -sum_t
     min(pi(y_t) / mu(y_t), delta) A / tokens over the real response tokens, each with its completion's
     advantage A, mu the engine's (behaviour) policy, `tokens` the count of the whole batch (not of this
     micro-batch). As its code computes it (src/prime_rl/trainer/rl/loss.py:98-104): the ratio clamped at
-    delta, so that a capped token gives no gradient, whatever A's sign. Returns the loss, the real tokens'
-    ratios and which were capped."""
+    delta, so that a capped token gives no gradient, whatever A's sign; `keep`, a correction's masks, zeroes
+    the tokens it drops. Returns the loss, the real tokens' ratios and which were capped."""
     ratio = torch.exp(logprobs - engine_logprobs)
     objective = ratio.clamp(max=delta) * advantages[:, None] * mask
+    if keep is not None:  # a correction's masks (--correction icepop, sequence_mask, geo_mask)
+        objective = objective * keep
     real = mask.bool()
     return -objective.sum() / tokens, ratio[real].detach(), (ratio[real] > delta).detach()
 
 
+def grpo_loss(
+    logprobs,
+    old_logprobs,
+    advantages,
+    mask,
+    cliprange: float,
+    normalization: str,
+    divisor,
+    is_weights=None,
+    ref_logprobs=None,
+    kl_coef: float = 0.0,
+):
+    """GRPO's objective (DeepSeekMath section 4.1, eq. 3) as a loss: per real token, -min(r A, clip(r, 1 +-
+    eps) A) with r = pi(y_t) / pi_old(y_t) and A the completion's advantage, times the correction's weight w
+    (`is_weights`, 1 if None), plus kl_coef x k3 = pi_ref / pi - log(pi_ref / pi) - 1 with `ref_logprobs` (eq.
+    4). Normalised: sequence_mean, each completion's sum by its tokens, then the mean over completions;
+    token_mean and constant, the sum divided by `divisor` (the mini-batch's tokens; Dr. GRPO's completions x
+    response length). Returns the loss, the real tokens' ratios and which were clipped (the clipped term the
+    smaller)."""
+    ratio = torch.exp((logprobs - old_logprobs) * mask)
+    unclipped = ratio * advantages[:, None]
+    clipped = ratio.clamp(1 - cliprange, 1 + cliprange) * advantages[:, None]
+    per_token = -torch.min(unclipped, clipped)
+    if is_weights is not None:
+        per_token = per_token * is_weights
+    # k3 of pi_ref / pi, unbiased and positive (DeepSeekMath eq. 4; Schulman's k3)
+    if ref_logprobs is not None:
+        log_ratio = (ref_logprobs - logprobs) * mask
+        per_token = per_token + kl_coef * (torch.exp(log_ratio) - log_ratio - 1)
+    per_token = per_token * mask
+    if normalization == "sequence_mean":
+        loss = (per_token.sum(1) / mask.sum(1).clamp(min=1)).mean()
+    else:
+        loss = per_token.sum() / divisor
+    real = mask.bool()
+    return loss, ratio[real].detach(), (clipped < unclipped)[real].detach()
+
+
 class Targets(NamedTuple):
-    """What the update fits: per completion, and for PRIME-RL's objective the engine's per-token logprobs."""
+    """What the update fits: per completion, and per token what PRIME-RL's objective and GRPO's need."""
 
     old_logps: torch.Tensor  # log pi_old(y), Proximal RLOO's ratio's denominator
     advantages: torch.Tensor
-    is_weights: torch.Tensor | None  # Proximal RLOO with --old_logprobs engine
+    # --old_logprobs engine: the correction's weights, per completion (Proximal RLOO) or per token (GRPO); for
+    # PRIME-RL's objective its masks (1 kept, 0 dropped), None with --correction tis
+    is_weights: torch.Tensor | None
     engine_logprobs: torch.Tensor | None  # mu(y_t) of --loss_type prime_rl, 0 after the first EOS
+    # log pi_old(y_t) of --loss_type grpo, its ratio's denominator per token
+    old_logprobs: torch.Tensor | None
+    ref_logprobs: torch.Tensor | None  # log pi_ref(y_t) of --kl_term k3_loss
 
 
 def rloo_targets(scores, batch: Batch, old_logprobs, ref_logprobs, engine_logprobs, args: Args):
-    """Sequence rewards, the group's advantages (whitened with --normalize_advantage), and what the loss needs
-    besides: Proximal RLOO's truncated IS weights with --old_logprobs engine, PRIME-RL's engine logprobs; also
-    the statistics logged of them."""
+    """Sequence rewards (the KL in them with --kl_term reward), the group's advantages (whitened with
+    --normalize_advantage), and what the loss needs besides: --correction's weights with --old_logprobs
+    engine, PRIME-RL's engine logprobs, GRPO's per-token old and reference logprobs; also the statistics
+    logged of them."""
     mask = batch.response_mask
-    rlhf_reward, kl = sequence_rewards(scores, old_logprobs, ref_logprobs, mask, args.kl_coef)
+    reward_kl_coef = args.kl_coef if loss_setting(args, "kl_term") == "reward" else 0.0
+    rlhf_reward, kl = sequence_rewards(scores, old_logprobs, ref_logprobs, mask, reward_kl_coef)
     groups = rlhf_reward.view(-1, args.rloo_k), mask.sum(1).view(-1, args.rloo_k)  # a prompt's k are together
-    advantages = group_advantages(*groups, args.advantage).flatten()
+    advantages = group_advantages(*groups, loss_setting(args, "advantage")).flatten()
     if args.normalize_advantage:
         advantages = whiten(advantages)
-    old_logps, engine_logps = old_logprobs.sum(1), engine_logprobs.sum(1)
-    is_weights = None
-    # --old_logprobs engine: the engine's policy (version step - lag) is the behaviour policy; the clipped
-    # ratio stays anchored at theta_step and a truncated importance weight corrects from one to the other.
-    if args.old_logprobs == "engine" and args.loss_type == "proximal_rloo":
-        is_weights = truncated_is_weights(old_logps, engine_logps, args.tis_cap)
+    old_logps = old_logprobs.sum(1)
     tokens = mask.sum().clamp(min=1)
     diff = (engine_logprobs - old_logprobs) * mask
     stats = {"kl": kl.mean(), "entropy": -old_logps.mean(), "engine_abs_diff": diff.abs().sum() / tokens}
     stats["engine_diff"] = diff.sum() / tokens
-    if is_weights is not None:
-        capped = (old_logps - engine_logps).exp() > args.tis_cap
-        stats |= {"tis_weight_mean": is_weights.mean(), "tis_capped_frac": capped.float().mean()}
+    # --old_logprobs engine: the engine's policy (version step - lag) is the behaviour policy; the clipped
+    # ratio stays anchored at theta_step and the correction's weight corrects from one to the other (AReaL's
+    # decoupled objective). PRIME-RL's ratio is against mu itself: it takes a correction's masks, or none.
+    is_weights = None
+    if args.old_logprobs == "engine" and not (args.loss_type == "prime_rl" and args.correction == "tis"):
+        per_sequence, masks_only = args.loss_type == "proximal_rloo", args.loss_type == "prime_rl"
+        is_weights, weight_stats = correction_weights(
+            old_logprobs, engine_logprobs, mask, args, per_sequence=per_sequence, masks_only=masks_only
+        )
+        stats |= weight_stats
     mu = engine_logprobs if args.loss_type == "prime_rl" else None
-    return Targets(old_logps, advantages, is_weights, mu), stats
+    grpo_old = old_logprobs if args.loss_type == "grpo" else None
+    k3_ref = ref_logprobs if loss_setting(args, "kl_term") == "k3_loss" else None
+    targets = Targets(old_logps, advantages, is_weights, mu, old_logprobs=grpo_old, ref_logprobs=k3_ref)
+    return targets, stats
 
 
 def rloo_update(model, optimizer, accelerator, batch: Batch, targets: Targets, args: Args, sizes, shuffle):
     """T epochs over the completions, each epoch N mini-batches, each accumulated from micro-batches. Sizes
     count prompts; each completion has its own advantage, so completions (not prompts) are shuffled. Returns
     the step's statistics and the largest and smallest ratio over all processes (of sequences for Proximal
-    RLOO, of tokens for PRIME-RL's objective)."""
+    RLOO, of tokens for PRIME-RL's objective and GRPO)."""
     n = len(targets.old_logps)
     K = args.rloo_k
     mini, micro = sizes.local_mini_batch_size * K, args.local_micro_batch_size * K
     stats = {k: [] for k in ("loss", "approxkl", "clipfrac")}
     ratios = []
     # accelerate divides each micro-batch's loss by the accumulation steps and the processes average their
-    # gradients: PRIME-RL's sum over a mini-batch's tokens, divided by its tokens on every process over that
-    # share, is divided by exactly those tokens (PRIME-RL's docs: 1 / sum |y|) once all are in
+    # gradients: PRIME-RL's (and GRPO's token_mean) sum over a mini-batch's tokens, divided by its tokens on
+    # every process over that share, is divided by exactly those tokens (PRIME-RL's docs: 1 / sum |y|) once
+    # all are in
     share = accelerator.gradient_accumulation_steps * accelerator.num_processes
     model.train()
     for _ in range(args.num_ppo_epochs):
@@ -290,9 +477,33 @@ def rloo_update(model, optimizer, accelerator, batch: Batch, targets: Targets, a
                         mask, mu = batch.response_mask[idx], targets.engine_logprobs[idx]
                         delta = args.token_ratio_cap
                         count = tokens[mini_start // mini]
-                        loss, ratio, clipped = prime_rl_loss(logprobs, mu, advantages, mask, delta, count)
+                        loss, ratio, clipped = prime_rl_loss(
+                            logprobs, mu, advantages, mask, delta, count, weights
+                        )
                         # per token, against the behaviour policy the ratio is taken of
                         approxkl = 0.5 * ((logprobs.detach() - mu) ** 2 * mask).sum() / mask.sum()
+                    elif args.loss_type == "grpo":
+                        mask, old = batch.response_mask[idx], targets.old_logprobs[idx]
+                        ref = None if targets.ref_logprobs is None else targets.ref_logprobs[idx]
+                        normalization = loss_setting(args, "loss_normalization")
+                        # token_mean: the mini-batch's tokens, as PRIME-RL's; constant: Dr. GRPO's completions
+                        # x the most tokens a completion may have (its code's generation budget)
+                        divisor = tokens[mini_start // mini] if normalization == "token_mean" else None
+                        if normalization == "constant":
+                            divisor = len(idx) * args.response_length
+                        loss, ratio, clipped = grpo_loss(
+                            logprobs,
+                            old,
+                            advantages,
+                            mask,
+                            args.cliprange,
+                            normalization,
+                            divisor,
+                            is_weights=weights,
+                            ref_logprobs=ref,
+                            kl_coef=args.kl_coef,
+                        )
+                        approxkl = 0.5 * ((logprobs.detach() - old) ** 2 * mask).sum() / mask.sum()
                     else:
                         logps = logprobs.sum(1)
                         clip = args.cliprange
@@ -338,7 +549,7 @@ def rloo_metrics(step: int, version: int, sizes: Sizes, lr: float, reduced: dict
         "policy/ratio_min": ratios[1],
         "policy/engine_logprob_diff": reduced["engine_abs_diff"],
         "policy/engine_kl": reduced["engine_diff"],
-        **{f"policy/{k}": reduced[k] for k in ("tis_weight_mean", "tis_capped_frac") if k in reduced},
+        **{f"policy/{k}": reduced[k] for k in CORRECTION_STATS if k in reduced},
     }
 
 

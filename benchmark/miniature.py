@@ -4,6 +4,8 @@ file on the tiny task, on a CPU, then the plots and the results tables (`plot_mi
     python benchmark/miniature.py --out_dir runs/miniature --dry_run   # the plan and its estimated time
     python benchmark/miniature.py --out_dir runs/miniature             # run it (finished runs are skipped)
     python benchmark/miniature.py --out_dir runs/miniature_smoke --smoke   # every run at a trivial size
+    python benchmark/miniature.py --study corrections --out_dir runs/corrections \
+        --reuse benchmark/results/miniature/runs                            # the corrections sweep
 
 The comparisons (paper sections 3-5):
   - off-policy sweep, figures 3-5: N = 1, 2, 4, 8, 16 mini-batches per generated batch
@@ -17,6 +19,10 @@ The comparisons (paper sections 3-5):
     DPO, RLOO (Proximal RLOO), RLOO with PRIME-RL's objective (`--loss_type prime_rl`) and
     PPO (PRIME-RL's default k is 2, open-instruct's 8); k = 0 and 1 of the first three files are the
     runs above.
+The corrections sweep (`--study corrections`, beyond the paper): PPO and GRPO at N = 1 and k = 8, 16, 4, 2, 0 (in
+that order: where PPO diverged first), each with the trainer's pi_old and no correction, then with the engine's
+logprobs (`--old_logprobs engine`) and each `--correction`; `--reuse` copies the runs it shares with the async level
+sweep (same name, same flags) instead of running them again.
 Figure 7's T (PPO epochs) sweep is not part of the miniature. Each run has 6144 episodes (the
 files' default is 12800) and 2 seeds, evaluated on all 512 eval prompts at step 0 and 3 more times.
 Every run lives in `<out_dir>/<name>/` (the script's `--output_dir`; its `args.json` holds the git
@@ -42,7 +48,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import plot_miniature  # noqa: E402
-from plot_miniature import write_json_atomically  # noqa: E402
+from plot_miniature import write_atomically, write_json_atomically  # noqa: E402
 
 # The tiny task's defaults in the algorithm files, spelled out so that no run relies on a default.
 TASK = [
@@ -90,6 +96,26 @@ TASK = [
     "0",
     "--no_trust_remote_code",
 ]
+# The corrections of --old_logprobs engine (docs/algorithms.md#the-off-policy-corrections---correction) at the files'
+# defaults: tis (the default) and the bounds of the others.
+CORRECTION_BOUNDS = [
+    "--correction",
+    "tis",
+    "--icepop_low",
+    "0.5",
+    "--icepop_high",
+    "5.0",
+    "--sequence_mask_low",
+    "0.5",
+    "--sequence_mask_high",
+    "2.0",
+    "--geo_mask_low",
+    "0.99",
+    "--geo_mask_high",
+    "1.01",
+    "--decoupled_cap",
+    "5.0",
+]
 # method -> (algorithm file, completions per prompt, the algorithm's flags); kl / beta as in the files' defaults
 METHODS = {
     "dpo": ("online_dpo_async.py", 2, ["--loss_type", "sigmoid", "--beta", "0.1", "--missing_eos_penalty", "-3.0"]),
@@ -119,6 +145,9 @@ METHODS = {
             "leave_one_out",
             "--token_ratio_cap",
             "8.0",
+            "--kl_term",
+            "reward",
+            *CORRECTION_BOUNDS,
         ],
     ),
     # PRIME-RL's objective: mu the engine's logprobs, no KL term; delta its code's default
@@ -143,6 +172,39 @@ METHODS = {
             "leave_one_out",
             "--token_ratio_cap",
             "8.0",
+            "--kl_term",
+            "reward",
+            *CORRECTION_BOUNDS,
+        ],
+    ),
+    # GRPO as published (DeepSeekMath section 4.1): group-normalised advantages, each completion's token mean then the
+    # mean over completions, beta x k3 in the loss; pi_old the trainer's (--old_logprobs engine: the corrections sweep)
+    "grpo": (
+        "rloo_async.py",
+        2,
+        [
+            "--kl_coef",
+            "0.05",
+            "--cliprange",
+            "0.2",
+            "--no_normalize_advantage",
+            "--old_logprobs",
+            "trainer",
+            "--tis_cap",
+            "2.0",
+            "--missing_eos_penalty",
+            "-3.0",
+            "--loss_type",
+            "grpo",
+            "--advantage",
+            "group_mean_std",
+            "--token_ratio_cap",
+            "8.0",
+            "--kl_term",
+            "k3_loss",
+            "--loss_normalization",
+            "sequence_mean",
+            *CORRECTION_BOUNDS,
         ],
     ),
     "ppo": (
@@ -173,6 +235,7 @@ METHODS = {
             "2.0",
             "--missing_eos_penalty",
             "-3.0",
+            *CORRECTION_BOUNDS,
         ],
     ),
 }
@@ -185,7 +248,14 @@ SAMPLES_FLAG = {"online_dpo_async.py": "--num_samples", "rloo_async.py": "--rloo
 # record without them is the same run (RLOO's loss was Proximal RLOO with the leave-one-out advantage before
 # --loss_type; --token_ratio_cap is PRIME-RL's alone).
 ADDED_FLAGS = {
-    "rloo_async.py": {"--loss_type": "proximal_rloo", "--advantage": "leave_one_out", "--token_ratio_cap": "8.0"}
+    "rloo_async.py": {
+        "--loss_type": "proximal_rloo",
+        "--advantage": "leave_one_out",
+        "--token_ratio_cap": "8.0",
+        "--kl_term": "reward",
+        **dict(zip(CORRECTION_BOUNDS[::2], CORRECTION_BOUNDS[1::2])),
+    },
+    "ppo_async.py": dict(zip(CORRECTION_BOUNDS[::2], CORRECTION_BOUNDS[1::2])),
 }
 # The tiny task's folder before it moved to tasks/tiny: a run recorded there used the same files.
 MOVED_TINY_TASK = "benchmark/tiny_task/"
@@ -223,6 +293,8 @@ class Run:
     num_steps: int
     eval_freq: int
     flags: list[str]
+    # the correction sweep's: --old_logprobs engine with this --correction; None: --old_logprobs trainer, no correction
+    correction: str | None = None
 
     def argv(self, out_dir: Path) -> list[str]:
         return [sys.executable, self.script, *self.flags, "--output_dir", str(out_dir / self.name)]
@@ -239,14 +311,21 @@ def make_run(
     num_evals: int,
     eval_prompts: int,
     num_samples: int | None = None,
+    correction: str | None = None,
 ) -> Run:
     """One run with every defining flag spelled out. Batch sizes count prompts: a step generates
     micro_batch x N prompts x K completions and trains N mini-batches of micro_batch prompts, so at equal
-    episodes every N makes the same number of optimizer updates (and the same linear lr decay)."""
+    episodes every N makes the same number of optimizer updates (and the same linear lr decay). A `correction`
+    reads the engine's logprobs (--old_logprobs engine) and corrects with it (--correction)."""
     script, default_samples, algorithm = METHODS[method]
     k = num_samples or default_samples
     mode = "sync" if async_level == 0 else "async" if async_level == 1 else f"async{async_level}"
-    name = f"{method}_n{n}_{mode}" + (f"_k{k}" if k != default_samples else "") + f"_s{seed}"
+    name = f"{method}_n{n}_{mode}" + (f"_k{k}" if k != default_samples else "")
+    name += (f"_{correction}" if correction else "") + f"_s{seed}"
+    if correction:
+        algorithm = list(algorithm)
+        algorithm[algorithm.index("--old_logprobs") + 1] = "engine"
+        algorithm[algorithm.index("--correction") + 1] = correction
     per_step = micro_batch * n * k
     if episodes % per_step:
         raise SystemExit(
@@ -282,7 +361,19 @@ def make_run(
     if script in SAMPLES_FLAG:
         flags += [SAMPLES_FLAG[script], str(k)]
     return Run(
-        name, method, script, seed, n, k, async_level, learning_rate, episodes, num_steps, num_steps // num_evals, flags
+        name,
+        method,
+        script,
+        seed,
+        n,
+        k,
+        async_level,
+        learning_rate,
+        episodes,
+        num_steps,
+        num_steps // num_evals,
+        flags,
+        correction,
     )
 
 
@@ -307,6 +398,31 @@ def make_plan(
         # figure 8: K = 4, lr / 2, half the steps (same episodes, twice the completions per prompt), async
         plan.append(make_run("dpo", 1, 1, seed, learning_rate=learning_rate / 2, num_samples=4, **common))
     return plan
+
+
+# The corrections sweep (docs/reproducing.md#the-corrections-sweep): which correction keeps which objective learning as
+# staleness grows. PPO (whose k = 8 diverged in the async level sweep) and GRPO, each with the trainer's pi_old and no
+# correction (None), then with the engine's logprobs and each correction; the most informative levels first (where
+# PPO diverged), so that a sweep stopped early has them.
+CORRECTION_METHODS = ("ppo", "grpo")
+CORRECTIONS = (None, "tis", "sequence_tis", "sequence_mask", "icepop", "geo_mask", "decoupled")
+CORRECTION_LEVELS = (8, 16, 4, 2, 0)
+
+
+def make_correction_plan(
+    seeds: list[int], episodes: int, learning_rate: float, micro_batch: int, num_evals: int, eval_prompts: int
+) -> list[Run]:
+    """The corrections sweep at N = 1, in the order it runs: level by level (CORRECTION_LEVELS), each level seed by
+    seed, each seed PPO's runs then GRPO's, each without a correction and with each. A run without a correction is the
+    async level sweep's where it has one (PPO's at k = 0, 2, 4, 8: the same name and flags)."""
+    common = dict(episodes=episodes, micro_batch=micro_batch, num_evals=num_evals, eval_prompts=eval_prompts)
+    return [
+        make_run(method, 1, k, seed, learning_rate=learning_rate, correction=correction, **common)
+        for k in CORRECTION_LEVELS
+        for seed in seeds
+        for method in CORRECTION_METHODS
+        for correction in CORRECTIONS
+    ]
 
 
 def estimate_s(run: Run, num_evals: int) -> float:
@@ -342,6 +458,21 @@ def is_finished(run: Run, out_dir: Path) -> bool:
         raise SystemExit(
             f"error: --out_dir {out_dir} holds run {run.name} made with other flags (see {marker}); choose another --out_dir"
         )
+    return True
+
+
+def reuse(run: Run, reuse_dir: Path, out_dir: Path) -> bool:
+    """A run finished in `reuse_dir` with the run's flags (same_flags) is copied into out_dir (its record and metrics,
+    what the tables read) and not run again; one finished there with other flags is left alone."""
+    marker = reuse_dir / run.name / "miniature.json"
+    if not marker.exists() or not same_flags(json.loads(marker.read_text())["flags"], run):
+        return False
+    folder = out_dir / run.name
+    if folder.exists():
+        shutil.rmtree(folder)  # an unfinished run of the same name
+    folder.mkdir(parents=True)
+    write_atomically(folder / "metrics.jsonl", (reuse_dir / run.name / "metrics.jsonl").read_bytes())
+    write_atomically(folder / "miniature.json", marker.read_bytes())
     return True
 
 
@@ -391,6 +522,19 @@ def parse(argv: list[str]) -> argparse.Namespace:
         "--num_evals", type=int, default=None, help="evaluations per run after step 0, evenly spaced (default 3)"
     )
     parser.add_argument(
+        "--study",
+        choices=("paper", "corrections"),
+        default="paper",
+        help="paper: the paper's comparisons and the async level sweep; corrections: the corrections sweep, PPO and "
+        "GRPO at k = 8, 16, 4, 2, 0 without and with each --correction (docs/reproducing.md#the-corrections-sweep)",
+    )
+    parser.add_argument(
+        "--reuse",
+        default=None,
+        help="a folder of finished runs (e.g. benchmark/results/miniature/runs): a planned run finished there with the "
+        "same flags is copied into --out_dir instead of run again",
+    )
+    parser.add_argument(
         "--only",
         default=None,
         help="run only the runs whose name matches one of these comma-separated patterns, e.g. 'dpo_*_s1,ppo_n1_*'",
@@ -423,21 +567,25 @@ def parse(argv: list[str]) -> argparse.Namespace:
 def main(argv: list[str]) -> int:
     args = parse(argv)
     out_dir = Path(args.out_dir).resolve()
-    plan = make_plan(args.seeds, args.episodes, args.learning_rate, args.micro_batch, args.num_evals, args.eval_prompts)
+    planner = make_correction_plan if args.study == "corrections" else make_plan
+    plan = planner(args.seeds, args.episodes, args.learning_rate, args.micro_batch, args.num_evals, args.eval_prompts)
     if args.only:
         patterns = args.only.split(",")
         plan = [run for run in plan if any(fnmatch.fnmatch(run.name, p) for p in patterns)]
         if not plan:
             raise SystemExit(f"error: --only {args.only} matches no run")
+    if args.reuse:
+        reused = [run.name for run in plan if not is_finished(run, out_dir) and reuse(run, Path(args.reuse), out_dir)]
+        print(f"reused {len(reused)} finished run(s) of {args.reuse}: {', '.join(reused) or 'none'}")
     done = [run for run in plan if is_finished(run, out_dir)]
     todo = [run for run in plan if run not in done]
     print(
-        f"{'run':<22} {'file':<20} {'N':>3} {'K':>2} {'async':>5} {'lr':>8} {'episodes':>8} {'steps':>5} {'est. s':>7}"
+        f"{'run':<34} {'file':<20} {'N':>3} {'K':>2} {'async':>5} {'lr':>8} {'episodes':>8} {'steps':>5} {'est. s':>7}"
     )
     for run in plan:
         state = "done" if run in done else f"{estimate_s(run, args.num_evals):7.0f}"
         print(
-            f"{run.name:<22} {run.script:<20} {run.num_mini_batches:>3} {run.num_samples:>2} {run.async_level:>5} "
+            f"{run.name:<34} {run.script:<20} {run.num_mini_batches:>3} {run.num_samples:>2} {run.async_level:>5} "
             f"{run.learning_rate:>8.2g} {run.total_episodes:>8} {run.num_steps:>5} {state:>7}"
         )
     total = sum(estimate_s(run, args.num_evals) for run in todo)

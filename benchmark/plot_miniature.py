@@ -40,14 +40,26 @@ METHOD_LABELS = {
     "rloo": "RLOO",
     "prime_rl": "RLOO, PRIME-RL's loss",
     "ppo": "PPO",
+    "grpo": "GRPO",
 }
+PAPER_METHODS = ("dpo", "bo2", "rloo", "ppo")
 ASYNC_FILES = {
     "dpo": "online_dpo_async.py",
     "rloo": "rloo_async.py",
     "prime_rl": "rloo_async.py",
     "ppo": "ppo_async.py",
 }
-DEFAULT_K = {"dpo": 2, "bo2": 2, "rloo": 2, "prime_rl": 2, "ppo": 1}
+DEFAULT_K = {"dpo": 2, "bo2": 2, "rloo": 2, "prime_rl": 2, "ppo": 1, "grpo": 2}
+# The corrections sweep's lines (benchmark/miniature.py --study corrections): None, the trainer's pi_old uncorrected
+CORRECTION_LABELS = {
+    None: "none (trainer's pi_old)",
+    "tis": "tis",
+    "sequence_tis": "sequence_tis",
+    "sequence_mask": "sequence_mask",
+    "icepop": "icepop",
+    "geo_mask": "geo_mask",
+    "decoupled": "decoupled",
+}
 PERPLEXITY_KEYS = ("eval/ref_perplexity", "eval/ref_ppl")  # the newer name first
 KL_FALLBACK_LABEL = "KL proxy: mean objective/kl over the last quarter of training steps (reference perplexity not logged, under one name, by every run)"
 
@@ -116,7 +128,14 @@ def train_time(run: dict, step: int) -> float:
 
 
 def group_key(meta: dict) -> tuple:
-    return meta["method"], meta["num_mini_batches"], meta["num_samples"], meta["async_level"]
+    """A run's group, its seeds together: a record made before the corrections sweep has no correction (None)."""
+    return meta["method"], meta["num_mini_batches"], meta["num_samples"], meta["async_level"], meta.get("correction")
+
+
+def mean_over_steps(run: dict, key: str) -> float | None:
+    """The mean of a training metric over the run's steps; None where the run does not log it."""
+    values = [m[key] for m in run["train"] if key in m]
+    return float(np.mean(values)) if values else None
 
 
 def summarise(runs: list[dict]) -> tuple[list[dict], bool]:
@@ -127,7 +146,8 @@ def summarise(runs: list[dict]) -> tuple[list[dict], bool]:
         groups[group_key(run["meta"])].append(run)
     order = {m: i for i, m in enumerate(METHOD_LABELS)}
     rows = []
-    for key in sorted(groups, key=lambda k: (order.get(k[0], len(order)), k[3], k[2], k[1])):
+    corrections = {c: i for i, c in enumerate(CORRECTION_LABELS)}
+    for key in sorted(groups, key=lambda k: (order.get(k[0], len(order)), k[3], k[2], k[1], corrections.get(k[4], 0))):
         members = sorted(groups[key], key=lambda r: r["meta"]["seed"])
         win = [r["evals"][-1]["eval/win_rate"] for r in members]
         kl = [kl_proxy(r, ppl_key) for r in members]
@@ -135,12 +155,17 @@ def summarise(runs: list[dict]) -> tuple[list[dict], bool]:
         # learning curve: evaluation steps every seed has, averaged
         steps = sorted(set.intersection(*({e["step"] for e in r["evals"]} for r in members)))
         curve = {s: [next(e for e in r["evals"] if e["step"] == s) for r in members] for s in steps}
+        weighted = [mean_over_steps(r, "policy/correction_truncated_frac") for r in members]
+        masked = [mean_over_steps(r, "policy/correction_masked_frac") for r in members]
         rows.append(
             {
                 "method": key[0],
                 "n": key[1],
                 "k": key[2],
                 "async_level": key[3],
+                "correction": key[4],
+                "truncated": None if None in weighted else float(np.mean(weighted)),
+                "masked": None if None in masked else float(np.mean(masked)),
                 "seeds": [r["meta"]["seed"] for r in members],
                 "win_rate": float(np.mean(win)),
                 "win_rate_min": min(win),
@@ -166,13 +191,26 @@ def label(row: dict) -> str:
 
 def paper_rows(rows: list[dict]) -> list[dict]:
     """The paper's comparisons: its methods, synchronous or one step asynchronous."""
-    return [r for r in rows if r["method"] != "prime_rl" and r["async_level"] <= 1]
+    return [r for r in rows if r["method"] in PAPER_METHODS and r["async_level"] <= 1 and r["correction"] is None]
 
 
 def staleness_rows(rows: list[dict]) -> list[dict]:
     """The async level sweep: every method with runs at N = 1 and K default beyond async level 1, all its k."""
-    swept = {r["method"] for r in rows if r["async_level"] > 1}
-    return [r for r in rows if r["method"] in swept and r["n"] == 1 and r["k"] == DEFAULT_K[r["method"]]]
+    swept = {r["method"] for r in rows if r["async_level"] > 1 and r["method"] in ASYNC_FILES}
+    return [
+        r
+        for r in rows
+        if r["method"] in swept and r["n"] == 1 and r["k"] == DEFAULT_K[r["method"]] and r["correction"] is None
+    ]
+
+
+def correction_rows(rows: list[dict]) -> list[dict]:
+    """The corrections sweep: at N = 1, K default, every run of a method that has runs with a correction (those
+    without one among them, the trainer's pi_old uncorrected), by method, correction and k."""
+    swept = {r["method"] for r in rows if r["correction"] is not None}
+    chosen = [r for r in rows if r["method"] in swept and r["n"] == 1 and r["k"] == DEFAULT_K[r["method"]]]
+    order, corrections = {m: i for i, m in enumerate(METHOD_LABELS)}, list(CORRECTION_LABELS)
+    return sorted(chosen, key=lambda r: (order[r["method"]], corrections.index(r["correction"]), r["async_level"]))
 
 
 def table(rows: list[dict], use_perplexity: bool) -> str:
@@ -223,11 +261,56 @@ def staleness_summary(rows: list[dict], use_perplexity: bool) -> str:
     return "\n".join(lines) + "\n"
 
 
+def fraction(value: float | None) -> str:
+    return "" if value is None else f"{value:.3f}"
+
+
+def correction_table(rows: list[dict], use_perplexity: bool) -> str:
+    """The corrections sweep: per method, correction and k, the final win rate and the KL proxy with their seeds'
+    ranges, and the fractions the correction truncated and masked (means over the training steps and seeds)."""
+    kl_head = "ref. perplexity (final eval)" if use_perplexity else "mean objective/kl, last quarter of steps"
+    lines = [
+        f"| method | correction | async level k | seeds | final win rate (mean) | range over seeds | {kl_head} | "
+        "range over seeds | truncated (mean over steps) | masked (mean over steps) |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in correction_rows(rows):
+        lines.append(
+            f"| {METHOD_LABELS[r['method']]} | {CORRECTION_LABELS[r['correction']]} | {r['async_level']} | "
+            f"{len(r['seeds'])} | {r['win_rate']:.3f} | {r['win_rate_min']:.3f} - {r['win_rate_max']:.3f} | "
+            f"{r['kl']:.3f} | {r['kl_min']:.3f} - {r['kl_max']:.3f} | {fraction(r['truncated'])} | "
+            f"{fraction(r['masked'])} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def correction_summary(rows: list[dict], use_perplexity: bool) -> str:
+    """The corrections sweep in a line per method and correction: the final win rate and, in brackets, the KL proxy
+    at each k, seeds averaged; a cell no run finished is empty."""
+    sweep = correction_rows(rows)
+    levels = sorted({r["async_level"] for r in sweep})
+    kl = "ref. perplexity" if use_perplexity else "mean objective/kl"
+    lines = [
+        "| method | correction | " + " | ".join(f"k = {k}" for k in levels) + " |",
+        "|---|---" + "|---" * len(levels) + "|",
+    ]
+    for method in (m for m in METHOD_LABELS if any(r["method"] == m for r in sweep)):
+        for correction in (c for c in CORRECTION_LABELS if any(r["correction"] == c for r in sweep)):
+            group = [r for r in sweep if (r["method"], r["correction"]) == (method, correction)]
+            cells = {r["async_level"]: f"{r['win_rate']:.3f} ({r['kl']:.2f})" for r in group}
+            label = f"| {METHOD_LABELS[method]} | {CORRECTION_LABELS[correction]} | "
+            lines.append(label + " | ".join(cells.get(k, "") for k in levels) + " |")
+    return f"final win rate ({kl}), seeds averaged:\n\n" + "\n".join(lines) + "\n"
+
+
 def results_text(rows: list[dict], use_perplexity: bool) -> str:
-    """results.md: the paper's comparisons, then the staleness sweep's table if there are its runs."""
+    """results.md: the paper's comparisons, then the staleness sweep's table if there are its runs, then the
+    corrections sweep's if there are its."""
     text = table(rows, use_perplexity)
     if staleness_rows(rows):
         text += "\nThe async level sweep (N = 1):\n\n" + staleness_table(rows, use_perplexity)
+    if correction_rows(rows):
+        text += "\nThe corrections sweep (N = 1):\n\n" + correction_table(rows, use_perplexity)
     return text
 
 
@@ -387,6 +470,53 @@ def plot_staleness(rows: list[dict], use_perplexity: bool, path: Path) -> None:
     plt.close(fig)
 
 
+def plot_corrections(rows: list[dict], use_perplexity: bool, path: Path) -> None:
+    """The corrections sweep against k (evenly spaced): a column per method, its final win rate above and its KL proxy
+    below (a log scale: a run that diverged is far off), one line per correction, seeds averaged, bars spanning the
+    seeds' range."""
+    import matplotlib.pyplot as plt
+
+    sweep = correction_rows(rows)
+    levels = sorted({r["async_level"] for r in sweep})
+    methods = [m for m in METHOD_LABELS if any(r["method"] == m for r in sweep)]
+    fig, axes = plt.subplots(2, len(methods), figsize=(6 * len(methods), 7), squeeze=False, layout="constrained")
+    colors = dict(zip(CORRECTION_LABELS, plt.cm.tab10.colors))
+    for column, method in enumerate(methods):
+        for correction in CORRECTION_LABELS:
+            line = sorted(
+                (r for r in sweep if (r["method"], r["correction"]) == (method, correction)),
+                key=lambda r: r["async_level"],
+            )
+            if not line:
+                continue
+            x = [levels.index(r["async_level"]) for r in line]
+            for ax, key in zip(axes[:, column], ("win_rate", "kl")):
+                err = [[r[key] - r[f"{key}_min"] for r in line], [r[f"{key}_max"] - r[key] for r in line]]
+                style = "--" if correction is None else "-"
+                ax.errorbar(
+                    [v + 0.04 * list(CORRECTION_LABELS).index(correction) for v in x],
+                    [r[key] for r in line],
+                    yerr=err,
+                    fmt=style + "o",
+                    color=colors[correction],
+                    capsize=2,
+                    markersize=4,
+                    label=CORRECTION_LABELS[correction],
+                )
+        axes[0, column].set_title(METHOD_LABELS[method])
+        axes[1, column].set_yscale("log")
+    kl_label = "reference perplexity (final eval)" if use_perplexity else "mean objective/kl, last quarter of steps"
+    for ax, label in zip(axes.flat, ["final gold win rate"] * len(methods) + [kl_label] * len(methods)):
+        ax.set_xticks(range(len(levels)), [str(k) for k in levels])
+        ax.set_xlabel("async level k (policy versions a batch is behind)")
+        ax.set_ylabel(label)
+        ax.grid(alpha=0.3)
+    axes[0, 0].legend(fontsize=8)
+    fig.suptitle("Corrections against staleness (N = 1): seeds averaged, bars: seed range")
+    save(fig, path)
+    plt.close(fig)
+
+
 def main(argv: list[str]) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("runs_dir", help="the driver's --out_dir: one folder per run")
@@ -411,6 +541,9 @@ def main(argv: list[str]) -> None:
     if staleness_rows(rows):
         plot_staleness(rows, use_perplexity, out / "win_rate_vs_async_level.png")
         pngs.append("win_rate_vs_async_level.png")
+    if correction_rows(rows):
+        plot_corrections(rows, use_perplexity, out / "corrections_vs_async_level.png")
+        pngs.append("corrections_vs_async_level.png")
     text = results_text(rows, use_perplexity)
     write_atomically(out / "results.md", text.encode())
     if args.copy_runs:

@@ -23,7 +23,7 @@ def test_async_1_keeps_the_lag_invariant_and_the_on_policy_ratio():
         assert m["policy/clipfrac"] == 0.0 and m["val/clipfrac"] == 0.0
         assert abs(m["policy/ratio_max"] - 1) < 1e-5 and abs(m["policy/ratio_min"] - 1) < 1e-5, m["step"]
         assert m["objective/kl_coef"] == args["kl_coef"]  # no --adaptive_kl
-    assert "policy/tis_weight_mean" not in train[0]  # --old_logprobs trainer
+    assert "policy/correction_weight_mean" not in train[0]  # --old_logprobs trainer
     # the saved policy is the causal LM alone, under the names transformers and vLLM expect
     from transformers import AutoModelForCausalLM
 
@@ -39,7 +39,7 @@ def test_engine_logprobs_with_truncated_importance_weights_at_async_2():
     assert args["old_logprobs"] == "engine" and args["num_steps"] == 32
     diffs = [m["policy/engine_logprob_diff"] for m in train]
     print("engine vs trainer |logprob diff| per token:", [f"{d:.1e}" for d in diffs])
-    print("tis weight mean:", [f"{m['policy/tis_weight_mean']:.4f}" for m in train])
+    print("tis weight mean:", [f"{m['policy/correction_weight_mean']:.4f}" for m in train])
     # lag 0: the same float32 weights, numerics only (a few float32 ulps of logprobs of magnitude < 10)
     assert diffs[0] < 1e-5 and abs(train[0]["policy/engine_kl"]) < 1e-5
     # lag 1 and 2: the policy's change over 1 or 2 Adam updates of lr <= 1e-4, measured 5.4e-4 (late, lr decayed) to
@@ -53,9 +53,12 @@ def test_engine_logprobs_with_truncated_importance_weights_at_async_2():
     # logprobs than the ones compared break these.
     cap = args["tis_cap"]
     for m in train:
-        assert abs(m["policy/tis_weight_mean"] - 1) <= cap * m["policy/engine_logprob_diff"] + 1e-6, m["step"]
-        assert m["policy/tis_capped_frac"] <= m["policy/engine_logprob_diff"] / math.log(cap), m["step"]
-    assert train[0]["policy/tis_capped_frac"] == 0.0 and abs(train[0]["policy/tis_weight_mean"] - 1) < 1e-5
+        assert abs(m["policy/correction_weight_mean"] - 1) <= cap * m["policy/engine_logprob_diff"] + 1e-6, m["step"]
+        assert m["policy/correction_truncated_frac"] <= m["policy/engine_logprob_diff"] / math.log(cap), m["step"]
+    assert (
+        train[0]["policy/correction_truncated_frac"] == 0.0
+        and abs(train[0]["policy/correction_weight_mean"] - 1) < 1e-5
+    )
 
 
 @pytest.mark.slow

@@ -140,6 +140,118 @@ def test_truncated_importance_weights_are_per_token_and_multiply_the_token_losse
     assert loss.item() == pytest.approx(-(0.5 * 1.0 - 1.5 * 1.0 + 2.0 * 2.0 + 1.0 * 0.5) / 4, abs=1e-6)
 
 
+# ------------------------------------------------------------------------------ the corrections of --old_logprobs engine
+# A batch of three completions of 3, 2 and 4 tokens (garbage after EOS), each token's r = pi_old / mu chosen:
+# sequence ratios 3.6, 1.08 and 1.01, geometric means 3.6 ** (1 / 3) = 1.533, 1.08 ** (1 / 2) = 1.039, 1.0025.
+CORRECTION_MASK = torch.tensor([[1.0, 1, 1, 0], [1, 1, 0, 0], [1, 1, 1, 1]])
+CORRECTION_RATIOS = [[0.4, 1.5, 6.0], [1.2, 0.9], [1.0, 1.0, 1.01, 1.0]]
+
+
+def correction_batch():
+    """pi_old's and mu's per-token logprobs with CORRECTION_RATIOS, garbage (+-50) after each completion's EOS."""
+    old = torch.tensor([[-1.0, -2.0, -0.5, 50.0], [-0.3, -1.1, -50.0, 50.0], [-0.2, -0.7, -1.3, -0.9]])
+    ratios = torch.ones(3, 4)
+    for row, values in enumerate(CORRECTION_RATIOS):
+        ratios[row, : len(values)] = torch.tensor(values)
+    engine = old - ratios.log() - 30 * (1 - CORRECTION_MASK)
+    return old, engine
+
+
+# correction -> (the weight of each real token, the statistics: mean weight, truncated, masked), by hand with the
+# flags' defaults (tis_cap 2, icepop [0.5, 5], sequence_mask [0.5, 2], geo_mask [0.99, 1.01], decoupled_cap 5); a
+# sequence correction's statistics are over the 3 sequences, a token correction's over the 9 real tokens
+BY_HAND = {
+    "tis": ([[0.4, 1.5, 2.0], [1.2, 0.9], [1.0, 1.0, 1.01, 1.0]], (10.01 / 9, 1 / 9, 0)),
+    "sequence_tis": ([[2.0] * 3, [1.08] * 2, [1.01] * 4], ((2 + 1.08 + 1.01) / 3, 1 / 3, 0)),
+    "sequence_mask": ([[0.0] * 3, [1.08] * 2, [1.01] * 4], ((1.08 + 1.01) / 3, 0, 1 / 3)),
+    "icepop": ([[0.0, 1.5, 0.0], [1.2, 0.9], [1.0, 1.0, 1.01, 1.0]], (7.61 / 9, 0, 2 / 9)),
+    "geo_mask": ([[0.0] * 3, [0.0] * 2, [1.0] * 4], (1 / 3, 0, 2 / 3)),
+    "decoupled": ([[0.4, 1.5, 0.0], [1.2, 0.9], [1.0, 1.0, 1.01, 1.0]], (8.01 / 9, 0, 1 / 9)),
+}
+
+
+@pytest.mark.parametrize("correction", list(BY_HAND))
+def test_each_correction_weighs_masks_and_logs_on_hand_computed_numbers(correction):
+    """Each correction's weight on every real token of the batch above, 0 after EOS whatever the garbage there: a
+    token's own (tis, icepop, decoupled) or its sequence's (sequence_tis, sequence_mask, geo_mask); a masked token or
+    sequence weighs 0; the mean weight and the fractions truncated and masked logged as the unit it acts on counts."""
+    old, engine = correction_batch()
+    args = ppo.Args(old_logprobs="engine", correction=correction)
+    weights, stats = ppo.correction_weights(old, engine, CORRECTION_MASK, args)
+    rows, (mean, truncated, masked) = BY_HAND[correction]
+    expected = torch.zeros(3, 4)
+    for row, values in enumerate(rows):
+        expected[row, : len(values)] = torch.tensor(values)
+    torch.testing.assert_close(weights, expected, atol=1e-6, rtol=1e-5)
+    assert stats["correction_weight_mean"].item() == pytest.approx(mean, abs=1e-6)
+    assert stats["correction_truncated_frac"].item() == pytest.approx(truncated)
+    assert stats["correction_masked_frac"].item() == pytest.approx(masked)
+
+
+def test_the_bounds_flags_move_each_correction_s_edges():
+    """The same batch with other bounds: each flag is the one its correction reads, and its edges are inclusive."""
+    old, engine = correction_batch()
+
+    def weights(**flags):
+        args = ppo.Args(old_logprobs="engine", **flags)
+        return ppo.correction_weights(old, engine, CORRECTION_MASK, args)[0][CORRECTION_MASK.bool()]
+
+    # icepop [0.3, 7]: nothing masked, the weights are the ratios themselves; [1, 1]: only the ratios of exactly 1 (a
+    # token's log pi_old - log mu of 0) kept, the edges inclusive
+    flat = [r for row in CORRECTION_RATIOS for r in row]
+    assert weights(correction="icepop", icepop_low=0.3, icepop_high=7.0).tolist() == pytest.approx(flat, rel=1e-5)
+    assert weights(correction="icepop", icepop_low=1.0, icepop_high=1.0).tolist() == [0] * 5 + [1, 1, 0, 1]
+    assert weights(correction="tis", tis_cap=1.2).tolist() == pytest.approx([min(r, 1.2) for r in flat], rel=1e-5)
+    # sequence_mask [0.5, 3.6]: the first sequence (3.6) kept; [1.0, 2]: the last (0.9999) dropped too
+    kept = weights(correction="sequence_mask", sequence_mask_high=3.7).tolist()
+    assert kept == pytest.approx([3.6] * 3 + [1.08] * 2 + [1.01] * 4, rel=1e-5)
+    dropped = weights(correction="sequence_mask", sequence_mask_low=1.05).tolist()
+    assert dropped == pytest.approx([0] * 3 + [1.08] * 2 + [0] * 4, rel=1e-5)
+    assert weights(correction="geo_mask", geo_mask_high=1.04).tolist() == [0] * 3 + [1] * 6
+    assert weights(correction="decoupled", decoupled_cap=1.4).tolist() == pytest.approx(
+        [0.4, 0, 0, 1.2, 0.9, 1.0, 1.0, 1.01, 1.0], rel=1e-5
+    )
+
+
+def test_a_masked_token_counts_in_the_normaliser_of_the_token_loss():
+    """PPO's loss at the first mini-batch (ratio 1), advantage 1 on every token, icepop: -sum_t w_t / 9 = -7.61 / 9, the two masked
+    tokens (w 0) still among the 9 real tokens the mean divides by (IcePop's objective; AReaL's code); their gradient
+    is 0 and every other token's -w_t / 9."""
+    old, engine = correction_batch()
+    old = old * CORRECTION_MASK
+    weights, _ = ppo.correction_weights(
+        old, engine, CORRECTION_MASK, ppo.Args(old_logprobs="engine", correction="icepop")
+    )
+    logprobs = old.clone().requires_grad_()
+    advantages = torch.ones(3, 4)
+    loss, _, _ = ppo.ppo_policy_loss(logprobs, old, advantages, CORRECTION_MASK, cliprange=0.2, is_weights=weights)
+    assert loss.item() == pytest.approx(-7.61 / 9, abs=1e-5)
+    loss.backward()
+    torch.testing.assert_close(logprobs.grad, -weights / 9)
+    assert logprobs.grad[0, 0].item() == 0.0 and logprobs.grad[0, 2].item() == 0.0
+
+
+def test_a_correction_needs_the_engine_s_logprobs_and_its_bounds_their_domains():
+    ppo.check_correction_flags(ppo.Args())  # tis, the default, with --old_logprobs trainer: nothing to correct
+    ppo.check_correction_flags(ppo.Args(old_logprobs="engine", correction="geo_mask"))
+    with pytest.raises(
+        ppo.UsageError,
+        match="^--correction icepop weighs each objective by pi_old / mu, mu the engine's logprobs: add --old_logprobs engine$",
+    ):
+        ppo.check_correction_flags(ppo.Args(correction="icepop"))
+    for flag, value, domain in [
+        ("icepop_low", 0.0, r"in \(0, 1\]"),
+        ("icepop_high", 0.9, ">= 1"),
+        ("sequence_mask_low", 1.5, r"in \[0, 1\]"),
+        ("sequence_mask_high", 0.5, ">= 1"),
+        ("geo_mask_low", 1.01, r"in \(0, 1\]"),
+        ("geo_mask_high", 0.99, ">= 1"),
+        ("decoupled_cap", 0.5, ">= 1"),
+    ]:
+        with pytest.raises(ppo.UsageError, match=f"^--{flag} must be {domain} .*, got {value}$"):
+            ppo.compute_sizes(ppo.Args(**{flag: value}), world_size=1)
+
+
 # ------------------------------------------------------------------------------ rewards
 def test_per_token_kl_reward_puts_the_score_on_the_eos_or_the_last_token(tokenizer):
     eos = tokenizer.eos_token_id
@@ -391,7 +503,7 @@ def test_only_the_later_mini_batches_of_a_step_meet_a_moved_policy(tokenizer, nu
     batch = ppo.to_batch(prompts, responses, 1, args, tokenizer, torch.device("cpu"))
     old, values = ppo.old_logprobs_and_values(model, batch, args.temperature, 8)
     scores = torch.tensor([1.0, -1.0, 0.5, 2.0])
-    targets = ppo.ppo_targets(scores, batch, old, values, old, old, 0.05, args)
+    targets, _ = ppo.ppo_targets(scores, batch, old, values, old, old, 0.05, args)
     stats, (ratio_max, ratio_min) = ppo.ppo_update(
         model, optimizer, accelerator, batch, targets, args, sizes, np.random.default_rng(0)
     )
@@ -406,7 +518,27 @@ def test_only_the_later_mini_batches_of_a_step_meet_a_moved_policy(tokenizer, nu
 
 
 # ------------------------------------------------------------------------------ ppo_targets: everything it returns
-def slow_ppo_targets(scores, lengths, old, values, ref, engine, kl_coef, whiten_rewards, gamma, lam, tis_cap):
+def slow_correction_weights(old, engine, lengths, args) -> list[list[float]]:
+    """--correction's weight of each token, one completion at a time from its real tokens' ratios pi_old / mu: a
+    token's own (tis, icepop, decoupled) or its sequence's, of the product or the geometric mean; 0 after EOS."""
+    out = []
+    for i, length in enumerate(lengths):
+        ratios = [math.exp(old[i][t] - engine[i][t]) for t in range(length)]
+        sequence, geometric = math.prod(ratios), math.prod(ratios) ** (1 / length)
+        weights = {
+            "tis": [min(r, args.tis_cap) for r in ratios],
+            "sequence_tis": [min(sequence, args.tis_cap)] * length,
+            "sequence_mask": [sequence if args.sequence_mask_low <= sequence <= args.sequence_mask_high else 0.0]
+            * length,
+            "icepop": [r if args.icepop_low <= r <= args.icepop_high else 0.0 for r in ratios],
+            "geo_mask": [1.0 if args.geo_mask_low <= geometric <= args.geo_mask_high else 0.0] * length,
+            "decoupled": [r if r <= args.decoupled_cap else 0.0 for r in ratios],
+        }[args.correction]
+        out.append(weights + [0.0] * (len(old[i]) - length))
+    return out
+
+
+def slow_ppo_targets(scores, lengths, old, values, ref, engine, kl_coef, whiten_rewards, gamma, lam, args):
     """ppo_targets one token at a time, on per-token lists whose slots after `lengths[i]` are ignored: the KL penalty on
     every real token and the score on the last one, the rewards whitened (mean kept) over the batch's real tokens,
     GAE (slow_gae), returns before the advantages are whitened over the real tokens, the truncated importance weights.
@@ -425,23 +557,26 @@ def slow_ppo_targets(scores, lengths, old, values, ref, engine, kl_coef, whiten_
     if whiten_rewards:
         rewards = whiten_real(rewards, shift_mean=False)
     advantages, returns = slow_gae(rewards, values, lengths, gamma, lam)
-    weights = [
-        [min(math.exp(old[i][t] - engine[i][t]), tis_cap) if real[i][t] else 0.0 for t in range(width)]
-        for i in range(n)
-    ]
-    return kl, whiten_real(advantages, shift_mean=True), returns, weights
+    return kl, whiten_real(advantages, shift_mean=True), returns, slow_correction_weights(old, engine, lengths, args)
 
 
 @pytest.mark.parametrize(
-    "whiten_rewards, gamma, lam, old_logprobs",
+    "whiten_rewards, gamma, lam, old_logprobs, correction",
     [
-        (False, 1.0, 0.95, "trainer"),
-        (True, 0.9, 0.8, "engine"),
-        (False, 0.99, 0.5, "engine"),
-        (True, 1.0, 1.0, "trainer"),
+        (False, 1.0, 0.95, "trainer", "tis"),
+        (True, 0.9, 0.8, "engine", "tis"),
+        (False, 0.99, 0.5, "engine", "tis"),
+        (True, 1.0, 1.0, "trainer", "tis"),
+        (False, 1.0, 0.95, "engine", "sequence_tis"),
+        (False, 1.0, 0.95, "engine", "sequence_mask"),
+        (False, 1.0, 0.95, "engine", "icepop"),
+        (False, 1.0, 0.95, "engine", "geo_mask"),
+        (False, 1.0, 0.95, "engine", "decoupled"),
     ],
 )
-def test_ppo_targets_match_a_slow_loop_over_every_field(tokenizer, whiten_rewards, gamma, lam, old_logprobs):
+def test_ppo_targets_match_a_slow_loop_over_every_field(
+    tokenizer, whiten_rewards, gamma, lam, old_logprobs, correction
+):
     """ppo_targets against the slow loop above, on completions cut at their EOS (one at the first token) or at
     response_length, with garbage after the EOS in every per-token input: the per-token KL; through GAE with gamma and
     lambda, the rewards (score on the last real token, --whiten_rewards); the returns (advantages + old values, before
@@ -460,9 +595,15 @@ def test_ppo_targets_match_a_slow_loop_over_every_field(tokenizer, whiten_reward
     values = torch.randn(5, width, generator=g) + garbage
     engine = old + torch.randn(5, width, generator=g) * 0.5 - 2 * garbage  # weights 0.3 .. 3: some capped at 1.5
     scores = torch.randn(5, generator=g) * 2
-    args = ppo.Args(whiten_rewards=whiten_rewards, gamma=gamma, lam=lam, old_logprobs=old_logprobs, tis_cap=1.5)
+    # bounds that the data's ratios (0.3 .. 3 a token) fall on both sides of
+    bounds = dict(
+        tis_cap=1.5, icepop_low=0.6, icepop_high=2.0, sequence_mask_high=1.5, geo_mask_low=0.8, decoupled_cap=1.5
+    )
+    args = ppo.Args(
+        whiten_rewards=whiten_rewards, gamma=gamma, lam=lam, old_logprobs=old_logprobs, correction=correction, **bounds
+    )
     batch = ppo.Batch(query_ids=None, query_mask=None, response_ids=None, response_mask=mask, contain_eos=None)
-    targets = ppo.ppo_targets(scores, batch, old, values, ref, engine, 0.3, args)
+    targets, stats = ppo.ppo_targets(scores, batch, old, values, ref, engine, 0.3, args)
     kl, advantages, returns, weights = slow_ppo_targets(
         scores.tolist(),
         lengths,
@@ -474,18 +615,26 @@ def test_ppo_targets_match_a_slow_loop_over_every_field(tokenizer, whiten_reward
         whiten_rewards,
         gamma,
         lam,
-        1.5,
+        args,
     )
     torch.testing.assert_close(targets.kl, torch.tensor(kl))
     torch.testing.assert_close(targets.advantages, torch.tensor(advantages))
     torch.testing.assert_close(targets.returns, torch.tensor(returns))
     assert targets.old_logprobs is old and targets.old_values is values and targets.engine_logprobs is engine
     if old_logprobs == "trainer":
-        assert targets.is_weights is None
+        assert targets.is_weights is None and stats == {}
     else:
         torch.testing.assert_close(targets.is_weights, torch.tensor(weights))
-        capped = [w == 1.5 for row, n in zip(weights, lengths) for w in row[:n]]
-        assert any(capped) and not all(capped)
+        real = [w for row, n in zip(weights, lengths) for w in row[:n]]
+        # what makes the test able to fail: some weights capped or masked, others not
+        if correction in ("tis", "sequence_tis"):
+            assert 0 < real.count(1.5) < len(real)
+        else:
+            assert 0 < real.count(0.0) < len(real)
+    if correction == "tis" and old_logprobs == "engine":  # the statistics logged, over the real tokens
+        assert stats["correction_weight_mean"].item() == pytest.approx(np.mean(real), rel=1e-6)
+        assert stats["correction_truncated_frac"].item() == pytest.approx(real.count(1.5) / len(real))
+        assert stats["correction_masked_frac"].item() == 0.0
 
 
 # ------------------------------------------------------------------------------ ppo_update: loss, epochs, mini-batches
@@ -528,7 +677,7 @@ def ppo_step_setup(tokenizer, args, seed: int = 0) -> UpdateCall:
     old, values = ppo.old_logprobs_and_values(model, batch, args.temperature, 8)
     ref = old - torch.randn(old.shape, generator=g) * 0.2 * batch.response_mask
     engine = old + torch.randn(old.shape, generator=g) * 0.5 * batch.response_mask
-    targets = ppo.ppo_targets(torch.tensor([1.0, -1.0, 0.5, 2.0]), batch, old, values, ref, engine, 0.05, args)
+    targets, _ = ppo.ppo_targets(torch.tensor([1.0, -1.0, 0.5, 2.0]), batch, old, values, ref, engine, 0.05, args)
     return UpdateCall(model, by_hand, optimizer, accelerator, batch, targets, sizes)
 
 
@@ -599,8 +748,11 @@ def slow_ppo_update(model, batch, targets, args, sizes, seed: int, lr: float) ->
     return seen
 
 
-@pytest.mark.parametrize("old_logprobs, max_grad_norm", [("trainer", None), ("engine", None), ("trainer", 0.05)])
-def test_two_epochs_of_two_mini_batches_match_plain_sgd_by_hand(tokenizer, old_logprobs, max_grad_norm):
+@pytest.mark.parametrize(
+    "old_logprobs, max_grad_norm, correction",
+    [("trainer", None, "tis"), ("engine", None, "tis"), ("trainer", 0.05, "tis"), ("engine", None, "icepop")],
+)
+def test_two_epochs_of_two_mini_batches_match_plain_sgd_by_hand(tokenizer, old_logprobs, max_grad_norm, correction):
     """ppo_update with --num_ppo_epochs 2 --num_mini_batches 2 and two accumulated micro-batches per mini-batch, on
     plain SGD (at --max_grad_norm 0.05 every update clipped): the parameters of the policy and of the value
     model it ends with are the slow version's, and so is every statistic it returns. The second epoch runs over the
@@ -612,6 +764,9 @@ def test_two_epochs_of_two_mini_batches_match_plain_sgd_by_hand(tokenizer, old_l
         num_mini_batches=2,
         num_ppo_epochs=2,
         old_logprobs=old_logprobs,
+        correction=correction,
+        icepop_low=0.6,  # the data's token ratios, 0.5 .. 2.5, fall on both sides of both bounds
+        icepop_high=2.0,
         max_grad_norm=max_grad_norm,
         learning_rate=LEARNING_RATE,
         vf_coef=VF_COEF,
@@ -653,13 +808,9 @@ def test_two_epochs_of_two_mini_batches_match_plain_sgd_by_hand(tokenizer, old_l
     errors = [targets.returns[i, t].item() - targets.old_values[i, t].item() for i, t in real]
     explained = 1 - np.var(errors, ddof=1) / np.var(returns, ddof=1)
     assert stats["explained_variance"].item() == pytest.approx(explained, abs=1e-5)
-    if old_logprobs == "trainer":
-        assert "tis_weight_mean" not in stats and "tis_capped_frac" not in stats
-    else:
-        weights = [min(np.exp(-d), args.tis_cap) for d in diffs]
-        assert stats["tis_weight_mean"].item() == pytest.approx(np.mean(weights), rel=1e-5)
-        assert stats["tis_capped_frac"].item() == pytest.approx(np.mean([np.exp(-d) > args.tis_cap for d in diffs]))
-        assert 0 < stats["tis_capped_frac"] < 0.5
+    assert not any(key.startswith("correction_") for key in stats)  # ppo_targets returns the correction's
+    if correction == "icepop":  # some tokens masked (weight 0), whose gradient the slow version leaves out too
+        assert 0 < (targets.is_weights[batch.response_mask.bool()] == 0).sum() < batch.response_mask.sum()
     # what makes the test able to fail: the first mini-batch meets the old policy and values themselves, the second
     # epoch reorders the same 4 completions and meets a policy and values 2 updates away, some tokens clipped
     first, second = seen["order"]
@@ -723,7 +874,8 @@ def test_ppo_metrics_by_hand():
     reduced = dict(
         scores=0.5, kl=2.0, entropy=3.0, num_eos_tokens=0.75, pg_loss=0.6, vf_loss=0.9, approxkl=0.01, clipfrac=0.125,
         policy_entropy=2.5, ratio_mean=1.02, vf_clipfrac=0.375, value_error=0.4, explained_variance=0.3,
-        engine_abs_diff=0.03, engine_diff=-0.02,
+        engine_abs_diff=0.03, engine_diff=-0.02, correction_weight_mean=0.9, correction_truncated_frac=0.0,
+        correction_masked_frac=0.05,
     )  # fmt: skip
     metrics = ppo.ppo_metrics(5, 3, sizes, 0.01, reduced, ratios=(1.4, 0.7), kl_coef=0.1)
     assert metrics == {
@@ -752,4 +904,7 @@ def test_ppo_metrics_by_hand():
         "val/explained_variance": 0.3,
         "policy/engine_logprob_diff": 0.03,
         "policy/engine_kl": -0.02,
+        "policy/correction_weight_mean": 0.9,
+        "policy/correction_truncated_frac": 0.0,
+        "policy/correction_masked_frac": 0.05,
     }

@@ -22,7 +22,7 @@ def test_async_1_keeps_the_lag_invariant_and_the_on_policy_ratio():
     for m in train:
         assert m["policy/clipfrac"] == 0.0
         assert abs(m["policy/ratio_max"] - 1) < 1e-5 and abs(m["policy/ratio_min"] - 1) < 1e-5, m["step"]
-    assert "policy/tis_weight_mean" not in train[0]  # --old_logprobs trainer
+    assert "policy/correction_weight_mean" not in train[0]  # --old_logprobs trainer
 
 
 @pytest.mark.slow
@@ -34,7 +34,7 @@ def test_engine_logprobs_with_truncated_importance_weights_at_async_2():
     assert args["old_logprobs"] == "engine" and args["num_steps"] == 16
     diffs = [m["policy/engine_logprob_diff"] for m in train]
     print("engine vs trainer |logprob diff| per token:", [f"{d:.1e}" for d in diffs])
-    print("tis weight mean:", [f"{m['policy/tis_weight_mean']:.4f}" for m in train])
+    print("tis weight mean:", [f"{m['policy/correction_weight_mean']:.4f}" for m in train])
     # Step 0 (lag 0): engine and trainer hold the same float32 weights, so only numerics differ: a few float32 ulps
     # of logprobs of magnitude < 10 (docs/algorithms.md measured 3e-7 per token).
     assert diffs[0] < 1e-5 and abs(train[0]["policy/engine_kl"]) < 1e-5
@@ -51,9 +51,12 @@ def test_engine_logprobs_with_truncated_importance_weights_at_async_2():
     cap, length = args["tis_cap"], args["response_length"]
     for m in train:
         bound = length * m["policy/engine_logprob_diff"]
-        assert abs(m["policy/tis_weight_mean"] - 1) <= cap * bound + 1e-6, m["step"]
-        assert m["policy/tis_capped_frac"] <= bound / math.log(cap), m["step"]
-    assert train[0]["policy/tis_capped_frac"] == 0.0 and abs(train[0]["policy/tis_weight_mean"] - 1) < 1e-5
+        assert abs(m["policy/correction_weight_mean"] - 1) <= cap * bound + 1e-6, m["step"]
+        assert m["policy/correction_truncated_frac"] <= bound / math.log(cap), m["step"]
+    assert (
+        train[0]["policy/correction_truncated_frac"] == 0.0
+        and abs(train[0]["policy/correction_weight_mean"] - 1) < 1e-5
+    )
 
 
 @pytest.mark.slow

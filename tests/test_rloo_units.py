@@ -99,6 +99,186 @@ def test_group_advantages_by_hand_in_every_form():
     torch.testing.assert_close(rloo.group_advantages(rewards, lengths, "leave_one_out"), prime_rl_rloo)
 
 
+# ------------------------------------------------------------------------------ GRPO (DeepSeekMath section 4.1)
+def test_grpo_s_group_normalised_advantage_by_hand():
+    """(R - the group's mean) / (its unbiased standard deviation + 1e-4): k = 3, R = 1, 2, 6 (mean 3, std sqrt(7));
+    k = 2, R = 1, 0 (std 1 / sqrt(2)): +-0.5 / 0.7071; a group of equal rewards: 0, not a division by zero."""
+    got = rloo.group_advantages(torch.tensor([[1.0, 2.0, 6.0]]), None, "group_mean_std")
+    std = math.sqrt(7)
+    assert got.tolist()[0] == pytest.approx([-2 / (std + 1e-4), -1 / (std + 1e-4), 3 / (std + 1e-4)], rel=1e-6)
+    got = rloo.group_advantages(torch.tensor([[1.0, 0.0], [2.0, 2.0]]), None, "group_mean_std")
+    half = 0.5 / (math.sqrt(0.5) + 1e-4)
+    assert got.tolist() == [pytest.approx([half, -half], rel=1e-6), [0.0, 0.0]]
+
+
+def grpo_case():
+    """Two completions of 3 and 1 tokens (garbage after the EOS), advantages +1 and -2, per-token ratios 1.5, 0.9, 1.1
+    and 0.5, eps 0.2. -min(r A, clip(r) A) per token: -min(1.5, 1.2) = -1.2 (clipped), -0.9, -1.1; -min(-1.0, -1.6)
+    = 1.6 (clipped)."""
+    mask = torch.tensor([[1.0, 1, 1, 0], [1, 0, 0, 0]])
+    old = torch.tensor([[-1.0, -2.0, -0.5, 40.0], [-0.3, -50.0, 30.0, 8.0]])
+    ratios = torch.tensor([[1.5, 0.9, 1.1, 1.0], [0.5, 1.0, 1.0, 1.0]])
+    logprobs = (old + ratios.log() + 100 * (1 - mask)).requires_grad_()  # garbage after the EOS here too
+    return logprobs, old, torch.tensor([1.0, -2.0]), mask
+
+
+@pytest.mark.parametrize(
+    "normalization, divisor, loss, grads",
+    [
+        # each completion's mean, then theirs: ((-1.2 - 0.9 - 1.1) / 3 + 1.6) / 2
+        ("sequence_mean", None, (-3.2 / 3 + 1.6) / 2, [0.0, -0.9 / 6, -1.1 / 6, 0.0]),
+        ("token_mean", 4, (-3.2 + 1.6) / 4, [0.0, -0.9 / 4, -1.1 / 4, 0.0]),  # the 4 tokens
+        ("constant", 8, (-3.2 + 1.6) / 8, [0.0, -0.9 / 8, -1.1 / 8, 0.0]),  # Dr. GRPO: 2 completions x 4 tokens
+    ],
+)
+def test_grpo_loss_clips_per_token_and_normalises_by_hand(normalization, divisor, loss, grads):
+    """GRPO's clipped token terms under each normalisation: the value, the ratios and the clipped tokens of the real
+    tokens, and d loss / d log pi: 0 where clipped, -r A / (the normaliser) elsewhere, 0 after the EOS."""
+    logprobs, old, advantages, mask = grpo_case()
+    got, ratios, clipped = rloo.grpo_loss(logprobs, old, advantages, mask, 0.2, normalization, divisor)
+    assert got.item() == pytest.approx(loss, abs=1e-6)
+    assert ratios.tolist() == pytest.approx([1.5, 0.9, 1.1, 0.5], abs=1e-6)
+    assert clipped.tolist() == [True, False, False, True]
+    got.backward()
+    expected = torch.tensor([grads, [0.0, 0.0, 0.0, 0.0]])
+    torch.testing.assert_close(logprobs.grad, expected, atol=1e-6, rtol=1e-5)
+
+
+def test_grpo_loss_adds_the_k3_term_and_weighs_by_the_correction_by_hand():
+    """kl_coef x k3 per token, k3 = pi_ref / pi - log(pi_ref / pi) - 1 (DeepSeekMath eq. 4), with log(pi_ref / pi) =
+    0.5, -1, 0, 0.2 on the real tokens: 0.1487, 0.3679, 0, 0.0214; its gradient in log pi, kl_coef (1 - pi_ref / pi).
+    A correction's weights multiply the policy term only: w = 0 (a masked token), 2, 1 and 0.5."""
+    logprobs, old, advantages, mask = grpo_case()
+    log_ratio = torch.tensor([[0.5, -1.0, 0.0, 0.0], [0.2, 0.0, 0.0, 0.0]])
+    ref = old + log_ratio  # pi_ref / pi_old; and logprobs = old + log r
+    weights = torch.tensor([[0.0, 2.0, 1.0, 0.0], [0.5, 0.0, 0.0, 0.0]])
+    got, _, _ = rloo.grpo_loss(
+        logprobs, old, advantages, mask, 0.2, "token_mean", 4, is_weights=weights, ref_logprobs=ref, kl_coef=0.1
+    )
+    # log(pi_ref / pi) = log(pi_ref / pi_old) - log r
+    k = (log_ratio - torch.tensor([[1.5, 0.9, 1.1, 1.0], [0.5, 1.0, 1.0, 1.0]]).log()) * mask
+    k3 = (k.exp() - k - 1) * mask
+    policy = 0 * -1.2 + 2 * -0.9 + 1 * -1.1 + 0.5 * 1.6
+    assert got.item() == pytest.approx((policy + 0.1 * k3.sum().item()) / 4, abs=1e-6)
+    got.backward()
+    policy_grad = torch.tensor([[0.0, 2 * -0.9, 1 * -1.1, 0.0], [0.0, 0.0, 0.0, 0.0]])  # -w r A where not clipped
+    expected = (policy_grad + 0.1 * (1 - k.exp()) * mask) / 4
+    torch.testing.assert_close(logprobs.grad, expected, atol=1e-6, rtol=1e-5)
+
+
+def test_grpo_by_name_is_the_published_grpo_and_each_part_a_flag(tokenizer):
+    """--loss_type grpo alone: GRPO's advantages, sequence_mean, the k3 term in the loss (no KL in the reward), the
+    per-token old and reference logprobs handed to the loss; each part given by its flag instead: --kl_term reward puts
+    -kl_coef sum_t (log pi_old - log pi_ref) back in the reward and hands no reference logprobs; the other losses keep
+    their own (leave_one_out, the KL in the reward)."""
+    assert [
+        rloo.loss_setting(rloo.Args(loss_type="grpo"), f) for f in ("advantage", "loss_normalization", "kl_term")
+    ] == ["group_mean_std", "sequence_mean", "k3_loss"]
+    assert (
+        rloo.loss_setting(rloo.Args(), "advantage") == "leave_one_out"
+        and rloo.loss_setting(rloo.Args(), "kl_term") == "reward"
+    )
+    assert rloo.loss_setting(rloo.Args(loss_type="grpo", advantage="group_mean"), "advantage") == "group_mean"
+    eos, width = tokenizer.eos_token_id, 4
+    responses = [[5, eos], [5, 5, 5, 5], [5, 5, eos], [eos]]
+    _, mask, _ = rloo.truncate_responses(responses, width, eos, tokenizer.pad_token_id)
+    old = -torch.rand(4, width, generator=torch.Generator().manual_seed(0)) * mask
+    ref = old - 0.25 * mask  # log pi_old - log pi_ref = 0.25 a token: KL 0.5, 1, 0.75, 0.25
+    scores = torch.tensor([1.0, 0.0, 3.0, 3.0])
+    batch = rloo.Batch(query_ids=None, query_mask=None, response_ids=None, response_mask=mask, contain_eos=None)
+    targets, stats = rloo.rloo_targets(scores, batch, old, ref, old, rloo.Args(loss_type="grpo", kl_coef=0.4))
+    half = 0.5 / (math.sqrt(0.5) + 1e-4)
+    assert targets.advantages.tolist() == pytest.approx([half, -half, 0.0, 0.0], rel=1e-6)  # the score alone
+    assert targets.old_logprobs is old and targets.ref_logprobs is ref and targets.is_weights is None
+    assert stats["kl"].item() == pytest.approx((0.5 + 1 + 0.75 + 0.25) / 4)
+    args = rloo.Args(loss_type="grpo", kl_coef=0.4, kl_term="reward")
+    targets, _ = rloo.rloo_targets(scores, batch, old, ref, old, args)
+    # rewards 0.8, -0.4 and 2.7, 2.9: a pair's centred rewards +-d / 2, its std |d| / sqrt(2)
+    first, second = 0.6 / (1.2 / math.sqrt(2) + 1e-4), -0.1 / (0.2 / math.sqrt(2) + 1e-4)
+    assert targets.advantages.tolist() == pytest.approx([first, -first, second, -second], rel=1e-5)
+    assert targets.ref_logprobs is None and targets.old_logprobs is old
+    targets, _ = rloo.rloo_targets(scores, batch, old, ref, old, rloo.Args(kl_coef=0.4))  # Proximal RLOO
+    assert targets.advantages.tolist() == pytest.approx([0.8 - -0.4, -0.4 - 0.8, 2.7 - 2.9, 2.9 - 2.7], rel=1e-5)
+    assert targets.old_logprobs is None and targets.ref_logprobs is None
+
+
+def test_the_flags_that_would_make_a_loss_something_else_are_refused():
+    check = rloo.check_loss_flags
+    with pytest.raises(rloo.UsageError, match="^--loss_normalization token_mean is GRPO's: add --loss_type grpo$"):
+        check(rloo.Args(loss_normalization="token_mean"))
+    with pytest.raises(
+        rloo.UsageError, match="^--kl_term k3_loss is a term of GRPO's token loss: add --loss_type grpo$"
+    ):
+        check(rloo.Args(kl_term="k3_loss"))
+    with pytest.raises(
+        rloo.UsageError, match="^--correction icepop masks tokens, and Proximal RLOO's ratio is one of sequences"
+    ):
+        check(rloo.Args(old_logprobs="engine", correction="icepop"))
+    for correction in ("sequence_tis", "decoupled"):
+        with pytest.raises(
+            rloo.UsageError, match=f"^--correction {correction} would weigh PRIME-RL's tokens by pi_old / mu again"
+        ):
+            check(rloo.Args(loss_type="prime_rl", old_logprobs="engine", kl_coef=0.0, correction=correction))
+    with pytest.raises(
+        rloo.UsageError, match="^--correction geo_mask weighs each objective by pi_old / mu, mu the engine's"
+    ):
+        check(rloo.Args(loss_type="grpo", correction="geo_mask"))
+    check(rloo.Args(loss_type="grpo", old_logprobs="engine", correction="icepop", loss_normalization="constant"))
+    check(rloo.Args(loss_type="prime_rl", old_logprobs="engine", kl_coef=0.0, correction="geo_mask"))
+    check(rloo.Args(old_logprobs="engine", correction="decoupled", kl_term="reward"))
+
+
+# ------------------------------------------------------------------------------ the corrections, per sequence and as masks
+def test_proximal_rloo_takes_each_correction_per_sequence_and_a_dropped_sequence_counts_in_the_mean():
+    """Proximal RLOO's ratio is one of sequences: its weights are of the sequence ratios, 3.6, 1.08 and 0.9999 (tokens
+    as test_ppo_units' batch), tis its cap 2 of them, decoupled 0 above its cap (1.5 here); with sequence_mask the
+    first sequence is dropped (w 0) and still counts in the mean over the 3 (on-policy ratio 1, A = 1, 1, 1: the loss
+    -(0 + 1.08 + 0.9999) / 3)."""
+    mask = torch.tensor([[1.0, 1, 1, 0], [1, 1, 0, 0], [1, 1, 1, 1]])
+    old = torch.tensor([[-1.0, -2.0, -0.5, 0.0], [-0.3, -1.1, 0.0, 0.0], [-0.2, -0.7, -1.3, -0.9]])
+    ratios = torch.tensor([[0.4, 1.5, 6.0, 1.0], [1.2, 0.9, 1.0, 1.0], [1.0, 1.0, 1.01, 0.99]])
+    engine = (old - ratios.log()) * mask
+    expected = {"tis": [2.0, 1.08, 0.9999], "sequence_tis": [2.0, 1.08, 0.9999], "sequence_mask": [0.0, 1.08, 0.9999],
+                "geo_mask": [0.0, 0.0, 1.0], "decoupled": [0.0, 1.08, 0.9999]}  # fmt: skip
+    for correction, weights in expected.items():
+        args = rloo.Args(old_logprobs="engine", correction=correction, decoupled_cap=1.5)
+        got, stats = rloo.correction_weights(old, engine, mask, args, per_sequence=True)
+        assert got.tolist() == pytest.approx(weights, abs=2e-5), correction
+        assert stats["correction_masked_frac"].item() == pytest.approx(weights.count(0.0) / 3), correction
+    batch = rloo.Batch(query_ids=None, query_mask=None, response_ids=None, response_mask=mask, contain_eos=None)
+    args = rloo.Args(rloo_k=3, old_logprobs="engine", correction="sequence_mask")
+    targets, stats = rloo.rloo_targets(torch.zeros(3), batch, old, old, engine, args)
+    assert targets.is_weights.tolist() == pytest.approx([0.0, 1.08, 0.9999], abs=2e-5)
+    assert stats["correction_masked_frac"].item() == pytest.approx(1 / 3)
+    logps = old.sum(1).clone().requires_grad_()
+    loss, _, _ = rloo.proximal_rloo_loss(logps, old.sum(1), torch.ones(3), 0.2, targets.is_weights)
+    assert loss.item() == pytest.approx(-(0 + 1.08 + 0.9999) / 3, abs=2e-5)
+    loss.backward()
+    assert logps.grad.tolist() == pytest.approx([0.0, -1.08 / 3, -0.9999 / 3], abs=2e-5)
+
+
+def test_prime_rl_takes_a_correction_s_masks_and_its_normaliser_keeps_the_masked_tokens():
+    """PRIME-RL's objective with --correction icepop: its targets carry 1 where a token is kept, 0 where masked (its
+    ratio is against mu already: no second weight); the loss of the kept tokens, divided by all 7 real tokens."""
+    mask = torch.tensor([[1.0, 1, 1, 1], [1, 0, 0, 0], [1, 1, 0, 0]])
+    old = torch.tensor([[-1.0, -2.0, -0.5, -3.0], [-1.5, 0.0, 0.0, 0.0], [-0.2, -2.5, 0.0, 0.0]])
+    ratios = torch.tensor([[1.0, 0.4, 1.0, 7.0], [1.2, 1.0, 1.0, 1.0], [1.0, 1.0, 1.0, 1.0]])  # pi_old / mu
+    engine = (old - ratios.log()) * mask
+    args = rloo.Args(rloo_k=3, loss_type="prime_rl", old_logprobs="engine", kl_coef=0.0, correction="icepop")
+    batch = rloo.Batch(query_ids=None, query_mask=None, response_ids=None, response_mask=mask, contain_eos=None)
+    targets, stats = rloo.rloo_targets(torch.tensor([1.0, 0.0, 2.0]), batch, old, old, engine, args)
+    assert targets.is_weights.tolist() == [[1.0, 0.0, 1.0, 0.0], [1.0, 0.0, 0.0, 0.0], [1.0, 1.0, 0.0, 0.0]]
+    assert stats["correction_masked_frac"].item() == pytest.approx(2 / 7)
+    assert stats["correction_weight_mean"].item() == pytest.approx(5 / 7)
+    logprobs = engine.clone().requires_grad_()  # pi = mu: every ratio 1, none capped
+    advantages = torch.tensor([1.0, -2.0, 0.5])
+    loss, _, _ = rloo.prime_rl_loss(logprobs, engine, advantages, mask, 8.0, 7, keep=targets.is_weights)
+    assert loss.item() == pytest.approx(-(1 * 2 - 2 * 1 + 0.5 * 2) / 7, abs=1e-6)
+    loss.backward()
+    expected = -targets.is_weights * advantages[:, None] / 7
+    torch.testing.assert_close(logprobs.grad, expected)
+
+
 # ------------------------------------------------------------------------------ PRIME-RL's objective
 def test_prime_rl_loss_and_gradient_by_hand_with_capped_tokens():
     """Three completions of 4, 1 and 2 tokens (their padding holds garbage logprobs, which the mask must drop), delta
@@ -292,8 +472,9 @@ def slow_rloo_targets(
         "entropy": -sum(old_logps) / n,
         "engine_abs_diff": sum(abs(d) for d in diffs) / len(diffs),
         "engine_diff": sum(diffs) / len(diffs),
-        "tis_weight_mean": sum(min(r, tis_cap) for r in ratios) / n,
-        "tis_capped_frac": sum(r > tis_cap for r in ratios) / n,
+        "correction_weight_mean": sum(min(r, tis_cap) for r in ratios) / n,
+        "correction_truncated_frac": sum(r > tis_cap for r in ratios) / n,
+        "correction_masked_frac": 0.0,
     }
     return old_logps, advantages, [min(r, tis_cap) for r in ratios], stats
 
@@ -329,10 +510,10 @@ def test_rloo_targets_match_a_slow_loop_over_every_field(tokenizer, k, normalize
     assert targets.old_logps.tolist() == pytest.approx(old_logps, abs=1e-5)
     assert targets.advantages.tolist() == pytest.approx(advantages, abs=1e-5)
     if old_logprobs == "trainer":
-        assert targets.is_weights is None and "tis_weight_mean" not in stats and "tis_capped_frac" not in stats
-        expected_stats = {key: v for key, v in expected_stats.items() if not key.startswith("tis_")}
+        assert targets.is_weights is None and not any(key.startswith("correction_") for key in stats)
+        expected_stats = {key: v for key, v in expected_stats.items() if not key.startswith("correction_")}
     else:
-        assert 0 < expected_stats["tis_capped_frac"] < 1  # the data has capped and uncapped weights
+        assert 0 < expected_stats["correction_truncated_frac"] < 1  # the data has capped and uncapped weights
         assert targets.is_weights.tolist() == pytest.approx(weights, abs=1e-5)
     assert set(stats) == set(expected_stats)
     for key, value in expected_stats.items():
@@ -363,7 +544,7 @@ def test_prime_rl_targets_carry_the_engines_logprobs_and_the_groups_advantages(t
     if form == "group_mean_positive":
         assert min(expected[1]) == 0.0 and max(expected[1]) > 0
     assert torch.equal(targets.engine_logprobs, engine) and targets.is_weights is None
-    assert not any(key.startswith("tis_") for key in stats)
+    assert not any(key.startswith("correction_") for key in stats)
 
 
 # ------------------------------------------------------------------------------ rloo_update: epochs and mini-batches
@@ -400,6 +581,13 @@ def slow_rloo_update(model, batch, targets, args, sizes, seed: int, lr: float) -
                             total += grad  # each micro-batch's part of the sum over the mini-batch's tokens
                     mini_batch_loss += loss.item()
                     continue
+                if args.loss_type == "grpo":
+                    loss, share = slow_grpo_micro_batch(model, rows, idx, targets, args, tokens, mini // micro, seen)
+                    for total, grad in zip(step, torch.autograd.grad(loss, params, allow_unused=True)):
+                        if grad is not None:
+                            total += grad * share
+                    seen["loss"].append(loss.item())
+                    continue
                 logps = rloo.response_logprobs(model, rows, args.temperature).sum(1)
                 objective, clipped, ratios = 0.0, [], []
                 for logp, i in zip(logps, idx):
@@ -433,14 +621,16 @@ def slow_rloo_update(model, batch, targets, args, sizes, seed: int, lr: float) -
 
 def slow_prime_rl_micro_batch(model, rows, idx, targets, args, tokens: int, seen: dict):
     """PRIME-RL's objective on a micro-batch, one token at a time: -sum_t min(pi / mu, delta) A / `tokens`, the count
-    of the whole mini-batch. Records what the micro-batch saw in `seen`."""
+    of the whole mini-batch, a token a correction's mask drops left out of the sum (not of the count). Records what
+    the micro-batch saw in `seen`."""
     logprobs = rloo.response_logprobs(model, rows, args.temperature)
     objective, capped, ratios, squares = logprobs.sum() * 0, [], [], []
     for row, i in enumerate(idx):
         for t in range(int(rows.response_mask[row].sum())):
             mu = targets.engine_logprobs[i][t]
             ratio = torch.exp(logprobs[row, t] - mu)
-            objective = objective + min(ratio, args.token_ratio_cap) * targets.advantages[i]
+            kept = 1.0 if targets.is_weights is None else targets.is_weights[i][t]
+            objective = objective + kept * min(ratio, args.token_ratio_cap) * targets.advantages[i]
             capped.append(ratio.item() > args.token_ratio_cap)
             ratios.append(ratio.item())
             squares.append((logprobs[row, t] - mu).item() ** 2)
@@ -451,16 +641,57 @@ def slow_prime_rl_micro_batch(model, rows, idx, targets, args, tokens: int, seen
     return loss
 
 
+def slow_grpo_micro_batch(model, rows, idx, targets, args, tokens: int, micro_batches: int, seen: dict):
+    """GRPO's loss on a micro-batch, one token at a time: -w min(r A, clip(r) A) + kl_coef k3 over each completion's
+    tokens, r = pi / pi_old. sequence_mean: each completion's mean, then the mean over the micro-batch's completions,
+    a 1 / micro_batches share of the mini-batch's gradient; token_mean: the sum over the `tokens` of the whole
+    mini-batch (each micro-batch's sum by the tokens over the micro-batches, its share 1 / micro_batches); constant:
+    the sum over all micro-batches' completions x response_length. Returns the micro-batch's loss and the share of
+    its gradient in the mini-batch's."""
+    logprobs = rloo.response_logprobs(model, rows, args.temperature)
+    eps, normalization = args.cliprange, rloo.loss_setting(args, "loss_normalization")
+    per_sequence, clipped_tokens, squares = [], [], []
+    for row, i in enumerate(idx):
+        terms = []
+        for t in range(int(rows.response_mask[row].sum())):
+            ratio = torch.exp(logprobs[row, t] - targets.old_logprobs[i][t])
+            advantage = targets.advantages[i]
+            weight = 1.0 if targets.is_weights is None else targets.is_weights[i][t]
+            plain, clipped = ratio * advantage, ratio.clamp(1 - eps, 1 + eps) * advantage
+            term = -weight * torch.min(plain, clipped)
+            if targets.ref_logprobs is not None:
+                log_ratio = targets.ref_logprobs[i][t] - logprobs[row, t]
+                term = term + args.kl_coef * (torch.exp(log_ratio) - log_ratio - 1)
+            terms.append(term)
+            clipped_tokens.append(bool(clipped < plain))
+            squares.append((logprobs[row, t] - targets.old_logprobs[i][t]).item() ** 2)
+            seen["ratios"].append(ratio.item())
+        per_sequence.append(sum(terms) / len(terms) if normalization == "sequence_mean" else sum(terms))
+    seen["approxkl"].append(0.5 * sum(squares) / len(squares))
+    seen["clipfrac"].append(sum(clipped_tokens) / len(clipped_tokens))
+    if normalization == "sequence_mean":
+        return sum(per_sequence) / len(idx), 1 / micro_batches
+    if normalization == "token_mean":  # as the update divides it: by the tokens over the micro-batches' share
+        return sum(per_sequence) / (tokens / micro_batches), 1 / micro_batches
+    return sum(per_sequence) / (len(idx) * args.response_length), 1 / micro_batches
+
+
 @pytest.mark.parametrize(
-    "loss_type, old_logprobs, max_grad_norm",
+    "loss_type, old_logprobs, max_grad_norm, normalization, correction",
     [
-        ("proximal_rloo", "trainer", None),
-        ("proximal_rloo", "engine", None),
-        ("proximal_rloo", "trainer", 0.05),
-        ("prime_rl", "engine", None),
+        ("proximal_rloo", "trainer", None, None, "tis"),
+        ("proximal_rloo", "engine", None, None, "tis"),
+        ("proximal_rloo", "trainer", 0.05, None, "tis"),
+        ("prime_rl", "engine", None, None, "tis"),
+        ("prime_rl", "engine", None, None, "icepop"),  # a correction's token mask on PRIME-RL's objective
+        ("grpo", "trainer", None, "sequence_mean", "tis"),
+        ("grpo", "engine", None, "token_mean", "icepop"),
+        ("grpo", "trainer", None, "constant", "tis"),
     ],
 )
-def test_two_epochs_of_two_mini_batches_match_plain_sgd_by_hand(tokenizer, loss_type, old_logprobs, max_grad_norm):
+def test_two_epochs_of_two_mini_batches_match_plain_sgd_by_hand(
+    tokenizer, loss_type, old_logprobs, max_grad_norm, normalization, correction
+):
     """rloo_update with --num_ppo_epochs 2 --num_mini_batches 2 and two accumulated micro-batches per mini-batch, on
     plain SGD (at --max_grad_norm 0.05 every update clipped): the parameters it ends with are the slow version's,
     and so are the statistics it returns. The second epoch runs over the same completions again, in a new order, and
@@ -481,6 +712,11 @@ def test_two_epochs_of_two_mini_batches_match_plain_sgd_by_hand(tokenizer, loss_
         kl_coef=0.0 if loss_type == "prime_rl" else 0.05,
         token_ratio_cap=1.05,
         max_grad_norm=max_grad_norm,
+        loss_normalization=normalization,
+        cliprange=0.005 if loss_type == "grpo" else 0.2,  # a token moves less than a sequence: clipped and not
+        correction=correction,
+        icepop_low=0.95,  # the engine's logprobs are 0.1 nats off the trainer's: some tokens masked, others not
+        icepop_high=1.05,
     )
     rloo.check_loss_flags(args)
     sizes = rloo.compute_sizes(args, world_size=1)
@@ -517,8 +753,15 @@ def test_two_epochs_of_two_mini_batches_match_plain_sgd_by_hand(tokenizer, loss_
     # same 8 completions and meets a policy 2 updates away, clipped on some completions and not on others
     first, second = seen["order"]
     assert sorted(first) == sorted(second) == list(range(8)) and first != second
+    if correction == "icepop":  # a token mask: some tokens dropped, others not
+        real = targets.is_weights[batch.response_mask.bool()]
+        assert 0 < (real == 0).sum() < len(real)
     if loss_type == "prime_rl":  # against the engine's logprobs, 0.1 nats off the trainer's: capped and not
         assert 0 < np.mean(seen["clipfrac"][:2]) < 1 and 0 < np.mean(seen["clipfrac"][4:]) < 1
+        return
+    if loss_type == "grpo":  # per token: the first mini-batch meets ratio 1, the second epoch clips some tokens
+        assert set(seen["ratios"][: int(batch.response_mask[first[:4]].sum())]) == {1.0}
+        assert 0 < np.mean(seen["clipfrac"][4:]) < 1 and targets.ref_logprobs is not None
         return
     assert seen["ratios"][:4] == [1.0] * 4
     if max_grad_norm is None:  # clipped to 0.05, the updates are too small to move a ratio far
@@ -620,7 +863,8 @@ def test_rloo_metrics_by_hand():
     assert sizes.episodes_per_step == 8  # 4 prompts x 2 completions
     reduced = dict(
         scores=0.5, kl=2.0, entropy=3.0, num_eos_tokens=0.75, loss=0.6, approxkl=0.01, clipfrac=0.125,
-        ratio_mean=1.02, engine_abs_diff=0.03, engine_diff=-0.02, tis_weight_mean=0.98,
+        ratio_mean=1.02, engine_abs_diff=0.03, engine_diff=-0.02, correction_weight_mean=0.98,
+        correction_masked_frac=0.25,
     )  # fmt: skip
     metrics = rloo.rloo_metrics(5, 3, sizes, 0.01, reduced, ratios=(1.4, 0.7), kl_coef=0.1)
     assert metrics == {
@@ -643,5 +887,6 @@ def test_rloo_metrics_by_hand():
         "policy/ratio_min": 0.7,
         "policy/engine_logprob_diff": 0.03,
         "policy/engine_kl": -0.02,
-        "policy/tis_weight_mean": 0.98,
+        "policy/correction_weight_mean": 0.98,
+        "policy/correction_masked_frac": 0.25,
     }
