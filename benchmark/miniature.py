@@ -244,18 +244,17 @@ N_SWEEP_METHODS = ("dpo", "bo2", "rloo", "ppo")  # the paper's figure 4
 ASYNC_LEVELS = (1, 2, 4, 8)  # k > 0 at N = 1; k = 0 is the N sweep's (or PRIME-RL's objective's own) N = 1 run
 ASYNC_METHODS = ("dpo", "rloo", "prime_rl", "ppo")  # Best-of-2 shares online DPO's file
 SAMPLES_FLAG = {"online_dpo_async.py": "--num_samples", "rloo_async.py": "--rloo_k"}  # PPO: one completion per prompt
-# Flags a file gained after the committed runs were recorded, each with the value that runs what those runs ran: a
-# record without them is the same run (RLOO's loss was Proximal RLOO with the leave-one-out advantage before
-# --loss_type; --token_ratio_cap is PRIME-RL's alone).
+# Flags a file gained after the committed runs were recorded, generation by generation (oldest first), each flag
+# with the value that runs what those runs ran: a record without the newest generations, where the run gives those
+# values, is the same run. RLOO's loss was Proximal RLOO with the leave-one-out advantage before --loss_type
+# (--token_ratio_cap is PRIME-RL's alone); then came --kl_term and the corrections of --old_logprobs engine.
+CORRECTION_DEFAULTS = dict(zip(CORRECTION_BOUNDS[::2], CORRECTION_BOUNDS[1::2]))
 ADDED_FLAGS = {
-    "rloo_async.py": {
-        "--loss_type": "proximal_rloo",
-        "--advantage": "leave_one_out",
-        "--token_ratio_cap": "8.0",
-        "--kl_term": "reward",
-        **dict(zip(CORRECTION_BOUNDS[::2], CORRECTION_BOUNDS[1::2])),
-    },
-    "ppo_async.py": dict(zip(CORRECTION_BOUNDS[::2], CORRECTION_BOUNDS[1::2])),
+    "rloo_async.py": [
+        {"--loss_type": "proximal_rloo", "--advantage": "leave_one_out", "--token_ratio_cap": "8.0"},
+        {"--kl_term": "reward", **CORRECTION_DEFAULTS},
+    ],
+    "ppo_async.py": [CORRECTION_DEFAULTS],
 }
 # The tiny task's folder before it moved to tasks/tiny: a run recorded there used the same files.
 MOVED_TINY_TASK = "benchmark/tiny_task/"
@@ -381,7 +380,8 @@ def make_plan(
     seeds: list[int], episodes: int, learning_rate: float, micro_batch: int, num_evals: int, eval_prompts: int
 ) -> list[Run]:
     """Seed by seed (an interrupted reproduction has whole seeds): per method the N sweep (sync; PRIME-RL's
-    objective N = 1 only), the async N = 1 runs at k = 1, 2, 4, 8, and for online DPO the K = 4 run of figure 8."""
+    objective N = 1 only), the async N = 1 runs at k = 1, 2, 4, 8, and for online DPO the K = 4 run of figure 8.
+    GRPO runs in the corrections sweep only (make_correction_plan)."""
     per_step = math.lcm(*(micro_batch * n * k for _, k, _ in METHODS.values() for n in NS), micro_batch * 4)
     if episodes % per_step:
         raise SystemExit(
@@ -390,7 +390,7 @@ def make_plan(
     common = dict(episodes=episodes, micro_batch=micro_batch, num_evals=num_evals, eval_prompts=eval_prompts)
     plan = []
     for seed in seeds:
-        for method in METHODS:
+        for method in (method for method in METHODS if method in N_SWEEP_METHODS + ASYNC_METHODS):
             ns = NS if method in N_SWEEP_METHODS else (1,)
             plan += [make_run(method, n, 0, seed, learning_rate=learning_rate, **common) for n in ns]
             if method in ASYNC_METHODS:
@@ -434,18 +434,23 @@ def estimate_s(run: Run, num_evals: int) -> float:
 
 # ---------------------------------------------------------------------------------------------
 def same_flags(recorded: list[str], run: Run) -> bool:
-    """The recorded run's flags are the run's, or the run's less ADDED_FLAGS at their values (a run recorded before
-    its file gained them); a path under MOVED_TINY_TASK reads as the same path under tasks/tiny/."""
+    """The recorded run's flags are the run's, or the run's less its file's newest ADDED_FLAGS generations, where the
+    run gives each of their flags the value that runs what the older record ran; a path under MOVED_TINY_TASK reads as
+    the same path under tasks/tiny/."""
     recorded = [
         flag.replace(MOVED_TINY_TASK, "tasks/tiny/", 1) if flag.startswith(MOVED_TINY_TASK) else flag
         for flag in recorded
     ]
-    older, added = list(run.flags), ADDED_FLAGS.get(run.script, {})
-    for flag, value in added.items():
-        at = older.index(flag) if flag in older else None
-        if at is not None and older[at + 1] == value:
+    older = list(run.flags)
+    for generation in reversed(ADDED_FLAGS.get(run.script, [])):
+        if recorded == older:
+            return True
+        for flag, value in generation.items():
+            at = older.index(flag)
+            if older[at + 1] != value:
+                return False  # the run sets a value its file's older versions could not
             del older[at : at + 2]
-    return recorded in (run.flags, older)
+    return recorded == older
 
 
 def is_finished(run: Run, out_dir: Path) -> bool:

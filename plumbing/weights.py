@@ -66,19 +66,21 @@ class PolicySnapshots:
             processes.on_gpu,
             processes.dtype,
         )
+        self.zero_stage = processes.zero_stage
         self.held: dict[int, Weights] = {}
 
     def take(self, model, version: int) -> Weights | None:
         """theta_version, rank 0's (None on the other ranks). Copied from the parameters where they are, GPU
         memory on GPUs (accelerate's get_state_dict would copy each to the CPU under DeepSpeed), under ZeRO-3
         gathered a layer at a time, with every process taking part; with the trainer's side of its probe
-        (trainer_probe), one forward pass, under ZeRO-3 every process's too."""
+        (trainer_probe), one forward pass, rank 0's (under ZeRO-3 every process's: its layers are sharded)."""
         module = self.accelerator.unwrap_model(model)
         tensors = gathered_tensors(self.accelerator, module, {self.prefix + name for name in self.saved})
         if not self.accelerator.is_main_process:
             for _ in tensors:  # the gathers of ZeRO-3 are collective
                 pass
-            trainer_probe(self.policy, self.probe, self.accelerator.device, 0.0)  # and so is its forward pass
+            if self.zero_stage == 3:  # and so is its forward pass there; elsewhere rank 0's alone
+                trainer_probe(self.policy, self.probe, self.accelerator.device, 0.0)
             return None
         policy_tensors = ((name.removeprefix(self.prefix), tensor) for name, tensor in tensors)
         weights = take_snapshot(version, policy_tensors, self.saved, self.dtype, self.place, self.policy)
@@ -169,7 +171,8 @@ def take_snapshot(version: int, tensors, saved: dict, dtype: torch.dtype, place,
 
 def model_snapshot(model, version: int, dtype: torch.dtype, place, probed: bool = False) -> Weights:
     """theta_version, a snapshot (take_snapshot) of all of `model`'s tensors, where they are; `probed`: with
-    the trainer's side of its probe (trainer_probe), as PolicySnapshots.take takes it."""
+    the trainer's side of its probe (trainer_probe), as PolicySnapshots.take takes it, for a model that
+    computes in its parameters' dtype (no autocast: the tests' and the push benchmark's)."""
     weights = take_snapshot(version, model.state_dict().items(), checkpoint_names(model), dtype, place, model)
     if not probed:
         return weights

@@ -242,12 +242,16 @@ def test_plan_spells_out_every_flag_that_defines_a_run(script):
     # has its test split, and left out (None) is what the runs used
     later = {"dataset_eval_file"}
     # the file's methods (Best-of-2 is online DPO's with another loss); PRIME-RL's objective sets its loss, its mu and
-    # its KL term on purpose too
-    methods = {"online_dpo_async.py": ["dpo"], "rloo_async.py": ["rloo", "prime_rl"], "ppo_async.py": ["ppo"]}
+    # its KL term on purpose too, and GRPO (the corrections sweep's) its loss, advantage, normaliser and KL term
+    methods = {"online_dpo_async.py": ["dpo"], "rloo_async.py": ["rloo", "prime_rl", "grpo"], "ppo_async.py": ["ppo"]}
+    plans = miniature.make_plan(**PLAN_ARGS) + miniature.make_correction_plan(**PLAN_ARGS)
     for method in methods[script]:
-        run = next(r for r in miniature.make_plan(**PLAN_ARGS) if r.method == method)
+        run = next(r for r in plans if r.method == method)
         given = {k.removeprefix("no_") for k in flag_dict(run.flags)}
-        assert given == {f.name for f in dataclasses.fields(module.Args)} - not_defining - gpu_flags - later
+        # --loss_normalization is GRPO's alone: the other losses refuse it
+        grpo_only = {"loss_normalization"} if script == "rloo_async.py" and method != "grpo" else set()
+        fields = {f.name for f in dataclasses.fields(module.Args)}
+        assert given == fields - not_defining - gpu_flags - later - grpo_only, method
         parsed, default = vars(tyro.cli(module.Args, args=run.flags)), vars(module.Args())
         for path in (
             "dataset_name",
@@ -264,11 +268,20 @@ def test_plan_spells_out_every_flag_that_defines_a_run(script):
         }  # seed 1, N = 1, lr 1e-4: the defaults
         if method == "prime_rl":
             on_purpose |= {"loss_type", "old_logprobs", "kl_coef"}
+        if method == "grpo":
+            on_purpose |= {"loss_type", "advantage", "loss_normalization", "kl_term"}
+        if method in ("prime_rl", "grpo"):
             module.check_loss_flags(tyro.cli(module.Args, args=run.flags))
         # spelled out as the reproduction ran, where the defaults now say auto (float32 on a CPU) and None (unused on
         # a CPU)
         resolved_on_cpu = {"vllm_dtype", "vllm_gpu_memory_utilization"}
-        assert {k for k in default if parsed[k] != default[k]} - resolved_on_cpu == on_purpose, method
+        # spelled out where the defaults say None: the loss's own (rloo_async.loss_setting), which they are
+        resolved_by_loss = {"advantage", "loss_normalization", "kl_term"} if script == "rloo_async.py" else set()
+        for name in resolved_by_loss - on_purpose:
+            parsed_args = tyro.cli(module.Args, args=run.flags)
+            assert module.loss_setting(parsed_args, name) == module.loss_setting(module.Args(), name), (method, name)
+        changed = {k for k in default if parsed[k] != default[k]}
+        assert changed - resolved_on_cpu - resolved_by_loss == on_purpose - resolved_by_loss, method
 
 
 def test_plan_bad_sizes_name_the_flag():
@@ -343,18 +356,30 @@ def test_execute_starts_an_unfinished_run_over_and_marks_it_finished(tmp_path):
 
 
 def test_a_record_made_before_rloo_gained_its_loss_flags_is_the_same_run(tmp_path):
-    """The committed RLOO runs were recorded before rloo_async.py had --loss_type, --advantage and
-    --token_ratio_cap: a record without them, at the values that run what it ran, is the run; one without them
-    where the run sets another value (PRIME-RL's loss) or with any other difference is not."""
+    """The committed RLOO runs were recorded before rloo_async.py had --loss_type, --advantage and --token_ratio_cap,
+    and before --kl_term and the corrections' flags; the PRIME-RL runs after the first and before the second: a record
+    without the newest generations of flags, at the values that run what it ran, is the run; one without them where the
+    run sets another value (PRIME-RL's loss), one without an older generation but with a newer, or with any other
+    difference is not."""
     plan = by_name(miniature.make_plan(**PLAN_ARGS))
     rloo, prime = plan["rloo_n1_async_s1"], plan["prime_rl_n1_async_s1"]
-    older = list(rloo.flags)
-    for flag in ("--loss_type", "--advantage", "--token_ratio_cap"):
-        del older[older.index(flag) : older.index(flag) + 2]
+
+    def without(flags, names):
+        flags = list(flags)
+        for flag in names:
+            del flags[flags.index(flag) : flags.index(flag) + 2]
+        return flags
+
+    first, second = (list(generation) for generation in miniature.ADDED_FLAGS["rloo_async.py"])
+    assert "--kl_term" in second and "--correction" in second and "--loss_type" in first
     for run, recorded, same in [
         (rloo, rloo.flags, True),
-        (rloo, older, True),
-        (rloo, [*older[:-1], "9"], False),
+        (rloo, without(rloo.flags, second), True),
+        (rloo, without(rloo.flags, first + second), True),
+        (rloo, without(rloo.flags, first), False),
+        (rloo, [*without(rloo.flags, first + second)[:-1], "9"], False),
+        (prime, without(prime.flags, second), True),
+        (prime, without(prime.flags, first + second), False),
         (prime, [f for f in prime.flags if f not in ("--loss_type", "prime_rl")], False),
     ]:
         (tmp_path / run.name).mkdir(exist_ok=True)

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import perturbed_policy
+from conftest import ROOT, perturbed_policy
 
 import online_dpo_async as dpo
 import plumbing
@@ -383,6 +383,17 @@ def reduce_on_two_processes(rank: int, port: int, out: str) -> None:
         processes.check_scores(scores, "the reward model", 4)
     except RuntimeError as error:
         result["scores"] = str(error)
+    # a push's snapshot (PolicySnapshots.take) and its probe's trainer side: without ZeRO-3 rank 0's forward pass
+    # alone (the calls counted by a spy around the real trainer_probe)
+    from transformers import AutoModelForCausalLM
+
+    probes, trainer_probe = [], weights_module.trainer_probe
+    weights_module.trainer_probe = lambda *args, **kwargs: probes.append(rank) or trainer_probe(*args, **kwargs)
+    policy = AutoModelForCausalLM.from_pretrained(ROOT / "tasks" / "tiny" / "sft")
+    place = SnapshotPlace(pinned=False, folder=str(Path(out).parent)) if rank == 0 else None
+    taken = plumbing.PolicySnapshots(processes, policy, place).take(policy, 1)
+    result["probes"] = [len(probes), None if taken is None else len(taken.probe.logprobs)]
+    weights_module.trainer_probe = trainer_probe
     processes.on_gpu = True
     for rank_0s in (["0", "1"], ["0"]):
         gpus = rank_0s if rank == 0 else ["0"]
@@ -401,7 +412,8 @@ def test_two_processes_reduce_their_statistics_to_the_hand_computed_means(tmp_pa
     """Two CPU processes in one process group (gloo), as two machines: each step's statistics are their mean over the
     processes (loss 1 and 3: 2; KL 0 and 10: 5), rank 0's broadcast reaches both, and a -inf score on rank 1 stops
     both. The engine runs on rank 0's machine, whose GPUs decide its placement for every process: its second GPU there,
-    though rank 1's machine has none to spare; with one GPU there, every process stops on the refusal, in one line."""
+    though rank 1's machine has none to spare; with one GPU there, every process stops on the refusal, in one line.
+    A push's snapshot runs its probe's forward pass on rank 0 alone (without ZeRO-3 the others' would be wasted)."""
     context = multiprocessing.get_context("spawn")
     port = free_port()
     ranks = [
@@ -422,6 +434,7 @@ def test_two_processes_reduce_their_statistics_to_the_hand_computed_means(tmp_pa
             "--vllm_placement separate: 1 training process(es) on rank 0's node, of 2 in all, and the engine need 2 "
             "GPUs there, 1 are visible; use --vllm_placement shared or one training process fewer on that node",
         ]
+    assert [result["probes"] for result in results] == [[1, 4], [0, None]]
 
 
 # ---------------------------------------------------------------------------------------------
