@@ -304,14 +304,14 @@ def correction_summary(rows: list[dict], use_perplexity: bool) -> str:
 
 
 def results_text(rows: list[dict], use_perplexity: bool) -> str:
-    """results.md: the paper's comparisons, then the staleness sweep's table if there are its runs, then the
-    corrections sweep's if there are its."""
-    text = table(rows, use_perplexity)
-    if staleness_rows(rows):
+    """results.md: the paper's comparisons if there are their runs, then the staleness sweep's table if there are
+    its runs, or else the corrections sweep's (whose uncorrected runs are the staleness sweep's)."""
+    text = table(rows, use_perplexity) if paper_rows(rows) else ""
+    if staleness_rows(rows) and not correction_rows(rows):
         text += "\nThe async level sweep (N = 1):\n\n" + staleness_table(rows, use_perplexity)
-    if correction_rows(rows):
+    elif correction_rows(rows):
         text += "\nThe corrections sweep (N = 1):\n\n" + correction_table(rows, use_perplexity)
-    return text
+    return text.removeprefix("\n")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -494,7 +494,7 @@ def plot_corrections(rows: list[dict], use_perplexity: bool, path: Path) -> None
                 err = [[r[key] - r[f"{key}_min"] for r in line], [r[f"{key}_max"] - r[key] for r in line]]
                 style = "--" if correction is None else "-"
                 ax.errorbar(
-                    [v + 0.04 * list(CORRECTION_LABELS).index(correction) for v in x],
+                    [v - 0.3 + 0.1 * list(CORRECTION_LABELS).index(correction) for v in x],
                     [r[key] for r in line],
                     yerr=err,
                     fmt=style + "o",
@@ -508,10 +508,11 @@ def plot_corrections(rows: list[dict], use_perplexity: bool, path: Path) -> None
     kl_label = "reference perplexity (final eval)" if use_perplexity else "mean objective/kl, last quarter of steps"
     for ax, label in zip(axes.flat, ["final gold win rate"] * len(methods) + [kl_label] * len(methods)):
         ax.set_xticks(range(len(levels)), [str(k) for k in levels])
+        ax.set_xlim(-0.5, len(levels) - 0.5)  # each k's slot holds its corrections side by side
         ax.set_xlabel("async level k (policy versions a batch is behind)")
         ax.set_ylabel(label)
         ax.grid(alpha=0.3)
-    axes[0, 0].legend(fontsize=8)
+    axes[0, 0].legend(fontsize=8, loc="lower right")  # the runs that learn end high
     fig.suptitle("Corrections against staleness (N = 1): seeds averaged, bars: seed range")
     save(fig, path)
     plt.close(fig)
@@ -534,14 +535,16 @@ def main(argv: list[str]) -> None:
     out = Path(args.out) if args.out else runs_dir / "plots"
     rows, use_perplexity = summarise(read_runs(runs_dir))
     out.mkdir(parents=True, exist_ok=True)
-    plot_kl(rows, use_perplexity, out / "win_rate_vs_kl.png")
-    plot_time(rows, out / "win_rate_vs_time.png")
-    plot_curves(rows, out / "learning_curves.png")
-    pngs = ["win_rate_vs_kl.png", "win_rate_vs_time.png", "learning_curves.png"]
-    if staleness_rows(rows):
+    pngs = []
+    if paper_rows(rows):
+        plot_kl(rows, use_perplexity, out / "win_rate_vs_kl.png")
+        plot_time(rows, out / "win_rate_vs_time.png")
+        plot_curves(rows, out / "learning_curves.png")
+        pngs += ["win_rate_vs_kl.png", "win_rate_vs_time.png", "learning_curves.png"]
+    if staleness_rows(rows) and not correction_rows(rows):
         plot_staleness(rows, use_perplexity, out / "win_rate_vs_async_level.png")
         pngs.append("win_rate_vs_async_level.png")
-    if correction_rows(rows):
+    elif correction_rows(rows):
         plot_corrections(rows, use_perplexity, out / "corrections_vs_async_level.png")
         pngs.append("corrections_vs_async_level.png")
     text = results_text(rows, use_perplexity)

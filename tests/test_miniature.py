@@ -426,9 +426,13 @@ def write_run(
     evals: list[tuple],
     train: list[tuple],
     perplexity_key: str | None = "eval/ref_ppl",
+    correction: str | None = None,
+    fractions: list[tuple] | None = None,
 ) -> None:
-    """evals: (step, episode, win rate, perplexity); train: (step, objective/kl, step start, step time)."""
-    folder = runs_dir / f"{method}_n{n}_async{async_level}_k{k}_s{seed}"
+    """evals: (step, episode, win rate, perplexity); train: (step, objective/kl, step start, step time);
+    fractions: per training step, the correction's (truncated, masked) fractions."""
+    name = f"{method}_n{n}_async{async_level}_k{k}" + (f"_{correction}" if correction else "") + f"_s{seed}"
+    folder = runs_dir / name
     folder.mkdir(parents=True)
     meta = {
         "name": folder.name,
@@ -437,6 +441,7 @@ def write_run(
         "num_samples": k,
         "async_level": async_level,
         "seed": seed,
+        **({"correction": correction} if correction else {}),
     }
     (folder / "miniature.json").write_text(json.dumps(meta))
     lines = [
@@ -450,6 +455,8 @@ def write_run(
         }
         for s, kl, t0, dt in train
     ]
+    for line, (truncated, masked) in zip(lines, fractions or []):
+        line.update({"policy/correction_truncated_frac": truncated, "policy/correction_masked_frac": masked})
     for step, episode, win, ppl in evals:
         line = {"step": step, "episode": episode, "eval/win_rate": win}
         if perplexity_key:
@@ -636,6 +643,113 @@ def test_committed_results_are_the_table_of_the_committed_runs():
     plan = by_name(miniature.make_plan(**PLAN_ARGS))
     records = {f.name: json.loads((f / "miniature.json").read_text()) for f in (results / "runs").iterdir()}
     assert sorted(records) == sorted(plan)
+    for name, record in records.items():
+        assert miniature.same_flags(record["flags"], plan[name]), name
+        assert record["script"] == plan[name].script and "argv" not in record, name
+
+
+def test_corrections_plan_is_ppo_and_grpo_at_each_level_without_and_with_each_correction():
+    """The corrections sweep, level by level (k = 8, 16, 4, 2, 0: where PPO diverged first), seed by seed, PPO's runs
+    then GRPO's, each first with the trainer's pi_old and no correction, then with the engine's logprobs and each
+    correction; PPO's uncorrected runs are the async level sweep's (the same names and flags, so --reuse takes them)."""
+    plan = miniature.make_correction_plan(**PLAN_ARGS)
+    corrections = ["", "_tis", "_sequence_tis", "_sequence_mask", "_icepop", "_geo_mask", "_decoupled"]
+    expected = [
+        f"{method}_n1_{'sync' if k == 0 else f'async{k}'}{c}_s{seed}"
+        for k in (8, 16, 4, 2, 0)
+        for seed in (1, 2)
+        for method in ("ppo", "grpo")
+        for c in corrections
+    ]
+    assert [run.name for run in plan] == expected and len(plan) == 140
+    for run in plan:
+        flags = flag_dict(run.flags)
+        assert flags["old_logprobs"] == ("engine" if run.correction else "trainer"), run.name
+        assert flags["correction"] == (run.correction or "tis"), run.name  # tis: the file's default, unused
+        assert flags["async_level"] == str(run.async_level) and flags["num_mini_batches"] == "1", run.name
+        assert run.method != "grpo" or (flags["loss_type"], flags["kl_term"]) == ("grpo", "k3_loss"), run.name
+    sweep = by_name(miniature.make_plan(**PLAN_ARGS))
+    for name in ("ppo_n1_sync_s1", "ppo_n1_async2_s2", "ppo_n1_async4_s1", "ppo_n1_async8_s2"):
+        assert by_name(plan)[name].flags == sweep[name].flags
+
+
+def test_reuse_copies_a_finished_run_with_the_same_flags_and_nothing_else(tmp_path):
+    """--reuse: a run finished in the other folder with the run's flags is copied (its record and metrics) into
+    out_dir, over an unfinished one of the same name; one finished there with other flags, or not finished, is not."""
+    plan = by_name(miniature.make_correction_plan(**PLAN_ARGS))
+    same, other, unfinished = plan["ppo_n1_async8_s1"], plan["ppo_n1_async8_s2"], plan["ppo_n1_async4_s1"]
+    source, out = tmp_path / "source", tmp_path / "out"
+    for run, flags in [(same, same.flags), (other, [*other.flags[:-1], "999"])]:
+        (source / run.name).mkdir(parents=True)
+        miniature.write_json_atomically(source / run.name / "miniature.json", {"flags": flags})
+        (source / run.name / "metrics.jsonl").write_text(f'{{"step": 0, "run": "{run.name}"}}\n')
+    (source / unfinished.name).mkdir()
+    (source / unfinished.name / "metrics.jsonl").write_text("{}\n")
+    (out / same.name).mkdir(parents=True)
+    (out / same.name / "metrics.jsonl").write_text("left by a run that was stopped\n")
+    assert miniature.reuse(same, source, out)
+    assert (out / same.name / "metrics.jsonl").read_text() == '{"step": 0, "run": "ppo_n1_async8_s1"}\n'
+    assert miniature.is_finished(same, out)
+    assert not miniature.reuse(other, source, out) and not (out / other.name).exists()
+    assert not miniature.reuse(unfinished, source, out) and not (out / unfinished.name).exists()
+
+
+def test_corrections_table_and_summary_against_hand_computation(tmp_path):
+    """Runs with a correction make the corrections sweep's table (and no paper table or async level sweep of their
+    own): per method, correction and k, the seeds' mean win rate and ranges, and the fractions truncated and masked
+    averaged over the steps, then over the seeds; its summary, a line per correction; and its figure."""
+    runs_dir, out = tmp_path / "runs", tmp_path / "plots"
+    train = [(0, 0.0, 0.5, 1.0), (1, 0.2, 1.5, 1.0)]
+    write_run(runs_dir, "ppo", 1, 1, 8, 1, [(0, 0, 0.40, 1.20), (2, 64, 0.10, 9.00)], train)
+    write_run(runs_dir, "ppo", 1, 1, 8, 2, [(0, 0, 0.40, 1.20), (2, 64, 0.50, 1.50)], train)
+    for seed, win, fractions in [(1, 0.60, [(0.0, 0.1), (0.2, 0.3)]), (2, 0.62, [(0.1, 0.0), (0.1, 0.0)])]:
+        evals = [(0, 0, 0.40, 1.20), (2, 64, win, 1.30)]
+        write_run(runs_dir, "ppo", 1, 1, 8, seed, evals, train, correction="icepop", fractions=fractions)
+    write_run(
+        runs_dir,
+        "ppo",
+        1,
+        1,
+        2,
+        1,
+        [(0, 0, 0.40, 1.20), (2, 64, 0.58, 1.40)],
+        train,
+        correction="icepop",
+        fractions=[(0.0, 0.0), (0.0, 0.5)],
+    )
+    plot_miniature.main([str(runs_dir), "--out", str(out)])
+    text = (out / "results.md").read_text()
+    assert text.startswith("The corrections sweep (N = 1):")
+    # none at k = 8: (0.10 + 0.50) / 2 = 0.300, perplexity (9.0 + 1.5) / 2 = 5.25; icepop at k = 8: 0.610,
+    # truncated ((0 + 0.2) / 2 + (0.1 + 0.1) / 2) / 2 = 0.1, masked ((0.1 + 0.3) / 2 + 0) / 2 = 0.1
+    assert table_rows(text) == [
+        ["PPO", "none (trainer's pi_old)", "8", "2", "0.300", "0.100 - 0.500", "5.250", "1.500 - 9.000", "", ""],
+        ["PPO", "icepop", "2", "1", "0.580", "0.580 - 0.580", "1.400", "1.400 - 1.400", "0.000", "0.250"],
+        ["PPO", "icepop", "8", "2", "0.610", "0.600 - 0.620", "1.300", "1.300 - 1.300", "0.100", "0.100"],
+    ]
+    rows, use_perplexity = plot_miniature.summarise(plot_miniature.read_runs(runs_dir))
+    assert table_rows(plot_miniature.correction_summary(rows, use_perplexity)) == [
+        ["PPO", "none (trainer's pi_old)", "", "0.300 (5.25)"],
+        ["PPO", "icepop", "0.580 (1.40)", "0.610 (1.30)"],
+    ]
+    assert sorted(p.name for p in out.glob("*.png")) == ["corrections_vs_async_level.png"]
+
+
+def test_committed_corrections_results_are_the_table_of_their_runs():
+    """benchmark/results/corrections: results.md is the tables computed from the committed runs of the corrections
+    sweep, docs/reproducing.md shows their summary, and each run is the corrections plan's run of its name with the
+    flags the driver gives it (those reused from the async level sweep: recorded before the corrections' flags)."""
+    results = ROOT / "benchmark" / "results" / "corrections"
+    rows, use_perplexity = plot_miniature.summarise(plot_miniature.read_runs(results / "runs"))
+    assert plot_miniature.correction_rows(rows)
+    assert (results / "results.md").read_text() == plot_miniature.results_text(rows, use_perplexity)
+    reproducing = (ROOT / "docs" / "reproducing.md").read_text()
+    assert reproducing.split("<!-- corrections-results -->\n", 1)[1].startswith(
+        plot_miniature.correction_summary(rows, use_perplexity)
+    )
+    plan = by_name(miniature.make_correction_plan(**PLAN_ARGS))
+    records = {f.name: json.loads((f / "miniature.json").read_text()) for f in (results / "runs").iterdir()}
+    assert set(records) <= set(plan)
     for name, record in records.items():
         assert miniature.same_flags(record["flags"], plan[name]), name
         assert record["script"] == plan[name].script and "argv" not in record, name
