@@ -1,6 +1,6 @@
 """What a weight push costs through one buffer the size of the snapshot and through the fixed-size bucket the scripts
 stream it through (plumbing.weights.WeightBucket), and what of it is the proof of the push: the engine's comparison
-with the bucket (plumbing.weights.WeightReceiver.holds) and the fingerprints, the trainer's of its own weights
+with the bucket (plumbing.receiver.WeightReceiver.holds) and the fingerprints, the trainer's of its own weights
 (plumbing.weights.take_snapshot) and the engine's of its parameters (WeightReceiver.fingerprint), measured side by side
 in one run on the engines the scripts start; and the push to `--num_engines` engines (plumbing.engine.Engine.push: every
 engine through a bucket of its own, loading at the same time, each proven) against the push to one:

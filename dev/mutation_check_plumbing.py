@@ -19,17 +19,19 @@ from mutation_check import MODULE, Mutant, Suite, main
 # The mutants name the plumbing's functions, private ones included (leading underscore): they plant bugs in them.
 
 WEIGHTS, ENGINE, RUN_FOLDER = "plumbing/weights.py", "plumbing/engine.py", "plumbing/run_folder.py"
+RECEIVER, STOPS, CHECKPOINTS = "plumbing/receiver.py", "plumbing/stops.py", "plumbing/checkpoints.py"
 DISTRIBUTED, INPUTS = "plumbing/distributed.py", "plumbing/inputs.py"
 FLAGS, PLACEMENT, TIMINGS = "plumbing/flags.py", "plumbing/placement.py", "plumbing/timings.py"
 TIDY = "plumbing/tidy.py"
 PLAN, MEMORY = "benchmark/plan.py", "benchmark/memory.py"
-FILES = (WEIGHTS, ENGINE, PLACEMENT, RUN_FOLDER, TIMINGS, TIDY, DISTRIBUTED, FLAGS, INPUTS, PLAN, MEMORY)
+FILES = (WEIGHTS, RECEIVER, ENGINE, STOPS, PLACEMENT, RUN_FOLDER, CHECKPOINTS, TIMINGS, TIDY, DISTRIBUTED, FLAGS)
+FILES += (INPUTS, PLAN, MEMORY)
 
 # A table, one mutant to a line or two: left as laid out (the formatter would spread each over eight lines).
 # fmt: off
 MUTANTS = [
     # -------- plumbing/weights.py: the push and its proof
-    Mutant("W01", WEIGHTS, "_load_unit", "parts[: numbered[0] + 1]", "parts[: numbered[-1] + 1]",
+    Mutant("W01", WEIGHTS, "load_unit", "parts[: numbered[0] + 1]", "parts[: numbered[-1] + 1]",
            "a layer of experts cut at its last number: each expert a load unit of its own, the layer split"),
     Mutant("W02", WEIGHTS, "bucket_bytes", "max(least // element_size, *units.values())",
            "max(least // element_size, *sizes.values())", "the bucket sized by the largest tensor, not layer"),
@@ -56,23 +58,23 @@ MUTANTS = [
            "the sum's tolerance relative to the sum, which cancels to near 0, not to the tensor's scale"),
     Mutant("W12", WEIGHTS, "_unmatched_fingerprints", "sum(weights.fingerprint[name][i] for name in sent)",
            "weights.fingerprint[sent[0]][i]", "a fused parameter compared with its first part alone"),
-    Mutant("W13", WEIGHTS, "fingerprint", "part = flat[start : start + _FINGERPRINT_CHUNK].to(dtype).double()",
-           "part = flat[start : start + _FINGERPRINT_CHUNK].double()",
+    Mutant("W13", WEIGHTS, "fingerprint", "part = flat[start : start + FINGERPRINT_CHUNK].to(dtype).double()",
+           "part = flat[start : start + FINGERPRINT_CHUNK].double()",
            "the trainer's values fingerprinted unrounded, not as the engine's dtype holds them"),
-    Mutant("W14", WEIGHTS, "fingerprint", "flat[start : start + _FINGERPRINT_CHUNK]",
-           "flat[start : start + _FINGERPRINT_CHUNK - 1]", "off by one: each chunk's last element not summed"),
+    Mutant("W14", WEIGHTS, "fingerprint", "flat[start : start + FINGERPRINT_CHUNK]",
+           "flat[start : start + FINGERPRINT_CHUNK - 1]", "off by one: each chunk's last element not summed"),
     Mutant("W15", WEIGHTS, "take_snapshot", "torch.stack([fingerprints[name] for name, _, _ in layout])",
-           "torch.stack([fingerprint(view, dtype) for _, view in _views(flat, layout)])",
+           "torch.stack([fingerprint(view, dtype) for _, view in views(flat, layout)])",
            "the fingerprint taken of the snapshot's copy, not of the trainer's weights: the copy proven against "
            "itself"),
     Mutant("W16", WEIGHTS, "checkpoint_names", "remove_tied_weights_from_state_dict(shadow.state_dict(), shadow)",
            "shadow.state_dict()", "a tied output embedding pushed as a tensor of its own"),
-    Mutant("W17", WEIGHTS, "WeightReceiver", "if parameter.numel() == 0 and hasattr(module, \"cpu_linear\"):",
+    Mutant("W17", RECEIVER, "WeightReceiver", "if parameter.numel() == 0 and hasattr(module, \"cpu_linear\"):",
            "if False:", "the linear weights vLLM's CPU layers repack fingerprinted as the empty parameters they left"),
-    Mutant("W18", WEIGHTS, "_repacked_fingerprint", "torch.eye(inputs, dtype=dtype)[start : start + block]",
+    Mutant("W18", RECEIVER, "_repacked_fingerprint", "torch.eye(inputs, dtype=dtype)[start : start + block]",
            "torch.eye(inputs, dtype=dtype)[start : start + block - 1]",
            "off by one: a repacked weight's last column of each block not read back"),
-    Mutant("W19", WEIGHTS, "WeightReceiver",
+    Mutant("W19", RECEIVER, "WeightReceiver",
            "parameter.data[: rows[name]] if name in padded and name in rows else parameter.data",
            "parameter.data", "a padded embedding's padding rows summed too",
            equivalent="vLLM's loader fills the padding rows with zeros (VocabParallelEmbedding.weight_loader): they add "
@@ -241,7 +243,7 @@ MUTANTS = [
            "each engine's part sampled with the first prompts' seeds, not its own prompts'"),
     Mutant("E13", ENGINE, "Engine", "                self.busy.discard(engines[position])\n",
            "                pass\n", "an engine that answered named among those that froze"),
-    Mutant("E14", ENGINE, "_Deadlines", "self.first = self.least + self.compile",
+    Mutant("E14", STOPS, "Deadlines", "self.first = self.least + self.compile",
            "self.first = max(self.least, self.compile)", "the start's deadline the built-in one, --engine_timeout_minutes ignored"),
     Mutant("E15", ENGINE, "Engine", "arrived.append(self.get(evals, until_signal=True))", "arrived.append(self.get(evals))",
            "a stop signal during the final evaluations waited out to the frozen engine's deadline"),
@@ -284,7 +286,7 @@ DESELECTED = (
 )
 # The engine's worker runs in its own process, where the recording cannot see: the test that pushes and checks
 ENGINE_PUSH = "tests/test_engine.py::test_an_engine_holding_other_weights_than_it_was_sent_stops_the_run"
-UNRECORDED = {(WEIGHTS, "WeightReceiver"): [ENGINE_PUSH], (WEIGHTS, "_repacked_fingerprint"): [ENGINE_PUSH]}
+UNRECORDED = {(RECEIVER, "WeightReceiver"): [ENGINE_PUSH], (RECEIVER, "_repacked_fingerprint"): [ENGINE_PUSH]}
 PLUMBING = Suite(FILES, MUTANTS, TESTS, DESELECTED, UNRECORDED)
 
 if __name__ == "__main__":

@@ -2,12 +2,15 @@
 
 1. flags.py         the flags, their --help and domains; `run`, the entry point
    inputs.py  the checks of the input files: data, model folders, tokenizers
-2. run_folder.py    the run's folder: resume, args.json, the metrics, checkpoints
+2. run_folder.py    the run's folder: its lock, args.json, the metrics, the space it needs
+   checkpoints.py   its checkpoints: which to resume, their manifest, save and load, the final policy
    timings.py       a step's timings and FLOPs, the async pipeline's figures
 3. distributed.py   the training processes: accelerate, DeepSpeed, what every process computes together
 4. placement.py     where the engines run and what they may take: GPUs, cores, memory arithmetic
-   engine.py        the vLLM engine: its processes, the generation thread, the signals, the deadlines
+   engine.py        the vLLM engine: its processes, the generation thread, its calls and failures
+   stops.py         what stops a run: the deadline of each call to the engine, the stop signals
    weights.py       the weight push: the policy's snapshots in host memory, a bucket, the proof of each push
+   receiver.py      the push's engine side: what vLLM's worker runs to load and prove a version
 5. watchdog.py      a program of its own that ends the engine's processes if the trainer dies
    tidy.py          nothing left half done: a file written whole, a process group stopped whole
 
@@ -41,8 +44,8 @@ _NAMES = {
     "PolicySnapshots": "weights",
 }
 __all__ = list(_NAMES)
-_MODULES = {"flags", "inputs", "run_folder", "timings", "distributed", "placement", "engine", "weights"}
-_MODULES |= {"watchdog", "tidy"}
+_MODULES = {"flags", "inputs", "run_folder", "checkpoints", "timings", "distributed", "placement", "engine"}
+_MODULES |= {"stops", "weights", "receiver", "watchdog", "tidy"}
 
 
 def __getattr__(name: str):

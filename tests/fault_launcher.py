@@ -217,7 +217,7 @@ def out_of_order(flat, layout: list, fault: str) -> str | None:
     experts swapped ("swapped_experts"). Returns what it did, or None where `layout` has no such tensor."""
     import plumbing.weights
 
-    views = dict(plumbing.weights._views(flat, layout))
+    views = dict(plumbing.weights.views(flat, layout))
     if fault == "permuted":
         name = next((name for name in views if name.endswith("q_proj.weight")), None)
         if name is None:

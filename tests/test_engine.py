@@ -227,7 +227,7 @@ def test_elements_out_of_order_pass_every_sum_and_stop_the_push_at_its_probe(tok
 @on_the_module_engine
 def test_an_engine_holding_other_weights_than_it_was_sent_stops_the_run(engine, tokenizer, tmp_path):
     """After a push the engine says what it holds: each load, the version and run it read in the bucket and how its
-    parameters compare with the bucket element for element (plumbing.weights.WeightReceiver.holds); then the
+    parameters compare with the bucket element for element (plumbing.receiver.WeightReceiver.holds); then the
     fingerprint of every parameter, which plumbing.weights._check_loaded compares with the trainer's. Pushed policy b
     holds b; asked against policy c, which it never loaded (a push that delivered nothing), its parameters differ from
     c's snapshot element for element, and from c's fingerprint, the first the embedding, and the run stops naming
@@ -422,7 +422,7 @@ def test_a_failure_in_the_generation_thread_surfaces_in_the_trainer(engine, toke
 
 
 def engine_parameters(llm) -> dict[str, torch.Tensor]:
-    """Every parameter of the engine's model, copied to the CPU (plumbing.weights.WeightReceiver, in the worker)."""
+    """Every parameter of the engine's model, copied to the CPU (plumbing.receiver.WeightReceiver, in the worker)."""
     from safetensors.torch import load
 
     return load(llm.collective_rpc("parameter_copies")[0])

@@ -525,11 +525,11 @@ def test_orphaned_message_queues_and_semaphores_are_released_and_only_those(tmp_
 
 
 def test_each_call_to_the_engine_has_a_deadline_from_the_runs_own_pace():
-    """plumbing.engine._Deadlines by hand: the engine's start and the first call of a kind (it may compile) get the
+    """plumbing.stops.Deadlines by hand: the engine's start and the first call of a kind (it may compile) get the
     flag's minutes and 5 more on a CPU, 30 more on a GPU, and the first is not the kind's pace; the second the flag's;
     a later one 10 times the slowest of its kind but the first, at least the flag's; each kind its own. The run states
     them as the engine starts."""
-    cpu = plumbing.engine._Deadlines(timeout_minutes=1.0, on_gpu=False)
+    cpu = plumbing.stops.Deadlines(timeout_minutes=1.0, on_gpu=False)
     assert cpu.first == 360.0
     assert cpu.deadline("rollout") == (
         360.0,
@@ -554,11 +554,11 @@ def test_each_call_to_the_engine_has_a_deadline_from_the_runs_own_pace():
     cpu.answered("weight push", 30.0)
     cpu.answered("weight push", 0.05)
     assert cpu.deadline("weight push") == (60.0, "--engine_timeout_minutes 1")  # 0.5 s: the flag's is longer
-    gpu = plumbing.engine._Deadlines(timeout_minutes=5.0, on_gpu=True)
+    gpu = plumbing.stops.Deadlines(timeout_minutes=5.0, on_gpu=True)
     expected = (2100.0, "the first evaluation may compile: --engine_timeout_minutes 5 + 30 minutes on a GPU")
     assert gpu.deadline("evaluation") == expected
     assert (
-        plumbing.engine._Deadlines(timeout_minutes=0.5, on_gpu=True).first == 1830.0
+        plumbing.stops.Deadlines(timeout_minutes=0.5, on_gpu=True).first == 1830.0
     )  # the flag's counts, however short
     # a call in flight is overdue once past its deadline; one that raised is not the pace
     with cpu.call("weight push", 7):
@@ -594,7 +594,7 @@ def test_a_frozen_or_dead_engine_is_killed_and_stops_the_trainers_wait_naming_th
     import queue
 
     engine, children = sleeping_engine(2)
-    engine.deadlines.open = plumbing.engine._Call("rollout", 12, time.monotonic() - 90, 75.0, "10 x the slowest")
+    engine.deadlines.open = plumbing.stops.Call("rollout", 12, time.monotonic() - 90, 75.0, "10 x the slowest")
     with pytest.raises(SystemExit) as stopped:
         engine.get(queue.Queue())
     assert re.fullmatch(
@@ -636,18 +636,18 @@ def test_a_failure_of_the_generation_thread_is_raised_once_with_its_traceback():
 
 
 def test_the_engines_start_has_a_deadline():
-    """plumbing.engine._StopSignals.start_deadline, around the engine's start in Engine.start: a start that takes
+    """plumbing.stops.StopSignals.start_deadline, around the engine's start in Engine.start: a start that takes
     longer than the flag's minutes and the compile's (a stopped process here; both made short) ends the run at once
     with one line and status 1, killing what it started, as SIGTERM does while starting. In a process of its own: it
-    kills its process's children. (_StopSignals and _Deadlines are private: the start's deadline is what is tested.)"""
+    kills its process's children. (StopSignals and Deadlines are the engine's own: the start's deadline is what is tested.)"""
     program = """
 import subprocess, sys, time
-import plumbing.engine
-from plumbing.engine import _Deadlines, _StopSignals
+import plumbing.stops
+from plumbing.stops import Deadlines, StopSignals
 
-plumbing.engine._COMPILE_MINUTES["CPU"] = 0.03  # 1.8 s, and the flag's 1.2 s: 3 s
-deadlines = _Deadlines(timeout_minutes=0.02, on_gpu=False)
-signals = _StopSignals()
+plumbing.stops._COMPILE_MINUTES["CPU"] = 0.03  # 1.8 s, and the flag's 1.2 s: 3 s
+deadlines = Deadlines(timeout_minutes=0.02, on_gpu=False)
+signals = StopSignals()
 engine = subprocess.Popen(["sleep", "60"])
 print(engine.pid, flush=True)
 with signals.start_deadline(deadlines.first, "error: " + deadlines.start_failed("engine 1 of 2") + "; no checkpoint"):
@@ -720,7 +720,7 @@ def test_the_engine_that_froze_is_named_of_how_many():
         hold = threading.Event()
         llms = [RecordingLLM(i, hold if i in frozen else None) for i in range(2)]
         engine = plumbing.Engine.around(llms, buckets=[None] * 2)
-        engine.deadlines = plumbing.engine._Deadlines(timeout_minutes=0.005, on_gpu=False)
+        engine.deadlines = plumbing.stops.Deadlines(timeout_minutes=0.005, on_gpu=False)
         engine.deadlines.done["rollout"] = 1  # not the first: no compile's allowance
 
         def rollout():
@@ -777,11 +777,11 @@ def test_a_signal_while_the_final_evaluations_are_owed_stops_at_once_saying_no_c
 
 SIGNALS_PROGRAM = """
 import os, signal, sys, time
-from plumbing.engine import _StopSignals
+from plumbing.stops import StopSignals
 
 if sys.argv[1] == "launcher":
     os.environ["TORCHELASTIC_RUN_ID"] = "test"  # as accelerate's launcher (torchrun's agent) sets it
-signals = _StopSignals(speaks=sys.argv[2] == "0")
+signals = StopSignals(speaks=sys.argv[2] == "0")
 signals.starting = False  # the engine is up
 os.kill(os.getpid(), signal.SIGTERM)
 time.sleep(0.2)
@@ -800,7 +800,7 @@ def test_a_launchers_copy_of_a_signal_is_not_a_second_one_and_only_rank_0_speaks
     """SIGTERM to a job reaches each training process, and accelerate's launcher, which forwards it to each again: that
     copy, within 2 s, is not the second signal that exits at once (it would, and the checkpoint the first promised
     would not be written); a second signal after it still exits at once. Without a launcher, a second is one at once.
-    Only rank 0 says what it will do. (_StopSignals is private: the signals' handling is what is tested.)"""
+    Only rank 0 says what it will do. (StopSignals is the engine's own: the signals' handling is what is tested.)"""
     proc = subprocess.run(
         [sys.executable, "-c", SIGNALS_PROGRAM, under, rank], cwd=ROOT, capture_output=True, text=True, timeout=60
     )

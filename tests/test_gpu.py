@@ -29,7 +29,7 @@ KV_CACHE_BYTES = 2**30
 
 
 def engine_parameters(llm) -> dict[str, torch.Tensor]:
-    """Every parameter of the engine's model, copied to the CPU (plumbing.weights.WeightReceiver, in the worker)."""
+    """Every parameter of the engine's model, copied to the CPU (plumbing.receiver.WeightReceiver, in the worker)."""
     from safetensors.torch import load
 
     return load(llm.collective_rpc("parameter_copies")[0])

@@ -33,10 +33,10 @@ from plumbing.weights import (
     bucket_bytes,
     bucket_chunks,
     checkpoint_names,
-    _load_unit,
+    load_unit,
     model_snapshot,
     take_snapshot,
-    _views,
+    views,
 )
 
 FILES = ["online_dpo_async", "rloo_async", "ppo_async"]
@@ -356,7 +356,7 @@ def test_snapshot_is_a_copy_in_the_engine_dtype_under_checkpoint_names(tokenizer
         weights = model_snapshot(model, 3, dtype, CPU_PLACE)
         assert weights.version == 3 and weights.flat.dtype == dtype
         assert weights.flat.numel() == sum(p.numel() for p in model.parameters())
-        pushed = dict(_views(weights.flat, weights.layout))
+        pushed = dict(views(weights.flat, weights.layout))
         assert pushed.keys() == on_disk.keys() == weights.fingerprint.keys()
         for name, tensor in on_disk.items():
             assert torch.equal(pushed[name], tensor.to(dtype)), name
@@ -373,7 +373,7 @@ def test_snapshot_is_a_copy_in_the_engine_dtype_under_checkpoint_names(tokenizer
     layout = weights.layout
     ends = [offset + torch.Size(shape).numel() for _, shape, offset in layout]
     assert [offset for _, _, offset in layout] == [0, *ends[:-1]] and ends[-1] == weights.flat.numel()
-    units = [_load_unit(name) for name, _, _ in layout]
+    units = [load_unit(name) for name, _, _ in layout]
     starts = [unit for i, unit in enumerate(units) if i == 0 or units[i - 1] != unit]
     assert len(starts) == len(set(starts)) == len(set(units))
 
@@ -472,7 +472,7 @@ sys.path.insert(0, {root!r})
 from transformers import AutoModelForCausalLM
 from safetensors.torch import save_file
 import plumbing
-from plumbing.weights import SnapshotPlace, model_snapshot, _views
+from plumbing.weights import SnapshotPlace, model_snapshot, views
 import {module} as algo
 
 processes = plumbing.Processes(plumbing.RunArgs(dtype="float32"), local_micro_batch_size=1, gradient_accumulation_steps=1, max_grad_norm=1.0)
@@ -490,8 +490,8 @@ assert all(p.numel() == 0 for p in module.parameters()), "not sharded"
 sharded = snapshots.take(model, 1)
 plain = model_snapshot(whole, 1, torch.float32, place)
 assert sharded.fingerprint == plain.fingerprint, "the fingerprint of the gathered parameters"
-save_file(dict(_views(sharded.flat, sharded.layout)), {out!r} + "/zero3.safetensors")
-save_file(dict(_views(plain.flat, plain.layout)), {out!r} + "/plain.safetensors")
+save_file(dict(views(sharded.flat, sharded.layout)), {out!r} + "/zero3.safetensors")
+save_file(dict(views(plain.flat, plain.layout)), {out!r} + "/plain.safetensors")
 """
 
 # PPO's push under ZeRO-3: the policy and the value model are one prepared module; the push gathers the policy's
@@ -501,7 +501,7 @@ ZERO3_PPO_PROBE = """import json, sys, tempfile, torch, deepspeed
 sys.path.insert(0, {root!r})
 from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 import plumbing
-from plumbing.weights import SnapshotPlace, model_snapshot, _views
+from plumbing.weights import SnapshotPlace, model_snapshot, views
 import ppo_async as algo
 
 gathered, Gather = [], deepspeed.zero.GatheredParameters
@@ -525,7 +525,7 @@ gathered.clear()  # loading sharded models gathers too: only the push's gathers 
 sharded = snapshots.take(model, 1)
 plain = model_snapshot(whole, 1, torch.float32, place)
 ids = {{id(p): name for name, p in module.named_parameters()}}
-pairs = zip(_views(sharded.flat, sharded.layout), _views(plain.flat, plain.layout))
+pairs = zip(views(sharded.flat, sharded.layout), views(plain.flat, plain.layout))
 print(json.dumps({{"gathered": sorted(ids[i] for i in set(gathered)), "parameters": sorted(ids.values()),
     "equal": all(torch.equal(a, b) for (_, a), (_, b) in pairs) and sharded.fingerprint == plain.fingerprint}}))
 """
@@ -572,7 +572,7 @@ def test_ppo_s_push_under_zero3_gathers_the_policy_and_never_the_value_model(tok
 def test_the_push_bucket_takes_whole_layers_and_a_tensor_larger_than_its_least():
     """plumbing.weights.bucket_bytes: _BUCKET_BYTES (1 GiB), or the snapshot if smaller, or the largest layer if larger:
     here a single tensor, an embedding of 768 Mi elements, 1.5 GiB in bf16. bucket_chunks cuts the snapshot into runs
-    of whole layers (_load_unit: q/k/v and gate/up, which vLLM fuses, always in one load) that fill the bucket in
+    of whole layers (load_unit: q/k/v and gate/up, which vLLM fuses, always in one load) that fill the bucket in
     order, each layout's offsets counted from the bucket's start: the embedding; layers 0 to 2 (3 x 192 Mi) and the
     norm; the head. A layer split in the snapshot, or larger than the bucket, is refused."""
     mi = 2**20
@@ -615,8 +615,8 @@ def test_a_layer_of_experts_is_one_load_unit_whatever_its_experts_numbers():
     than its largest tensor, and a push cuts the snapshot between layers, never between experts: here the embedding (60
     elements); layer 0 and layer 1 (116 each: q 16, 4 experts x 3 projections of 8, a norm of 4); the norm and the
     head (56 + 60 = 116, a run that fills the bucket exactly)."""
-    assert _load_unit("model.layers.1.mlp.experts.3.up_proj.weight") == "model.layers.1"
-    assert _load_unit("model.layers.12.block_sparse_moe.experts.7.w2.weight") == "model.layers.12"
+    assert load_unit("model.layers.1.mlp.experts.3.up_proj.weight") == "model.layers.1"
+    assert load_unit("model.layers.12.block_sparse_moe.experts.7.w2.weight") == "model.layers.12"
     sizes = {"model.embed_tokens.weight": 60}
     for layer in (0, 1):
         sizes[f"model.layers.{layer}.self_attn.q_proj.weight"] = 16
@@ -632,7 +632,7 @@ def test_a_layer_of_experts_is_one_load_unit_whatever_its_experts_numbers():
         offset += numel
     chunks = bucket_chunks(layout, capacity=116)
     assert [(chunk.start, chunk.end) for chunk in chunks] == [(0, 60), (60, 176), (176, 292), (292, 408)]
-    assert [{_load_unit(name) for name, _, _ in chunk.layout} for chunk in chunks] == [
+    assert [{load_unit(name) for name, _, _ in chunk.layout} for chunk in chunks] == [
         {"model.embed_tokens"},
         {"model.layers.0"},
         {"model.layers.1"},

@@ -17,6 +17,7 @@ from conftest import ROOT, perturbed_policy
 
 import online_dpo_async as dpo
 import plumbing
+import plumbing.receiver as receiver
 import plumbing.run_folder as run_folder
 import plumbing.weights as weights_module
 import ppo_async as ppo
@@ -30,7 +31,7 @@ from plumbing.weights import (
     fingerprint,
     snapshot_sizes,
     _unmatched_fingerprints,
-    _views,
+    views,
 )
 
 # Private plumbing names (leading underscore) on purpose: this file tests the plumbing's parts one by one, by hand.
@@ -57,7 +58,7 @@ def test_a_fingerprint_is_the_sum_and_the_sum_of_squares_of_the_values_the_engin
     assert exact_fingerprint(matrix, torch.bfloat16) != pytest.approx(
         exact_fingerprint(matrix, torch.float32), rel=1e-6
     )
-    monkeypatch.setattr(weights_module, "_FINGERPRINT_CHUNK", 7)  # 1073 elements: 153 chunks and 2 left
+    monkeypatch.setattr(weights_module, "FINGERPRINT_CHUNK", 7)  # 1073 elements: 153 chunks and 2 left
     assert fingerprint(matrix, torch.bfloat16).tolist() == pytest.approx(
         exact_fingerprint(matrix, torch.bfloat16), 1e-14
     )
@@ -82,10 +83,11 @@ def test_a_repacked_weight_is_read_back_whole_through_its_kernel_a_block_at_a_ti
     8B's down projection: blocks of 1170) where the tests' layers are read in one."""
     torch.manual_seed(0)
     weight = torch.randn(40, 48)
-    monkeypatch.setattr(weights_module, "_FINGERPRINT_CHUNK", 48 * 5)
+    monkeypatch.setattr(weights_module, "FINGERPRINT_CHUNK", 48 * 5)
+    monkeypatch.setattr(receiver, "FINGERPRINT_CHUNK", 48 * 5)
     for dtype in (torch.float32, torch.bfloat16):
         layer = RepackedLinear(weight.to(dtype))
-        read = weights_module._repacked_fingerprint(layer, dtype).tolist()
+        read = receiver._repacked_fingerprint(layer, dtype).tolist()
         assert read == pytest.approx(exact_fingerprint(weight, dtype), rel=1e-14)
 
 
@@ -300,7 +302,7 @@ def test_snapshots_are_taken_in_the_engine_s_dtype_from_the_trainer_s_weights(to
     state = policy.state_dict()
     assert taken.flat.dtype == torch.bfloat16 and taken.version == 1
     assert snapshot_sizes(snapshots.saved) == {name: state[name].numel() for name in state}
-    for name, tensor in _views(taken.flat, taken.layout):
+    for name, tensor in views(taken.flat, taken.layout):
         assert torch.equal(tensor, state[name].to(torch.bfloat16)), name
         assert taken.fingerprint[name] == pytest.approx(exact_fingerprint(state[name], torch.bfloat16), rel=1e-13)
     with torch.no_grad():
@@ -314,7 +316,7 @@ def test_snapshots_are_taken_in_the_engine_s_dtype_from_the_trainer_s_weights(to
     snapshots.keep({2})
     assert sorted(snapshots.held) == [2]
     loaded = snapshots.load(str(checkpoint), 1)
-    pairs, expected = dict(_views(loaded.flat, loaded.layout)), dict(_views(taken.flat, taken.layout))
+    pairs, expected = dict(views(loaded.flat, loaded.layout)), dict(views(taken.flat, taken.layout))
     assert pairs.keys() == expected.keys() and all(torch.equal(pairs[name], expected[name]) for name in pairs)
     assert loaded.fingerprint.keys() == taken.fingerprint.keys()
     for name, sums in taken.fingerprint.items():
@@ -336,7 +338,7 @@ def test_the_fingerprint_is_of_the_trainer_s_weights_not_of_their_copy(tokenizer
     monkeypatch.setattr(weights_module, "_snapshot_weights", wrong_copy)
     model = perturbed_policy(tokenizer, "llama", tied=False, seed=0)
     weights = weights_module.model_snapshot(model, 1, torch.float32, SnapshotPlace(pinned=False, folder=str(tmp_path)))
-    name, copied = _views(weights.flat, weights.layout)[0]
+    name, copied = views(weights.flat, weights.layout)[0]
     trainer = exact_fingerprint(model.state_dict()[name], torch.float32)
     assert weights.fingerprint[name] == pytest.approx(trainer, rel=1e-13)
     assert exact_fingerprint(copied, torch.float32) != pytest.approx(trainer, rel=1e-6)

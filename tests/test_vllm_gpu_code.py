@@ -48,7 +48,7 @@ def test_a_correct_push_into_each_of_the_gpu_s_model_classes_passes_the_proof(pu
     """Loaded as the push loads it (the class vLLM 0.26.0 builds for the architecture, its in-place reload), each
     family's engine model holds what the trainer sent: the element check compares a dozen or more tensors and finds
     none different, and every parameter matches the trainer's fingerprint. vLLM 0.26.0's own GPT-NeoX holds each
-    layer's q/k/v reordered (under the same name and shape): before plumbing.weights.heads_to_blocks, those four
+    layer's q/k/v reordered (under the same name and shape): before plumbing.receiver.heads_to_blocks, those four
     tensors failed the element check of a correct push."""
     assert [label for label in pushes] == [f"{a}{' tied' if t else ''}" for a, t in FAMILIES]
     for label, result in pushes.items():

@@ -11,7 +11,7 @@ classes can, built on the CPU platform (the CUDA wheel finds no GPU), and their 
 `push`: SPEC.json lists [architecture label, v0 folder, v1 folder] (models saved by save_pretrained). For each, the
 model class vLLM 0.26.0's registry picks for the folder's architecture is built, loaded from v0 as the engine's start
 loads a checkpoint, then sent v1 as the push sends it (vLLM's in-place reload: initialize_layerwise_reload, the
-class's load_weights, finalize_layerwise_reload), and proven by our own proof (plumbing.weights.WeightReceiver.holds,
+class's load_weights, finalize_layerwise_reload), and proven by our own proof (plumbing.receiver.WeightReceiver.holds,
 the element check; fingerprint against the trainer's, _unmatched_fingerprints). A planted wrong push, one element of
 one sent tensor changed in the engine, must then fail the proof."""
 
@@ -90,11 +90,11 @@ def push(spec_file: str, out_file: str) -> None:
     from vllm.model_executor.model_loader.reload import finalize_layerwise_reload, initialize_layerwise_reload
     from vllm.model_executor.model_loader.utils import process_weights_after_loading
 
+    from plumbing.receiver import WeightReceiver
     from plumbing.weights import (
         SnapshotPlace,
-        WeightReceiver,
         _unmatched_fingerprints,
-        _views,
+        views,
         model_snapshot,
         shared_handle,
     )
@@ -113,7 +113,7 @@ def push(spec_file: str, out_file: str) -> None:
             with tempfile.TemporaryDirectory() as folder:
                 weights = model_snapshot(trainer, 1, torch.float32, SnapshotPlace(pinned=False, folder=folder))
                 initialize_layerwise_reload(model)  # the worker's reload_weights, as the push calls it
-                model.load_weights(iter(_views(weights.flat, weights.layout)))
+                model.load_weights(iter(views(weights.flat, weights.layout)))
                 finalize_layerwise_reload(model, model_config)
                 receiver = WeightReceiver()
                 receiver.model_runner = SimpleNamespace(model=model)
@@ -129,7 +129,7 @@ def push(spec_file: str, out_file: str) -> None:
                 correct = proof()
                 # the tensors the loader holds otherwise than sent, under the same name and shape: reordered
                 parameters = dict(model.named_parameters())
-                as_sent = dict(_views(weights.flat, weights.layout))
+                as_sent = dict(views(weights.flat, weights.layout))
                 reordered = [
                     name
                     for name, tensor in as_sent.items()
@@ -166,7 +166,7 @@ def parameters_of(function) -> set[str]:
 
 def names(out_file: str) -> None:
     """Every vLLM name and argument the engine, the push and the generation thread use (plumbing/engine.py
-    make_engine and stop, plumbing/weights.py push_weights and WeightReceiver, the files' generate), looked up in
+    make_engine and stop, plumbing/weights.py push_weights, plumbing/receiver.py WeightReceiver, the files' generate), looked up in
     vLLM 0.26.0's source with the meaning we assume: a missing one is listed."""
     from vllm import LLM, SamplingParams
     from vllm.engine.arg_utils import EngineArgs
