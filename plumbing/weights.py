@@ -21,7 +21,7 @@ import torch
 
 from plumbing.flags import UsageError
 from plumbing.distributed import gathered_tensors
-from plumbing.run_folder import load_owed_version
+from plumbing.checkpoints import load_owed_version
 
 
 class Probe(NamedTuple):

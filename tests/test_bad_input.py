@@ -254,7 +254,7 @@ def test_datasets_of_an_unknown_kind_or_split_name_the_flag(tmp_path):
 
 def test_an_output_dir_holding_a_run_needs_resume_with_the_same_flags(script, tmp_path):
     flags = vars(script.Args(output_dir=str(tmp_path)))
-    resume = plumbing.run_folder._checkpoint_to_resume
+    resume = plumbing.checkpoints.checkpoint_to_resume
     assert resume(str(tmp_path), flags, False, world_size=1) is None  # empty: a fresh run
     (tmp_path / "args.json").write_text(json.dumps({**flags, "world_size": 1}))
     (tmp_path / "metrics.jsonl").write_text("")
@@ -274,7 +274,7 @@ def test_an_output_dir_holding_a_run_needs_resume_with_the_same_flags(script, tm
     with pytest.raises(UsageError, match=r"step_000012 is not a checkpoint of this version"):
         resume(str(tmp_path), resumed, True, world_size=1)
     (tmp_path / "checkpoints" / "step_000012" / "format.json").write_text('{"format": 4}')
-    plumbing.run_folder._write_manifest(str(tmp_path / "checkpoints" / "step_000012"))
+    plumbing.checkpoints._write_manifest(str(tmp_path / "checkpoints" / "step_000012"))
     assert resume(str(tmp_path), resumed, True, world_size=1) == str(tmp_path / "checkpoints" / "step_000012")
     with pytest.raises(
         UsageError,

@@ -323,7 +323,7 @@ def test_a_finished_run_released_its_shared_memory(script, flags):
 @pytest.mark.xdist_group("resume_online_dpo_async.py")
 def test_resuming_a_finished_run_says_so_and_loads_nothing(tmp_path):
     """--resume on a run that saved its final policy: one line naming the folder, exit 0, nothing loaded or trained
-    again (plumbing.run_folder._checkpoint_to_resume, which every file's RunFolder calls)."""
+    again (plumbing.checkpoints.checkpoint_to_resume, which every file's RunFolder calls)."""
     finished = shared_run([sys.executable, "online_dpo_async.py", *RESUMABLE])
     run = tmp_path / "run"
     shutil.copytree(finished, run)

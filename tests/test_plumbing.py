@@ -17,6 +17,7 @@ from conftest import ROOT, perturbed_policy
 
 import online_dpo_async as dpo
 import plumbing
+import plumbing.checkpoints as checkpoints
 import plumbing.receiver as receiver
 import plumbing.run_folder as run_folder
 import plumbing.weights as weights_module
@@ -443,7 +444,7 @@ def test_two_processes_reduce_their_statistics_to_the_hand_computed_means(tmp_pa
 # The run folder: checkpoints, resuming, timings
 # ---------------------------------------------------------------------------------------------
 def test_checkpoints_are_written_whole_or_not_at_all_and_the_oldest_deleted(tmp_path, monkeypatch):
-    """plumbing.run_folder._save_checkpoint with a real Accelerator: the trainer's state, the versions owed and the
+    """plumbing.checkpoints.save_checkpoint with a real Accelerator: the trainer's state, the versions owed and the
     format, in step_NNNNNN, all but the `keep` newest deleted; a machine that goes down before the rename (a failing
     os.replace, injected) leaves no step_NNNNNN of it, so --resume reads the newest whole one. args.json likewise."""
     from accelerate import Accelerator
@@ -451,28 +452,28 @@ def test_checkpoints_are_written_whole_or_not_at_all_and_the_oldest_deleted(tmp_
 
     accelerator = Accelerator(cpu=True)
     model, optimizer = accelerator.prepare(torch.nn.Linear(2, 2), torch.optim.AdamW(torch.nn.Linear(2, 2).parameters()))
-    progress = run_folder.Progress(seed=1)
+    progress = checkpoints.Progress(seed=1)
     owed = {1: [("w", torch.ones(2))]}
     for step in (2, 4, 6):
         progress.step = step
-        path = run_folder._save_checkpoint(accelerator, str(tmp_path), progress, owed, keep=2)
+        path = checkpoints.save_checkpoint(accelerator, str(tmp_path), progress, owed, keep=2)
         assert path == str(tmp_path / "checkpoints" / f"step_{step:06d}")
-    assert [p.name for p in run_folder._checkpoints_in(str(tmp_path))] == ["step_000004", "step_000006"]
+    assert [p.name for p in checkpoints.checkpoints_in(str(tmp_path))] == ["step_000004", "step_000006"]
     newest = tmp_path / "checkpoints" / "step_000006"
-    assert json.loads((newest / "format.json").read_text()) == {"format": run_folder._CHECKPOINT_FORMAT}
+    assert json.loads((newest / "format.json").read_text()) == {"format": checkpoints._CHECKPOINT_FORMAT}
     assert torch.equal(load_file(newest / "version_000001.safetensors")["w"], torch.ones(2))
     assert not list((tmp_path / "checkpoints").glob("*.tmp"))
 
     def machine_down(source, destination):
         raise OSError(f"injected test fault: the machine went down before {destination} was renamed")
 
-    monkeypatch.setattr(run_folder.os, "replace", machine_down)
+    monkeypatch.setattr(checkpoints.os, "replace", machine_down)
     progress.step = 8
     with pytest.raises(OSError, match="injected test fault"):
-        run_folder._save_checkpoint(accelerator, str(tmp_path), progress, owed, keep=2)
+        checkpoints.save_checkpoint(accelerator, str(tmp_path), progress, owed, keep=2)
     assert not (tmp_path / "checkpoints" / "step_000008").exists()
     (tmp_path / "args.json").write_text(json.dumps({"world_size": 1}))  # the run's, which a resume checks
-    assert run_folder._checkpoint_to_resume(str(tmp_path), {}, True, 1) == str(newest)
+    assert checkpoints.checkpoint_to_resume(str(tmp_path), {}, True, 1) == str(newest)
     args_json = tmp_path / "args.json"
     args_json.write_text("the run's flags")
     with pytest.raises(OSError, match="injected test fault"):
@@ -520,14 +521,14 @@ def test_a_resumed_run_may_change_only_the_flags_that_change_nothing_it_computes
     for name, value in flags.items():
         changed = flags | {name: other_value(value)}
         try:
-            run_folder._checkpoint_to_resume(str(tmp_path), changed, True, 1)
+            checkpoints.checkpoint_to_resume(str(tmp_path), changed, True, 1)
         except plumbing.UsageError as error:
             assert f"--{name} {value!r} -> {other_value(value)!r}" in str(error), str(error)
             refused.append(name)
     assert set(flags) - set(refused) == set(RESUMABLE) & set(flags)
     assert {"async_level", "total_episodes", "eval_freq", "num_mini_batches", "seed"} <= set(refused)
     with pytest.raises(plumbing.UsageError, match=r"training processes 1 -> 2 differ"):
-        run_folder._checkpoint_to_resume(str(tmp_path), flags, True, 2)
+        checkpoints.checkpoint_to_resume(str(tmp_path), flags, True, 2)
 
 
 def test_a_resumed_run_s_metrics_keep_the_steps_before_its_checkpoint_and_the_evaluations_it_logged(tmp_path):

@@ -11,7 +11,6 @@ from conftest import small_config
 
 import ppo_async as ppo
 
-# A private plumbing name (_save_policy) on purpose: PPO's saved policy is checked without a run.
 
 # plain SGD's step and the value loss's weight in the epoch tests: in the second epoch the per-token ratios reach
 # 0.8 .. 1.5 and the values move by more than cliprange_value, both clipped on some tokens and not on others
@@ -426,7 +425,7 @@ def test_first_on_policy_minibatch_ratio_is_exactly_one(tokenizer):
 
 
 def test_the_saved_policy_has_the_plain_causal_lm_names(tokenizer, tmp_path):
-    """_save_policy with PPO's prefix writes the policy out of PolicyAndValue, under the names from_pretrained expects."""
+    """plumbing.checkpoints.save_policy with PPO's prefix writes the policy out of PolicyAndValue, under the names from_pretrained expects."""
     from accelerate import Accelerator
     from safetensors.torch import load_file
     from transformers import LlamaForCausalLM, LlamaForSequenceClassification
@@ -435,7 +434,7 @@ def test_the_saved_policy_has_the_plain_causal_lm_names(tokenizer, tmp_path):
 
     policy = LlamaForCausalLM(small_config(tokenizer))
     model = ppo.PolicyAndValue(policy, LlamaForSequenceClassification(small_config(tokenizer, num_labels=1)))
-    plumbing.run_folder._save_policy(
+    plumbing.checkpoints.save_policy(
         Accelerator(cpu=True), model, tokenizer, str(tmp_path / "policy"), prefix="policy."
     )
     saved = load_file(tmp_path / "policy" / "model.safetensors")

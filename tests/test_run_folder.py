@@ -26,18 +26,16 @@ from conftest import ROOT, SMALL_RUN, TINY
 from safetensors.torch import save_file
 
 import online_dpo_async as dpo
+from plumbing.checkpoints import _checkpoint_damage, _write_manifest, checkpoint_to_resume
 from plumbing.flags import UsageError
 from plumbing.run_folder import (
     _FolderLock,
     _check_space,
     _checkpoint_bytes,
-    _checkpoint_damage,
-    _checkpoint_to_resume,
     _disk_full,
     _keep_metrics_before,
     _metrics_lines,
     _parameter_count,
-    _write_manifest,
 )
 
 # Private plumbing names (leading underscore) on purpose: this file tests the run folder's parts one by one, by
@@ -115,10 +113,10 @@ def test_resume_names_a_damaged_checkpoint_and_continues_from_the_newest_intact_
     flags = resumable(tmp_path)
     older, newest = write_checkpoint(tmp_path, 4), write_checkpoint(tmp_path, 8)
     size = (newest / "model.safetensors").stat().st_size
-    assert _checkpoint_to_resume(str(tmp_path), flags, True, world_size=1) == str(newest)
+    assert checkpoint_to_resume(str(tmp_path), flags, True, world_size=1) == str(newest)
     assert capsys.readouterr().out == ""
     damage(newest, what)
-    assert _checkpoint_to_resume(str(tmp_path), flags, True, world_size=1) == str(older)
+    assert checkpoint_to_resume(str(tmp_path), flags, True, world_size=1) == str(older)
     assert capsys.readouterr().out.splitlines() == [
         f"--resume: {newest} is damaged ({said.format(size=size)}; delete it): continuing from the newest intact one, "
         f"{older}"
@@ -131,14 +129,14 @@ def test_with_no_intact_checkpoint_resume_says_how_to_start_over(tmp_path):
     damage(first, "delete optimizer.bin")
     damage(second, "truncate manifest.json")
     with pytest.raises(UsageError) as error:
-        _checkpoint_to_resume(str(tmp_path), flags, True, world_size=1)
+        checkpoint_to_resume(str(tmp_path), flags, True, world_size=1)
     assert str(error.value) == (
         f"--resume: no intact checkpoint: {second} is damaged (manifest.json does not parse; delete it); {first} is "
         f"damaged (optimizer.bin is missing; delete it); to start the run over, delete {tmp_path / 'checkpoints'} "
         "too and --resume starts at step 0"
     )
     shutil.rmtree(tmp_path / "checkpoints")
-    assert _checkpoint_to_resume(str(tmp_path), flags, True, world_size=1) is None  # as it says: step 0
+    assert checkpoint_to_resume(str(tmp_path), flags, True, world_size=1) is None  # as it says: step 0
 
 
 # (what a copy, a disk or a hand left as the newest checkpoint, what --resume says of it)
@@ -167,7 +165,7 @@ def test_an_empty_or_half_copied_newest_checkpoint_is_named_and_skipped(what, sa
         shutil.copy(older / "optimizer.bin", newest)
     if what.startswith("format.json"):
         (newest / "format.json").write_text('{"format": 4}' if what == "format.json, no manifest" else '{"for')
-    assert _checkpoint_to_resume(str(tmp_path), flags, True, world_size=1) == str(older)
+    assert checkpoint_to_resume(str(tmp_path), flags, True, world_size=1) == str(older)
     assert capsys.readouterr().out.splitlines() == [
         f"--resume: {newest} is damaged ({said}; delete it): continuing from the newest intact one, {older}"
     ]
@@ -182,15 +180,15 @@ def test_checkpoints_of_older_formats_are_refused_not_skipped(tmp_path):
     old.mkdir()
     (old / "format.json").write_text('{"format": 3}')
     with pytest.raises(UsageError, match=rf"^--resume: {old} is not a checkpoint of this version \(format 4\)"):
-        _checkpoint_to_resume(str(tmp_path), flags, True, world_size=1)
+        checkpoint_to_resume(str(tmp_path), flags, True, world_size=1)
 
 
 def test_a_real_checkpoint_has_a_manifest_written_last_and_no_temporary_folder(tmp_path):
-    """plumbing.run_folder._save_checkpoint with accelerate's save_state, as the three files call it: the manifest
+    """plumbing.checkpoints.save_checkpoint with accelerate's save_state, as the three files call it: the manifest
     lists every file written (with a policy version the generator still owes), and --resume finds it intact."""
     from accelerate import Accelerator
 
-    from plumbing.run_folder import Progress, _save_checkpoint
+    from plumbing.checkpoints import Progress, save_checkpoint
 
     accelerator = Accelerator(cpu=True)
     model = torch.nn.Linear(4, 3)
@@ -200,7 +198,7 @@ def test_a_real_checkpoint_has_a_manifest_written_last_and_no_temporary_folder(t
     accelerator.register_for_checkpointing(progress)
     progress.step = 6
     owed = {5: [("weight", torch.ones(3, 4))]}
-    path = Path(_save_checkpoint(accelerator, str(tmp_path), progress, owed, keep=2))
+    path = Path(save_checkpoint(accelerator, str(tmp_path), progress, owed, keep=2))
     assert path == tmp_path / "checkpoints" / "step_000006"
     listed = json.loads((path / "manifest.json").read_text())["files"]
     on_disk = sorted(str(p.relative_to(path)) for p in path.rglob("*") if p.is_file() and p.name != "manifest.json")
@@ -235,7 +233,7 @@ def test_files_a_kill_left_half_written_are_never_read_and_removed_on_resume(tmp
     (tmp_path / "args.json.tmp").write_text(json.dumps(flags)[:50])
     (tmp_path / "eval_completions").mkdir()
     (tmp_path / "eval_completions" / "step_000008.jsonl.tmp").write_text('{"step": 8, "prom')
-    assert _checkpoint_to_resume(str(tmp_path), flags, True, world_size=1) == str(older)
+    assert checkpoint_to_resume(str(tmp_path), flags, True, world_size=1) == str(older)
     folder = run_folder(tmp_path)
     assert folder.checkpoint == str(older)
     assert capsys.readouterr().out.splitlines() == [
@@ -289,7 +287,7 @@ def test_a_damaged_args_json_is_named_before_any_model_loads(content, problem, t
         (tmp_path / "args.json").write_text(content)
     line = text[: text.index('"seed"')].count("\n") + 1
     with pytest.raises(UsageError) as error:
-        _checkpoint_to_resume(str(tmp_path), flags, True, world_size=1)
+        checkpoint_to_resume(str(tmp_path), flags, True, world_size=1)
     assert str(error.value) == (
         f"--resume: {tmp_path / 'args.json'} {problem.format(line=line)}: it holds the run's flags, which a resume must "
         "match; restore it from a copy, or start the run again in another --output_dir"
@@ -313,7 +311,7 @@ def test_a_run_without_its_args_json_gets_the_same_line_with_resume_and_without(
             write_checkpoint(tmp_path, 4)
         for resume in (True, False):
             with pytest.raises(UsageError) as error:
-                _checkpoint_to_resume(str(tmp_path), {**flags, "resume": resume}, resume, world_size=1)
+                checkpoint_to_resume(str(tmp_path), {**flags, "resume": resume}, resume, world_size=1)
             assert str(error.value) == line
     shutil.rmtree(tmp_path / "checkpoints")
     with pytest.raises(UsageError, match=r"holds no run \(no args.json\): check the folder, or leave out --resume"):
@@ -570,7 +568,7 @@ rm {mount}/filler; find {mount} > {out}/listing; cp -a {run} {out}/run
     assert _checkpoint_damage(newest) is None
     previous = json.loads((copy / "args.json").read_text())
     flags = {flag: previous[flag] for flag in vars(dpo.Args())} | {"resume": True}
-    assert _checkpoint_to_resume(str(copy), flags, True, world_size=1) == str(newest)
+    assert checkpoint_to_resume(str(copy), flags, True, world_size=1) == str(newest)
     assert json.loads((out / "run.lock").read_text()) == {"pid": int((out / "trainer").read_text()), "host": HOST}
     written = sum(p.stat().st_size for p in newest.rglob("*") if p.is_file())
     assert written <= _checkpoint_bytes([662_144], engine_bytes=4, async_level=1, deepspeed=False)
