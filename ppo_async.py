@@ -12,7 +12,6 @@ schedule: docs/.
 
 from __future__ import annotations
 
-import queue
 import re
 import time
 from dataclasses import asdict, dataclass
@@ -585,10 +584,10 @@ def main(args: Args) -> None:
     engine.start(model, policy, path=args.sft_model_path, max_model_len=length, async_level=args.async_level)
     snapshots = plumbing.PolicySnapshots(processes, policy, engine.snapshot_place, prefix="policy.")
     folder.open(sizes._asdict(), progress, origin=engine.started, episodes_per_step=sizes.episodes_per_step)
-    channels = Channels(weights=queue.Queue(), rollouts=queue.Queue(), evals=queue.Queue())
-    engine.run_thread(generation_thread, engine, channels, schedule, inputs, args, sizes)
+    channel = plumbing.Channel(engine)  # the generation thread's queues, to and from the trainer
+    channel.run_thread(generation_thread, engine, channel, schedule, inputs, args, sizes)
     for weights in snapshots.owed_at_start(model, to_publish, start_step, folder.checkpoint):  # on resume
-        channels.weights.put(weights)
+        channel.weights.put(weights)
 
     def save_checkpoint(next_step: int) -> None:  # with the older policy versions the generator still needs
         progress.step = next_step
@@ -596,7 +595,7 @@ def main(args: Args) -> None:
         folder.save_checkpoint(accelerator, progress, snapshots.owed(owed, before=next_step))
 
     def log_evaluations(wait: bool = False) -> None:  # as they arrive from the generation thread
-        for arrived in engine.arrived_evaluations(channels.evals, wait):
+        for arrived in channel.arrived_evaluations(wait):
             with accelerator.autocast():
                 metrics, rows, texts = evaluate(arrived.responses, inputs.evaluation, models, args, device)
             folder.log_evaluation(arrived, metrics, rows, texts, inputs.evaluation)
@@ -604,11 +603,11 @@ def main(args: Args) -> None:
 
     B, K = sizes.local_batch_size, 1
     bs = args.local_rollout_forward_batch_size
-    with engine, folder:  # then the engine stops and the logs close, however the loop ends
+    with channel, folder:  # then the thread and the engine stop and the logs close, however the loop ends
         for step in folder.steps(start_step, sizes.num_steps):  # with a progress bar
             laps = plumbing.Laps()
             # 1. the rollouts of this step (rank 0 has them; every rank takes its slice), unless the run stops
-            rollout = engine.next_rollout(channels.rollouts)
+            rollout = channel.next_rollout()
             if rollout is None:  # SIGTERM, Ctrl-C or the engine failing: a checkpoint, then exit
                 if step > start_step:
                     save_checkpoint(step)
@@ -649,7 +648,7 @@ def main(args: Args) -> None:
 
             # 5. send theta_{step+1} to the engine if a later batch or an evaluation needs it (all gather)
             if step + 1 in to_publish and (weights := snapshots.take(model, step + 1)):
-                channels.weights.put(weights)
+                channel.weights.put(weights)
             laps.lap("snapshot")
 
             # 6. log the statistics averaged over the processes
@@ -672,7 +671,7 @@ def main(args: Args) -> None:
             if args.save_freq and (step + 1) % args.save_freq == 0 and step + 1 < sizes.num_steps:
                 save_checkpoint(step + 1)
 
-        if not engine.stopped:
+        if not channel.stopped:
             while processes.evaluates and len(evals_logged) < len(eval_steps):
                 log_evaluations(wait=True)
             folder.save_policy(accelerator, model, inputs.tokenizer, prefix="policy.")  # the policy alone
@@ -1267,24 +1266,19 @@ def pending_events(schedule: list[Event], next_step: int, evals_logged: set[int]
 
 
 # == The generation thread: it drives the engine, one batch ahead of the trainer =============================
-class Channels(NamedTuple):
-    """Cleanba's protocol: the generation thread and the trainer exchange version-tagged messages."""
-
-    weights: queue.Queue  # plumbing's Weights, trainer -> generator (unbounded: the schedule bounds them)
-    rollouts: queue.Queue  # Rollout, generator -> trainer
-    evals: queue.Queue  # EvalRollout, generator -> trainer
-
-
-def generate(engine, prompts, n: int, temperature: float, max_tokens: int, eos: int, seeds, logprobs=False):
+def generate(
+    engine, call, prompts, n: int, temperature: float, max_tokens: int, eos: int, seeds, logprobs=False
+):
     """n completions per prompt (and the engine's logprob of each token), the prompts cut among the engines
-    (plumbing's Engine.generate); each prompt has its own sampling seed, so a batch is reproducible whatever
-    the engine generated before and whichever engine generates it."""
+    (plumbing's Engine.generate), under the deadline of `call` (what it is, and its step or version); each
+    prompt has its own sampling seed, so a batch is reproducible whatever the engine generated before and
+    whichever engine generates it."""
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
     sampling = dict(temperature=temperature, max_tokens=max_tokens, stop_token_ids=[eos], detokenize=False)
     params = [SamplingParams(n=n, **sampling, seed=seed, logprobs=0 if logprobs else None) for seed in seeds]
-    outputs = engine.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
+    outputs = engine.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, call)
     completions = [completion for output in outputs for completion in output.outputs]
     responses = [list(c.token_ids) for c in completions]
     if not logprobs:
@@ -1292,16 +1286,18 @@ def generate(engine, prompts, n: int, temperature: float, max_tokens: int, eos: 
     return responses, [[at[t].logprob for t, at in zip(c.token_ids, c.logprobs)] for c in completions]
 
 
-def generation_thread(engine, channels: Channels, schedule: list[Event], inputs: Inputs, args: Args, sizes):
+def generation_thread(engine, channel, schedule: list[Event], inputs: Inputs, args: Args, sizes):
     """Works through the schedule: loads each policy version it needs as soon as the trainer publishes it,
-    then generates rollout m (the completions of each prompt of step m's batch) or evaluates version v. Rank 0
-    runs it (Engine.run_thread: an exception here stops the trainer); the trainer stops the run if a call to
-    the engine (a push, a generation) passes its deadline (Engine.deadline)."""
+    then generates rollout m (the completions of each prompt of step m's batch) or evaluates version v.
+    Cleanba's protocol: it and the trainer exchange version-tagged messages through plumbing's Channel,
+    policy versions one way (channel.weights), Rollout and EvalRollout the other (channel.rollouts,
+    channel.evals). Rank 0 runs it (Channel.run_thread: an exception here stops the trainer); the trainer
+    stops the run if a call to the engine (a push, a generation) passes its deadline."""
     version, eos, train = 0, inputs.tokenizer.eos_token_id, inputs.train.token_ids
     for event in schedule:
         wait_start, sync_time, sync_start = time.perf_counter(), 0.0, None
         while version < event.version:
-            weights = engine.get(channels.weights)
+            weights = channel.get(channel.weights)
             push_start = time.perf_counter()
             sync_start = sync_start or push_start
             engine.push(weights)  # into every running engine, in place (plumbing/weights.py)
@@ -1314,19 +1310,18 @@ def generation_thread(engine, channels: Channels, schedule: list[Event], inputs:
             prompts = inputs.evaluation.token_ids
             seeds = [args.seed + i for i in range(len(prompts))]
             temperature = 0.0 if TASKS[args.task].eval_greedy else args.temperature
-            with engine.deadline("evaluation", version):
-                responses, _ = generate(engine, prompts, 1, temperature, args.response_length, eos, seeds)
-            channels.evals.put(EvalRollout(version, responses, time.perf_counter() - gen_start, gen_start))
+            call = ("evaluation", version)
+            responses, _ = generate(engine, call, prompts, 1, temperature, args.response_length, eos, seeds)
+            channel.evals.put(EvalRollout(version, responses, time.perf_counter() - gen_start, gen_start))
             continue
         indices = prompt_indices_for_step(event.index, len(train), sizes.batch_size, args.seed)
         seeds = [args.seed * 1_000_003 + event.index * sizes.batch_size + i for i in range(len(indices))]
         prompts, n = [train[i] for i in indices], completions_per_prompt(args)
         sampling = (args.temperature, args.response_length, eos, seeds, ROLLOUT_LOGPROBS)
-        with engine.deadline("rollout", event.index):
-            responses, logprobs = generate(engine, prompts, n, *sampling)
+        responses, logprobs = generate(engine, ("rollout", event.index), prompts, n, *sampling)
         timings = {"generation": (gen_start, time.perf_counter() - gen_start)}
         timings |= {"generator_wait": (None, wait_time), "weight_sync": (sync_start or gen_start, sync_time)}
-        channels.rollouts.put(Rollout(event.index, version, indices, responses, logprobs, timings))
+        channel.rollouts.put(Rollout(event.index, version, indices, responses, logprobs, timings))
 
 
 if __name__ == "__main__":

@@ -22,10 +22,10 @@ WEIGHTS, ENGINE, RUN_FOLDER = "plumbing/weights.py", "plumbing/engine.py", "plum
 RECEIVER, STOPS, CHECKPOINTS = "plumbing/receiver.py", "plumbing/stops.py", "plumbing/checkpoints.py"
 DISTRIBUTED, INPUTS = "plumbing/distributed.py", "plumbing/inputs.py"
 FLAGS, PLACEMENT, TIMINGS = "plumbing/flags.py", "plumbing/placement.py", "plumbing/timings.py"
-TIDY = "plumbing/tidy.py"
+TIDY, CHANNEL = "plumbing/tidy.py", "plumbing/channel.py"
 PLAN, MEMORY = "benchmark/plan.py", "benchmark/memory.py"
-FILES = (WEIGHTS, RECEIVER, ENGINE, STOPS, PLACEMENT, RUN_FOLDER, CHECKPOINTS, TIMINGS, TIDY, DISTRIBUTED, FLAGS)
-FILES += (INPUTS, PLAN, MEMORY)
+FILES = (WEIGHTS, RECEIVER, ENGINE, CHANNEL, STOPS, PLACEMENT, RUN_FOLDER, CHECKPOINTS, TIMINGS, TIDY)
+FILES += (DISTRIBUTED, FLAGS, INPUTS, PLAN, MEMORY)
 
 # A table, one mutant to a line or two: left as laid out (the formatter would spread each over eight lines).
 # fmt: off
@@ -245,7 +245,8 @@ MUTANTS = [
            "                pass\n", "an engine that answered named among those that froze"),
     Mutant("E14", STOPS, "Deadlines", "self.first = self.least + self.compile",
            "self.first = max(self.least, self.compile)", "the start's deadline the built-in one, --engine_timeout_minutes ignored"),
-    Mutant("E15", ENGINE, "Engine", "arrived.append(self.get(evals, until_signal=True))", "arrived.append(self.get(evals))",
+    Mutant("E15", CHANNEL, "Channel", "arrived.append(self.get(self.evals, until_signal=True))",
+           "arrived.append(self.get(self.evals))",
            "a stop signal during the final evaluations waited out to the frozen engine's deadline"),
     Mutant("D07", DISTRIBUTED, "Processes", "speaks = rank == 0 or (0 in dead and rank == min(set(range(count)) - set(dead)))",
            "speaks = rank == 0", "rank 0 dead: no process says which died"),

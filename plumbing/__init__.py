@@ -7,7 +7,8 @@
    timings.py       a step's timings and FLOPs, the async pipeline's figures
 3. distributed.py   the training processes: accelerate, DeepSpeed, what every process computes together
 4. placement.py     where the engines run and what they may take: GPUs, cores, memory arithmetic
-   engine.py        the vLLM engine: its processes, the generation thread, its calls and failures
+   engine.py        the vLLM engines: their processes, their calls (push, generate), their failures
+   channel.py       the generation thread and the queues between it and the trainer; the loop's end
    stops.py         what stops a run: the deadline of each call to the engine, the stop signals
    weights.py       the weight push: the policy's snapshots in host memory, a bucket, the proof of each push
    receiver.py      the push's engine side: what vLLM's worker runs to load and prove a version
@@ -41,11 +42,12 @@ _NAMES = {
     "forward_flops": "timings",
     "Processes": "distributed",
     "Engine": "engine",
+    "Channel": "channel",
     "PolicySnapshots": "weights",
 }
 __all__ = list(_NAMES)
 _MODULES = {"flags", "inputs", "run_folder", "checkpoints", "timings", "distributed", "placement", "engine"}
-_MODULES |= {"stops", "weights", "receiver", "watchdog", "tidy"}
+_MODULES |= {"channel", "stops", "weights", "receiver", "watchdog", "tidy"}
 
 
 def __getattr__(name: str):

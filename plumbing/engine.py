@@ -1,5 +1,5 @@
 """4b. The engine: its processes, its calls, its failures (its GPUs: placement.py; its deadlines and the stop
-signals: stops.py).
+signals: stops.py; the channel between the generation thread and the trainer: channel.py).
 
 Engine is made before any model loads (the GPUs it gets, checked; the cores it runs on; the stop signals) and
 started by rank 0 once the trainer's models are in memory, taking what the run leaves of the GPU
@@ -7,27 +7,23 @@ started by rank 0 once the trainer's models are in memory, taking what the run l
 (engine_placements): each generates its contiguous part of every batch, all at the same time (generate), and
 each loads every policy version (push). vLLM runs in processes of its own, watched by a watchdog
 (plumbing/watchdog.py) that ends them if the trainer dies; the generation thread, the algorithm file's, drives
-it (run_thread), and every rank receives what it generates (next_rollout, arrived_evaluations). Every call to
-it has a deadline (stops.py): an engine that dies or stops answering stops the run with a checkpoint and one
-line. How the weights reach it: plumbing/weights.py."""
+it (channel.py). Every call to it, a push or a generation, has a deadline (stops.py): an engine that dies or
+stops answering stops the run with a checkpoint and one line (failed). How the weights reach it:
+plumbing/weights.py."""
 
 import importlib.util
 import json
 import os
-import queue
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile
 import threading
 import time
-from contextlib import contextmanager
 from pathlib import Path
 
 import psutil
 import torch
-from accelerate.utils import broadcast_object_list
 
 from plumbing.flags import REDUCE_OP_WARNING, RunArgs, UsageError
 from plumbing.placement import (
@@ -65,8 +61,8 @@ from plumbing.weights import (
 
 
 class Engine:
-    """The vLLM engines that generate the rollouts and the evaluations (module docstring), one or more: rank 0
-    runs them and their generation thread; every rank receives what they generate."""
+    """The vLLM engines that generate the rollouts and the evaluations (module docstring), one or more, which
+    rank 0 runs."""
 
     def __init__(self, args, processes, folder):
         """Before any model loads: the engines' GPUs (a placement that cannot be is a UsageError), their
@@ -98,31 +94,25 @@ class Engine:
         # every switch interval (5 ms by default) while it runs Python. 0.5 ms: pipeline efficiency 92.5% ->
         # 96.1% (docs/speed.md).
         sys.setswitchinterval(0.0005)
-        self.watchdog = self.weights_dir = self.thread = self.thread_error = self.snapshot_place = None
+        self.watchdog = self.weights_dir = self.snapshot_place = None
         self.llms, self.buckets, self.versions = [], [], []  # each engine's vLLM, push bucket, proven version
-        self.engine_processes, self.shared_memory, self.started, self.stop_signal = [], [], 0.0, 0
+        self.engine_processes, self.shared_memory, self.started = [], [], 0.0
         self.failure, self.names = None, {}  # why an engine failed (died, froze); its processes' names
         self.engine_of: dict[int, int] = {}  # each engine process's engine, by pid
         self.busy: set[int] = set()  # the engines the call in flight waits on (on_each)
-        self.stopping = threading.Event()
 
     @classmethod
     def around(cls, llms: list, buckets: list[WeightBucket]) -> "Engine":
-        """An Engine over LLMs already up, in one process with no signals: how the tests that share engines
-        drive them with the generation thread (run_thread, get, push, generate)."""
+        """An Engine over LLMs already up, in one process with no signals: how benchmark/push_cost.py and the
+        tests that share engines drive them (push, generate; with a Channel, the generation thread)."""
         engine = cls.__new__(cls)
-        for name in ("args", "processes", "folder", "signals", "cores", "thread", "thread_error", "failure"):
+        for name in ("args", "processes", "folder", "signals", "cores", "failure"):
             setattr(engine, name, None)
         engine.llms, engine.buckets, engine.engine_processes, engine.names = llms, buckets, [], {}
         engine.engine_of, engine.busy = {}, set()
         engine.versions = [0] * len(llms)
         engine.deadlines = Deadlines(RunArgs.engine_timeout_minutes, on_gpu=False)
-        engine.stopping = threading.Event()
         return engine
-
-    @property
-    def is_main(self) -> bool:
-        return self.processes is None or self.processes.is_main
 
     def start(self, model, policy, path: str, max_model_len: int, async_level: int) -> None:
         """Rank 0 starts the engines on their cores, after a watchdog that ends their processes if the trainer
@@ -181,73 +171,26 @@ class Engine:
         self.snapshot_place = SnapshotPlace(pinned=self.processes.on_gpu, folder=self.weights_dir)
         self.started = time.perf_counter()  # the timeline's origin
 
-    def run_thread(self, target, *args) -> None:
-        """Rank 0 runs the generation thread, `target(*args)`, on the engine's cores (it takes turns with
-        the engine's processes); an exception in it stops the trainer at its next get, which raises it with
-        its traceback. The start is over: from here a signal lets the step finish and writes a checkpoint."""
-        if self.is_main:
-
-            def guarded() -> None:
-                try:
-                    target(*args)
-                except SystemExit:  # the trainer stopped it (get)
-                    pass
-                except BaseException as exc:
-                    self.thread_error = exc
-
-            self.thread = threading.Thread(target=guarded, daemon=True)
-            with on_cores(self.cores):
-                self.thread.start()
-        if self.signals is not None:
-            self.signals.starting = False
-
-    def get(self, q: queue.Queue, until_signal: bool = False):
-        """A blocking get from a queue between the generation thread and the trainer that wakes up every half
-        second to notice the other side stopping and, the trainer's, the engine failing (failed): vLLM's
-        client waits forever on an engine that froze, and on some that died. `until_signal`: None once a
-        SIGTERM or Ctrl-C came, or the engine failed (the trainer writes a checkpoint, then stops); without
-        it, a failed engine ends the run here, naming the newest checkpoint."""
-        watching = threading.current_thread() is not self.thread
-        while not (until_signal and self.signals.received):
-            if self.stopping.is_set() and not watching:
-                raise SystemExit("stopped")
-            if watching and self.failed() is not None:
-                if until_signal:
-                    return None
-                sys.stdout.flush()  # what the run printed comes before its last line
-                raise SystemExit(self.failure_line())
-            try:
-                return q.get(timeout=0.5)
-            except queue.Empty:
-                continue
-        return None
-
-    def failed(self) -> str | None:
-        """Why the engine failed, as the trainer sees it while it waits: a process of it died, or a call to it
-        is past its deadline (Deadlines: it froze). Its processes are then killed, the generation thread left
-        to the interpreter's exit (a daemon, maybe stuck in vLLM), and the reason kept (self.failure). A
-        failure of the generation thread itself is raised, with its traceback (once: the thread prints
-        none)."""
-        if self.failure is not None:
-            return self.failure
-        dead = dead_processes(self.engine_processes)
-        if not dead and (error := self.thread_error) is not None:
-            # vLLM's client raises its EngineDeadError as the engine dies: see which of its processes did
-            if "EngineDeadError" in (kind.__name__ for kind in type(error).__mro__):
-                dead = dead_processes(self.engine_processes, wait=_ENGINE_EXIT_SECONDS)
-            if not dead:
-                raise RuntimeError(
-                    f"the generation thread failed: {type(error).__name__}: {error}"
-                ) from error
+    def died(self, wait: float = 0.0) -> bool:
+        """Whether a process of the engines has died (seen within `wait` seconds): the engines' processes are
+        then killed, and the reason kept (self.failure)."""
+        dead = dead_processes(self.engine_processes, wait=wait)
         if dead:
             names = ", ".join(f"{self.names.get(pid, 'process')} (pid {pid})" for pid in dead)
             why = "a crash prints its traceback above; none: it was killed, e.g. by the out-of-memory killer"
             self.failure = f"{self.which(dead)} died: its process {names} ended ({why})"
-        elif (call := self.deadlines.overdue(time.monotonic())) is not None:
-            self.failure = f"{self.which_engines(sorted(self.busy))} froze: {call.describe(time.monotonic())}"
-        if self.failure is not None:
-            self.stopping.set()  # the generation thread stops at its next get; one stuck in vLLM stays so
             kill_process_trees(self.engine_processes)
+        return bool(dead)
+
+    def failed(self) -> str | None:
+        """Why the engine failed, as the trainer sees it while it waits (Channel.get): a process of it died,
+        or a call to it is past its deadline (Deadlines: it froze). Its processes are then killed, and the
+        reason kept (self.failure)."""
+        if self.failure is None and not self.died():
+            if (call := self.deadlines.overdue(time.monotonic())) is not None:
+                which = self.which_engines(sorted(self.busy))
+                self.failure = f"{which} froze: {call.describe(time.monotonic())}"
+                kill_process_trees(self.engine_processes)
         return self.failure
 
     def which(self, pids: list[int]) -> str:
@@ -272,17 +215,10 @@ class Engine:
         """The run's last line once the engine failed: why, and where to resume from."""
         return f"error: {self.failure}; {self.resume()}"
 
-    @contextmanager
-    def deadline(self, kind: str, index: int):
-        """A call to the engine (a Deadlines kind: its `index`, the step or the policy version), under its
-        deadline, which the trainer watches while it waits (failed)."""
-        with self.deadlines.call(kind, index):
-            yield
-
     def push(self, weights) -> None:
         """Loads a policy version into every running engine, in place (push_weights, each through its own
         bucket, all at the same time), under one deadline; each engine proves it holds it (check_loaded)."""
-        with self.deadline("weight push", weights.version):
+        with self.deadlines.call("weight push", weights.version):
             every = list(range(len(self.llms)))
             self.on_each(lambda llm, bucket: push_weights(llm, bucket, weights), every, self.buckets)
         self.versions = [weights.version] * len(self.llms)
@@ -296,21 +232,24 @@ class Engine:
             raise RuntimeError(f"the engines hold different policy versions: {self.versions}")
         return self.versions[0]
 
-    def generate(self, prompts: list, params: list, use_tqdm: bool = False) -> list:
-        """vLLM's LLM.generate over the engines: the prompts and their sampling parameters (one each) cut into
-        as many contiguous parts as there are engines, one each, generated at the same time and put back in
-        the prompts' order. A prompt's sampling seed is its own, so its completions do not depend on which
-        engine made them, up to the numerics of the batch it shares (docs/gpus.md, several engines)."""
-        if len(self.llms) == 1:
-            return self.llms[0].generate(prompts, params, use_tqdm=use_tqdm)
-        parts = contiguous_parts(len(prompts), len(self.llms))
-        engines = [i for i, part in enumerate(parts) if part.stop > part.start]
-        parts = [parts[i] for i in engines]
+    def generate(self, prompts: list, params: list, call: tuple[str, int]) -> list:
+        """vLLM's LLM.generate over the engines, under the deadline of `call` (a Deadlines kind and its
+        index: the step, or the policy version evaluated): the prompts and their sampling parameters (one
+        each) cut into as many contiguous parts as there are engines, one each, generated at the same time and
+        put back in the prompts' order. A prompt's sampling seed is its own, so its completions do not depend
+        on which engine made them, up to the numerics of the batch it shares (docs/gpus.md, several
+        engines)."""
+        with self.deadlines.call(*call):
+            if len(self.llms) == 1:
+                return self.llms[0].generate(prompts, params, use_tqdm=False)
+            parts = contiguous_parts(len(prompts), len(self.llms))
+            engines = [i for i, part in enumerate(parts) if part.stop > part.start]
+            parts = [parts[i] for i in engines]
 
-        def generate_part(llm, part: slice) -> list:
-            return llm.generate(prompts[part], params[part], use_tqdm=False)
+            def generate_part(llm, part: slice) -> list:
+                return llm.generate(prompts[part], params[part], use_tqdm=False)
 
-        return [output for outputs in self.on_each(generate_part, engines, parts) for output in outputs]
+            return [output for outputs in self.on_each(generate_part, engines, parts) for output in outputs]
 
     def on_each(self, call, engines: list[int], arguments: list) -> list:
         """call(llm, argument) for each of these `engines` (their indices), their results in order: with
@@ -347,89 +286,15 @@ class Engine:
             raise RuntimeError(f"{engine}: {type(error).__name__}: {error}") from error
         return results
 
-    def next_rollout(self, rollouts: queue.Queue):
-        """The step's rollout, which rank 0 takes from the generation thread, on every rank; None once a stop
-        signal came first (its number: stop_signal) or the engine failed (why: failure)."""
-        rollout = received = failure = None
-        if self.processes.is_main:
-            rollout = self.get(rollouts, until_signal=True)
-            failure = self.failure
-            received = self.signals.received[0] if rollout is None and failure is None else 0
-        rollout, self.stop_signal, self.failure = broadcast_object_list([rollout, received, failure])
-        return rollout
-
-    @property
-    def stopped(self) -> bool:
-        """Whether the training loop stopped early: a signal, or the engine failed."""
-        return bool(self.stop_signal or self.failure)
-
-    def arrived_evaluations(self, evals: queue.Queue, wait: bool = False) -> list:
-        """The evaluations the generation thread has finished (`wait`: at least one, waited for), on the
-        processes that evaluate (Processes.evaluates)."""
-        arrived = []
-        if self.processes.is_main:
-            if wait:
-                arrived.append(self.get(evals, until_signal=True))
-                if arrived[-1] is None:
-                    self.stop_owing_evaluations()
-            while not evals.empty():
-                arrived.append(evals.get())
-        return self.processes.broadcast(arrived) if self.processes.zero_stage == 3 else arrived
-
-    def stop_owing_evaluations(self) -> None:
-        """Rank 0's wait for the final evaluations, ended by the engine failing or a stop signal: after the
-        last step no checkpoint can be written (the final evaluations' versions are owed), so the run stops
-        now, naming the newest checkpoint, from which --resume trains the steps after it again."""
-        sys.stdout.flush()  # what the run printed comes before its last line
-        if self.failure is not None:
-            raise SystemExit(self.failure_line())
-        name = signal.Signals(self.signals.received[0]).name
-        owed = "no checkpoint can be written while the final evaluations are owed, after the last step"
-        sys.stderr.write(f"{name}: {owed}: stopping now; {self.resume()}\n")
-        raise SystemExit(128 + self.signals.received[0])
-
-    def __enter__(self) -> "Engine":
-        return self
-
-    def __exit__(self, kind, error, trace) -> None:
-        """The engine stops however the training loop ended: a second Ctrl-C (KeyboardInterrupt) ends the run
-        with status 130, a stop signal that ended the loop with 128 + its number, the engine failing with 1
-        and one last line (failure_line), after the loop's checkpoint; a training process that died (one
-        process of the others' collective gone: Processes.lost) with 1 and one line, without the traceback
-        of the collective that found it, naming it and the checkpoint to resume from."""
-        self.stop()
-        if kind is KeyboardInterrupt:
-            print("interrupted: stopped the generation thread and the engine")
-            raise SystemExit(130)
-        if error is not None and self.processes is not None and (lost := self.processes.lost(error)):
-            line, speaks = lost
-            if self.signals is not None and self.signals.received:  # the launcher's, sent as it saw it die
-                line += ": the checkpoint the stop signal asked for cannot be written without it"
-            sys.stdout.flush()  # what the run printed comes before its last line
-            raise SystemExit(f"error: {line}; {self.resume()}" if speaks else 1) from None
-        if kind is None and self.failure:
-            sys.stdout.flush()  # what the run printed comes before its last line
-            raise SystemExit(self.failure_line() if self.is_main else 1)
-        if kind is None and self.stop_signal:
-            raise SystemExit(128 + self.stop_signal)
-
-    def stop(self) -> None:
-        """Stops the generation thread and the engine, each wait with a deadline; the engine holds nothing to
-        save, so nothing waits on its exit."""
-        self.stopping.set()
-        if not self.llms:
-            return
-        # the thread finishes the batch it is generating, or the engines' shutdown ends it; a daemon, one
-        # stuck in vLLM (a failed engine's) does not keep the process alive
-        waits = (0, 0) if self.failure else (1, 5)
-        if self.thread is not None:
-            self.thread.join(timeout=waits[0])
+    def shut_down(self) -> None:
+        """Asks each engine to stop (Channel.stop: the generation thread then has seconds to end)."""
         for llm in self.llms:
             llm.llm_engine.engine_core.shutdown(timeout=1)
-        if self.thread is not None:
-            self.thread.join(timeout=waits[1])
-        # The engine's worker outlives its scheduler process, killed after 1 s, by seconds (a garbage
-        # collection), and their message queues stay in shared memory: end both.
+
+    def release(self) -> None:
+        """What the stopped engines leave: the engine's worker outlives its scheduler process, killed after
+        1 s, by seconds (a garbage collection), and their message queues stay in shared memory: end both; then
+        the push's folder, and the watchdog, which has nothing left to clean up."""
         kill_process_trees(self.engine_processes)
         release_shared_memory(self.shared_memory)
         shutil.rmtree(self.weights_dir, ignore_errors=True)
@@ -439,9 +304,6 @@ class Engine:
             self.watchdog.wait(timeout=5)
         except subprocess.TimeoutExpired:
             pass
-
-
-_ENGINE_EXIT_SECONDS = 3.0  # how long an engine vLLM's client says is dead may take to be seen dead
 
 
 # == The engine's processes ===============================================================================

@@ -109,27 +109,25 @@ def inject(fault: str, module) -> None:
     if where in ("freeze_generation", "kill_generation", "kill_engine", "freeze_evaluation"):
         freezes = where in ("freeze_generation", "freeze_evaluation")
         sent = (signal.SIGSTOP, "VLLM::EngineCore") if freezes else (signal.SIGKILL, "VLLM::Worker")
-        deadline = plumbing.engine.Engine.deadline
-        call = "evaluation" if where == "freeze_evaluation" else "rollout"
+        generate = plumbing.engine.Engine.generate
+        wanted = ("evaluation" if where == "freeze_evaluation" else "rollout", at)
 
-        @contextlib.contextmanager
-        def signalling_deadline(engine, kind, index):
-            with deadline(engine, kind, index):
-                if kind == call and index == at:
-                    llm_engine = engine.llms[0].llm_engine  # vLLM's LLM.generate sends the prompts, then steps it
-                    step = llm_engine.step
-                    last = [p for p in engine.engine_processes if engine.engine_of[p.pid] == len(engine.llms) - 1]
-                    among = last if where == "kill_engine" else None
+        def signalling_generate(engine, prompts, params, call):
+            if call == wanted:
+                llm_engine = engine.llms[0].llm_engine  # vLLM's LLM.generate sends the prompts, then steps it
+                step = llm_engine.step
+                last = [p for p in engine.engine_processes if engine.engine_of[p.pid] == len(engine.llms) - 1]
+                among = last if where == "kill_engine" else None
 
-                    def signal_then_step():
-                        llm_engine.step = step
-                        signal_engine(*sent, f"as {call} {at} is generated", among)
-                        return step()
+                def signal_then_step():
+                    llm_engine.step = step
+                    signal_engine(*sent, f"as {call[0]} {at} is generated", among)
+                    return step()
 
-                    llm_engine.step = signal_then_step
-                yield
+                llm_engine.step = signal_then_step
+            return generate(engine, prompts, params, call)
 
-        plumbing.engine.Engine.deadline = signalling_deadline
+        plumbing.engine.Engine.generate = signalling_generate
 
     if where == "freeze_start":
         make_engine, started = plumbing.engine.make_engine, []

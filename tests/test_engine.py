@@ -1,7 +1,6 @@
 """The generation side on a real vLLM engine (CPU): weight pushes and failures."""
 
 import os
-import queue
 import re
 import time
 
@@ -141,9 +140,9 @@ def test_the_engine_device_holds_one_bucket_at_every_async_level(engine, policy_
     snapshots = plumbing.PolicySnapshots(processes, policy, place)  # as the scripts make them
     schedule = dpo.generation_schedule(num_steps, async_level, eval_steps=[])
     to_publish = dpo.published_versions(schedule)
-    channels = dpo.Channels(queue.Queue(), queue.Queue(), queue.Queue())
     held = []  # at each push: the engine device's buffers (name, bytes) and the host's snapshots
     link = plumbing.Engine.around([engine], [bucket])
+    channel = plumbing.Channel(link)
 
     def push(weights):
         plumbing.Engine.push(link, weights)  # push_weights through the bucket
@@ -155,17 +154,17 @@ def test_the_engine_device_holds_one_bucket_at_every_async_level(engine, policy_
     prompts = [[tokenizer.bos_token_id, 5 + i, 6] for i in range(4)]
     none = dpo.Prompts([], [], [])
     inputs = dpo.Inputs(tokenizer, None, dpo.Prompts(prompts, [""] * 4, [""] * 4), none)
-    link.run_thread(dpo.generation_thread, link, channels, schedule, inputs, args, dpo.compute_sizes(args, 1))
+    channel.run_thread(dpo.generation_thread, link, channel, schedule, inputs, args, dpo.compute_sizes(args, 1))
     for step in range(num_steps):
-        rollout = link.get(channels.rollouts)
+        rollout = channel.get(channel.rollouts)
         assert (rollout.step, rollout.version) == (step, max(0, step - async_level))
         with torch.no_grad():
             for parameter in policy.parameters():
                 parameter.add_(1e-3)
         if step + 1 in to_publish:  # the test keeps no reference to a snapshot: only the snapshots and the channel
-            channels.weights.put(snapshots.take(policy, step + 1))
+            channel.weights.put(snapshots.take(policy, step + 1))
         snapshots.keep(dpo.published_versions(dpo.pending_events(schedule, step + 1, set())))
-    link.thread.join(timeout=60)
+    channel.thread.join(timeout=60)
     one = bucket_bytes(snapshot_sizes(snapshots.saved), element_size=4, least=1)
     assert one < snapshot_bytes(snapshots.saved, torch.float32)
     assert [version for version, _, _ in held] == [1, 2, 3]
@@ -385,13 +384,14 @@ def test_two_engines_are_each_proven_at_every_push_and_generate_what_one_does(en
         queries = [f"sort: {' '.join(['fox', 'ant', 'cat', 'yak', 'bee', 'cow', 'dog'][: 2 + i])} ->" for i in range(7)]
         prompts = [tokenizer(q).input_ids for q in queries]
         eos, seeds = tokenizer.eos_token_id, [100 + i for i in range(7)]
-        alone = rloo.generate(one, prompts, 3, 0.7, 12, eos, seeds, logprobs=True)
-        both = rloo.generate(two, prompts, 3, 0.7, 12, eos, seeds, logprobs=True)
+        alone = rloo.generate(one, ("rollout", 0), prompts, 3, 0.7, 12, eos, seeds, logprobs=True)
+        both = rloo.generate(two, ("rollout", 0), prompts, 3, 0.7, 12, eos, seeds, logprobs=True)
         assert both[0] == alone[0]  # the same completions, in prompt order
         diff = max(abs(a - b) for la, lb in zip(alone[1], both[1]) for a, b in zip(la, lb))
         print(f"two engines against one: max |logprob difference| {diff:.2e}")
         assert diff == 0.0  # the same logprobs, bit for bit: a batch of 4 or 3 prompts rounds as one of 7 here
-        evaluation = [rloo.generate(e, prompts, 1, 0.0, 12, eos, seeds)[0] for e in (one, two)]  # greedy
+        greedy = ("evaluation", 1), prompts, 1, 0.0, 12, eos, seeds
+        evaluation = [rloo.generate(e, *greedy)[0] for e in (one, two)]
         assert evaluation[0] == evaluation[1]
         two.versions = [1, 2]
         with pytest.raises(RuntimeError, match=r"the engines hold different policy versions: \[1, 2\]"):
@@ -406,19 +406,19 @@ def test_two_engines_are_each_proven_at_every_push_and_generate_what_one_does(en
 def test_a_failure_in_the_generation_thread_surfaces_in_the_trainer(engine, tokenizer, tmp_path):
     """Fault injected with a real engine error: a prompt token id outside the vocabulary."""
     args = dpo.Args(num_samples=2, response_length=4, local_micro_batch_size=2, total_episodes=8)  # 2 steps of 2 x 2
-    channels = dpo.Channels(queue.Queue(), queue.Queue(), queue.Queue())
     bad_prompts = dpo.Prompts([[tokenizer.bos_token_id, 10_000]] * 4, [""] * 4, [""] * 4)
     inputs = dpo.Inputs(tokenizer, None, bad_prompts, dpo.Prompts([], [], []))
     link = plumbing.Engine.around([engine], [WeightBucket(None, str(tmp_path))])
+    channel = plumbing.Channel(link)
     schedule, sizes = dpo.generation_schedule(2, 1, []), dpo.compute_sizes(args, 1)
     start = time.perf_counter()
-    link.run_thread(dpo.generation_thread, link, channels, schedule, inputs, args, sizes)
+    channel.run_thread(dpo.generation_thread, link, channel, schedule, inputs, args, sizes)
     with pytest.raises(RuntimeError, match="generation thread failed") as raised:
-        link.get(channels.rollouts)
+        channel.get(channel.rollouts)
     assert time.perf_counter() - start < 10
-    assert raised.value.__cause__ is link.thread_error
-    link.thread.join(timeout=5)
-    assert not link.thread.is_alive()
+    assert raised.value.__cause__ is channel.thread_error
+    channel.thread.join(timeout=5)
+    assert not channel.thread.is_alive()
 
 
 def engine_parameters(llm) -> dict[str, torch.Tensor]:

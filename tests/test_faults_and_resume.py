@@ -576,7 +576,8 @@ def test_each_call_to_the_engine_has_a_deadline_from_the_runs_own_pace():
 
 
 def sleeping_engine(count: int) -> tuple[plumbing.Engine, list[subprocess.Popen]]:
-    """An Engine whose 'processes' are `count` sleeping children, named as vLLM's, resumable from a checkpoint."""
+    """An Engine whose 'processes' are `count` sleeping children, named as vLLM's, resumable from a checkpoint (a
+    Channel over it waits as the trainer does)."""
     from types import SimpleNamespace
 
     engine = plumbing.Engine.around(llms=[], buckets=[])
@@ -588,28 +589,29 @@ def sleeping_engine(count: int) -> tuple[plumbing.Engine, list[subprocess.Popen]
 
 
 def test_a_frozen_or_dead_engine_is_killed_and_stops_the_trainers_wait_naming_the_checkpoint():
-    """What the trainer does while it waits on the engine (plumbing.Engine.get, every half second): a call past its
+    """What the trainer does while it waits on the engine (plumbing.Channel.get, every half second): a call past its
     deadline, or an engine process that died, kills the engine's processes and ends the wait; a wait that cannot
     write a checkpoint (the final evaluations) ends the run with the line naming the newest one."""
     import queue
 
     engine, children = sleeping_engine(2)
     engine.deadlines.open = plumbing.stops.Call("rollout", 12, time.monotonic() - 90, 75.0, "10 x the slowest")
+    channel = plumbing.Channel(engine)
     with pytest.raises(SystemExit) as stopped:
-        engine.get(queue.Queue())
+        channel.get(queue.Queue())
     assert re.fullmatch(
         r"error: the engine froze: the rollout of step 12 had no answer in 9\d\.\d s, its deadline 75\.0 s \(10 x the "
         r"slowest\); resume from runs/r/checkpoints/step_000007 with --resume",
         str(stopped.value.code),
     ), stopped.value.code
-    assert [child.wait(timeout=10) for child in children] == [-signal.SIGKILL] * 2 and engine.stopping.is_set()
+    assert [child.wait(timeout=10) for child in children] == [-signal.SIGKILL] * 2 and channel.stopping.is_set()
 
     engine, children = sleeping_engine(2)
     children[1].kill()
     children[1].wait()  # reaped: gone, as a killed worker its scheduler reaps
     engine.folder.last_checkpoint = None
     with pytest.raises(SystemExit) as stopped:
-        engine.get(queue.Queue())
+        plumbing.Channel(engine).get(queue.Queue())
     assert stopped.value.code == (
         f"error: the engine died: its process VLLM::Worker (pid {children[1].pid}) ended (a crash prints its traceback "
         "above; none: it was killed, e.g. by the out-of-memory killer); no checkpoint: start it again"
@@ -623,14 +625,15 @@ def test_a_failure_of_the_generation_thread_is_raised_once_with_its_traceback():
     import queue
 
     engine, children = sleeping_engine(1)
+    channel = plumbing.Channel(engine)
     try:
         raise ValueError("token id 10000 is out of vocabulary")
     except ValueError as error:
-        engine.thread_error = error
+        channel.thread_error = error
     with pytest.raises(RuntimeError) as raised:
-        engine.get(queue.Queue())
+        channel.get(queue.Queue())
     assert str(raised.value) == "the generation thread failed: ValueError: token id 10000 is out of vocabulary"
-    assert raised.value.__cause__ is engine.thread_error and engine.failure is None
+    assert raised.value.__cause__ is channel.thread_error and engine.failure is None
     assert children[0].poll() is None
     children[0].kill()
 
@@ -699,11 +702,11 @@ def test_several_engines_give_back_completions_in_prompt_order_each_prompt_with_
 
     engine = plumbing.Engine.around([RecordingLLM(i) for i in range(3)], buckets=[None] * 3)
     prompts, seeds = [[100 + i, 7] for i in range(7)], [1000 + 3 * i for i in range(7)]
-    responses, _ = dpo.generate(engine, prompts, 2, 1.0, 8, eos=2, seeds=seeds)
+    responses, _ = dpo.generate(engine, ("rollout", 0), prompts, 2, 1.0, 8, eos=2, seeds=seeds)
     assert responses == [
         [100 + i, 1000 + 3 * i, engine] for i, engine in enumerate([0, 0, 0, 1, 1, 2, 2]) for _ in "ab"
     ]
-    responses, _ = dpo.generate(engine, prompts[:2], 1, 1.0, 8, eos=2, seeds=seeds[:2])
+    responses, _ = dpo.generate(engine, ("rollout", 1), prompts[:2], 1, 1.0, 8, eos=2, seeds=seeds[:2])
     assert responses == [[100, 1000, 0], [101, 1003, 1]]
     assert engine.busy == set()
 
@@ -724,10 +727,8 @@ def test_the_engine_that_froze_is_named_of_how_many():
         engine.deadlines.done["rollout"] = 1  # not the first: no compile's allowance
 
         def rollout():
-            with engine.deadline("rollout", 12):
-                engine.generate(
-                    [{"prompt_token_ids": [5 + i]} for i in range(4)], [SamplingParams(seed=i) for i in range(4)]
-                )
+            prompts = [{"prompt_token_ids": [5 + i]} for i in range(4)]
+            engine.generate(prompts, [SamplingParams(seed=i) for i in range(4)], call=("rollout", 12))
 
         generating = threading.Thread(target=rollout, daemon=True)
         generating.start()
@@ -744,10 +745,9 @@ def test_the_engine_that_froze_is_named_of_how_many():
 
 
 def test_a_signal_while_the_final_evaluations_are_owed_stops_at_once_saying_no_checkpoint_can_be_written():
-    """After the last step rank 0 waits for the final evaluations (Engine.arrived_evaluations), where no checkpoint can
+    """After the last step rank 0 waits for the final evaluations (Channel.arrived_evaluations), where no checkpoint can
     be written: a SIGTERM there, the engine frozen, stops the wait within the half second it polls, with 128 + 15 and
     one line that says so and names the newest checkpoint; the engine failing there ends it with the failure's line."""
-    import queue
     import threading
     from types import SimpleNamespace
 
@@ -757,7 +757,7 @@ def test_a_signal_while_the_final_evaluations_are_owed_stops_at_once_saying_no_c
     threading.Timer(0.3, lambda: engine.signals.received.append(signal.SIGTERM)).start()
     started = time.monotonic()
     with pytest.raises(SystemExit) as stopped, contextlib.redirect_stderr(io.StringIO()) as said:
-        engine.arrived_evaluations(queue.Queue(), wait=True)
+        plumbing.Channel(engine).arrived_evaluations(wait=True)
     assert stopped.value.code == 128 + signal.SIGTERM and time.monotonic() - started < 1.5
     assert said.getvalue() == (
         "SIGTERM: no checkpoint can be written while the final evaluations are owed, after the last step: stopping "
@@ -767,7 +767,7 @@ def test_a_signal_while_the_final_evaluations_are_owed_stops_at_once_saying_no_c
     children[0].kill()
     children[0].wait()
     with pytest.raises(SystemExit) as stopped:
-        engine.arrived_evaluations(queue.Queue(), wait=True)
+        plumbing.Channel(engine).arrived_evaluations(wait=True)
     assert stopped.value.code == (
         f"error: the engine died: its process VLLM::EngineCore (pid {children[0].pid}) ended (a crash prints its "
         "traceback above; none: it was killed, e.g. by the out-of-memory killer); resume from "
@@ -872,7 +872,7 @@ def lose_rank_1(rank: int, port: int, out: str) -> None:
     engine.processes = processes
     engine.folder = SimpleNamespace(last_checkpoint="runs/r/checkpoints/step_000008")
     try:
-        with engine:
+        with plumbing.Channel(engine):
             time.sleep(1)
             processes.broadcast("the next rollout")
     except SystemExit as stopped:

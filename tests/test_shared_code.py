@@ -30,7 +30,7 @@ DIFFERENT = {
 # help_if_asked, which answers --help before torch loads. And the members of the plumbing's objects (the processes,
 # the run folder, the engine, the snapshots) a file may touch at most: a file that reaches for more has taken in
 # plumbing, or the plumbing's objects have grown a surface the files must learn.
-MOST_PLUMBING_NAMES = 16
+MOST_PLUMBING_NAMES = 17
 MOST_PLUMBING_MEMBERS = 34
 PLUMBING_OBJECTS = ("processes", "folder", "engine", "snapshots")
 # The method's section starts before this line of each file (CleanRL's files reach their algorithm after about 190).
