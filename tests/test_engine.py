@@ -310,10 +310,11 @@ def test_a_wrong_copy_or_a_stale_run_in_the_bucket_stops_the_push_naming_the_ver
 @on_the_module_engine
 def test_generated_completions_stop_at_eos_and_are_reproducible(engine, tokenizer):
     prompts = [[tokenizer.bos_token_id, 7, 8, 9]] * 2
+    engines, call = plumbing.Engine.around([engine], [None]), ("rollout", 0)
     first, logprobs = dpo.generate(
-        engine, prompts, n=3, temperature=1.0, max_tokens=10, eos=tokenizer.eos_token_id, seeds=[11, 12]
+        engines, call, prompts, n=3, temperature=1.0, max_tokens=10, eos=tokenizer.eos_token_id, seeds=[11, 12]
     )
-    again, again_logprobs = dpo.generate(engine, prompts, 3, 1.0, 10, tokenizer.eos_token_id, [11, 12], logprobs=True)
+    again, again_logprobs = dpo.generate(engines, call, prompts, 3, 1.0, 10, tokenizer.eos_token_id, [11, 12], True)
     assert logprobs is None and [len(lp) for lp in again_logprobs] == [len(c) for c in again]
     assert len(first) == 6 and first == again
     assert len({tuple(c) for c in first[:3]}) > 1  # the n samples of one prompt differ
@@ -337,7 +338,8 @@ def test_engine_logprobs_are_the_trainers_after_temperature(engine, policy_a, to
         tokenizer(q).input_ids for q in ("sort: fox ant cat ->", "sort: yak bee cow dog elk emu ->", "sort: ape asp ->")
     ]
     eos, temperature, length = tokenizer.eos_token_id, 0.7, 12
-    responses, logprobs = rloo.generate(engine, prompts, 4, temperature, length, eos, [0, 1, 2], logprobs=True)
+    engines, call = plumbing.Engine.around([engine], [None]), ("rollout", 0)
+    responses, logprobs = rloo.generate(engines, call, prompts, 4, temperature, length, eos, [0, 1, 2], logprobs=True)
     q_ids, q_mask = rloo.left_pad(prompts, 12, tokenizer.pad_token_id)
     q_ids, q_mask = q_ids.repeat_interleave(4, 0), q_mask.repeat_interleave(4, 0)
     batch = rloo.Batch(q_ids, q_mask, *rloo.truncate_responses(responses, length, eos, tokenizer.pad_token_id))
