@@ -97,8 +97,9 @@ def evaluate_versions(versions, load, generate, evaluation, args, episodes_per_s
     for version, state in versions.items():
         load(state)
         start = time.perf_counter()
+        call = ("evaluation", version)
         responses, _ = generate(
-            evaluation.token_ids, 1, args.temperature, args.response_length, tokenizer.eos_token_id, seeds
+            call, evaluation.token_ids, 1, args.temperature, args.response_length, tokenizer.eos_token_id, seeds
         )
         generation_time = time.perf_counter() - start
         r_ids, r_mask, _ = ours.truncate_responses(
@@ -413,12 +414,12 @@ def main(args: argparse.Namespace) -> None:
             policy.load_state_dict(state)
             push()
 
-        evaluate(load=load, generate=partial(ours.generate, llm), tokenizer=tokenizer)
+        evaluate(load=load, generate=partial(ours.generate, plumbing.Engine.around([llm], [None])), tokenizer=tokenizer)
         return
     engine_dtype = torch.bfloat16 if bf16 else torch.float32
     llm, load, close = our_engine(args, policy, engine_dtype)
     try:
-        evaluate(load=load, generate=partial(ours.generate, llm), tokenizer=tokenizer)
+        evaluate(load=load, generate=partial(ours.generate, plumbing.Engine.around([llm], [None])), tokenizer=tokenizer)
     finally:
         close()
 
