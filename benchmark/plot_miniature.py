@@ -305,8 +305,9 @@ def correction_summary(rows: list[dict], use_perplexity: bool) -> str:
 
 def results_text(rows: list[dict], use_perplexity: bool) -> str:
     """results.md: the paper's comparisons if there are their runs, then the staleness sweep's table if there are
-    its runs, or else the corrections sweep's (whose uncorrected runs are the staleness sweep's)."""
-    text = table(rows, use_perplexity) if paper_rows(rows) else ""
+    its runs; or else the corrections sweep's alone (whose uncorrected runs are the staleness sweep's, its
+    synchronous ones the paper's)."""
+    text = table(rows, use_perplexity) if paper_rows(rows) and not correction_rows(rows) else ""
     if staleness_rows(rows) and not correction_rows(rows):
         text += "\nThe async level sweep (N = 1):\n\n" + staleness_table(rows, use_perplexity)
     elif correction_rows(rows):
@@ -536,7 +537,7 @@ def main(argv: list[str]) -> None:
     rows, use_perplexity = summarise(read_runs(runs_dir))
     out.mkdir(parents=True, exist_ok=True)
     pngs = []
-    if paper_rows(rows):
+    if paper_rows(rows) and not correction_rows(rows):  # the corrections sweep: its table and figure alone
         plot_kl(rows, use_perplexity, out / "win_rate_vs_kl.png")
         plot_time(rows, out / "win_rate_vs_time.png")
         plot_curves(rows, out / "learning_curves.png")

@@ -735,6 +735,20 @@ def test_corrections_table_and_summary_against_hand_computation(tmp_path):
     assert sorted(p.name for p in out.glob("*.png")) == ["corrections_vs_async_level.png"]
 
 
+def test_a_corrections_sweep_with_synchronous_runs_shows_its_own_table_and_figure_alone(tmp_path):
+    """Its uncorrected run at k = 0 is also a paper comparison's (PPO, N = 1, sync): the sweep's folder still shows the
+    corrections' table and figure alone, not the paper's table and figures of that one run."""
+    runs_dir, out = tmp_path / "runs", tmp_path / "plots"
+    train = [(0, 0.0, 0.5, 1.0), (1, 0.2, 1.5, 1.0)]
+    write_run(runs_dir, "ppo", 1, 1, 0, 1, [(0, 0, 0.40, 1.20), (2, 64, 0.60, 1.30)], train)
+    evals = [(0, 0, 0.40, 1.20), (2, 64, 0.61, 1.30)]
+    write_run(runs_dir, "ppo", 1, 1, 8, 1, evals, train, correction="icepop", fractions=[(0.0, 0.1), (0.0, 0.1)])
+    plot_miniature.main([str(runs_dir), "--out", str(out)])
+    text = (out / "results.md").read_text()
+    assert text.startswith("The corrections sweep (N = 1):") and len(table_rows(text)) == 2
+    assert sorted(p.name for p in out.glob("*.png")) == ["corrections_vs_async_level.png"]
+
+
 def test_committed_corrections_results_are_the_table_of_their_runs():
     """benchmark/results/corrections: results.md is the tables computed from the committed runs of the corrections
     sweep, docs/reproducing.md shows their summary, and each run is the corrections plan's run of its name with the
