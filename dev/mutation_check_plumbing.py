@@ -13,8 +13,11 @@ tests/test_mutation_check.py checks that every fragment still applies once to it
 """
 
 import sys
+from pathlib import Path
 
-from mutation_check import MODULE, Mutant, Suite, main
+# dev/ on the path: a test's spawned process (multiprocessing) imports this file by its path, not as the script
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from mutation_check import MODULE, Mutant, Suite, main  # noqa: E402
 
 # The mutants name the plumbing's functions, private ones included (leading underscore): they plant bugs in them.
 
