@@ -700,7 +700,7 @@ def main(args: Args) -> None:
 
 
 # == Batch sizes, the optimizer ==============================================================================
-# The domains of the numeric flags the algorithm files share (the plumbing's own: _COMMON_DOMAINS,
+# The domains of the numeric flags the algorithm files share (the plumbing's own: COMMON_DOMAINS,
 # plumbing/flags.py): flag -> (domain, why).
 SHARED_DOMAINS = {
     "num_eval_prompts": (">= 1", "a count of prompts (left out: all of the split)"),

@@ -21,7 +21,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from dev.copies import ALGORITHM_FILES  # noqa: E402
-from plumbing.flags import _COMMON_DOMAINS, _flag_sections  # noqa: E402
+from plumbing.flags import COMMON_DOMAINS, flag_sections  # noqa: E402
 from plumbing.tidy import write_atomically  # noqa: E402
 
 DOC = ROOT / "docs" / "flags.md"
@@ -63,8 +63,8 @@ def rows_by_group() -> list[tuple[str, list[tuple[str, dict]]]]:
         module = importlib.import_module(name.removesuffix(".py"))
         hints = typing.get_type_hints(module.Args)
         fields = {field.name: field for field in dataclasses.fields(module.Args)}
-        domains = _COMMON_DOMAINS | module.SHARED_DOMAINS | module.ALGORITHM_DOMAINS
-        for place, (title, flags) in enumerate(_flag_sections(module.Args)):
+        domains = COMMON_DOMAINS | module.SHARED_DOMAINS | module.ALGORITHM_DOMAINS
+        for place, (title, flags) in enumerate(flag_sections(module.Args)):
             title = title.split(" (")[0]
             places.setdefault(title, (place, file_index))
             group = groups.setdefault(title, {})

@@ -93,7 +93,7 @@ REDUCE_OP_WARNING = "`torch.distributed.reduce_op` is deprecated"
 
 
 # == The flags and their --help ==============================================================================
-def _flag_sections(cls: type) -> list[tuple[str, list[tuple[str, str]]]]:
+def flag_sections(cls: type) -> list[tuple[str, list[tuple[str, str]]]]:
     """The sections of the dataclass `cls`'s body, and of its dataclass bases' before them, as [(title,
     [(field, help)])]: a section starts at the first field or after a blank line, with a comment line naming
     it; a field's help is its trailing comment, or the comment lines right above it."""
@@ -122,14 +122,14 @@ def _flag_sections(cls: type) -> list[tuple[str, list[tuple[str, str]]]]:
 
 
 def _parse_args(cls: type, doc: str, args: list[str] | None = None):
-    """tyro's command line of the dataclass `cls`, its --help in the class's sections (_flag_sections) and
+    """tyro's command line of the dataclass `cls`, its --help in the class's sections (flag_sections) and
     headed by the first paragraph of `doc`. Returns a `cls`."""
     fields = {field.name: field for field in dataclasses.fields(cls)}
     # the fields' types as objects: a file that postpones its annotations (`from __future__ import
     # annotations`) leaves them as text
     types = typing.get_type_hints(cls)
     groups = []
-    for title, flags in _flag_sections(cls):
+    for title, flags in flag_sections(cls):
         members = [
             (
                 name,
@@ -231,7 +231,7 @@ class RunArgs:
 
 # == The domain of each numeric flag =========================================================================
 # The plumbing's own flags (RunArgs): flag -> (domain, why). Each algorithm file adds those of its own flags.
-_COMMON_DOMAINS = {
+COMMON_DOMAINS = {
     "seed": (">= 0", "numpy's generators take no negative seed"),
     "collective_timeout_minutes": ("> 0", "a time to wait"),
     "vllm_gpu_memory_utilization": ("in (0, 1]", "a share of the GPU"),
@@ -245,10 +245,10 @@ _COMMON_DOMAINS = {
 
 def check_domains(flags: dict, domains: dict[str, tuple[str, str]]) -> None:
     """Each flag's value in its domain (`domains`: flag -> (domain, why), the algorithm file's; with
-    _COMMON_DOMAINS, the plumbing's own), as the maths of the flag reads it: "> 0", ">= 1", "in [0, 1]", "in
+    COMMON_DOMAINS, the plumbing's own), as the maths of the flag reads it: "> 0", ">= 1", "in [0, 1]", "in
     (0, 1]" or "finite" (every bound finite too); None (an optional flag left out) is not checked. A value
     outside is a UsageError naming the flag, its domain and why."""
-    for flag, (domain, why) in (_COMMON_DOMAINS | domains).items():
+    for flag, (domain, why) in (COMMON_DOMAINS | domains).items():
         value = flags[flag]
         if value is None:
             continue

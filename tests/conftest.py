@@ -221,6 +221,23 @@ def run_script(
     return proc
 
 
+def free_port() -> int:
+    """A TCP port no process listens on now."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def accelerate_launch(*options: str) -> list[str]:
+    """`accelerate launch OPTIONS...` with a port of its own: two launches at once (the two xdist workers', or another
+    run of the suite) would both take torch's default 29500, and accelerate then starts the second in a mode of its own
+    ("Port 29500 is already in use"), whose rank 0 was once seen to abort at exit ("terminate called without an active
+    exception")."""
+    return [sys.executable, "-m", "accelerate.commands.launch", "--main_process_port", str(free_port()), *options]
+
+
 def read_metrics(output_dir: Path) -> tuple[list[dict], list[dict]]:
     lines = [json.loads(line) for line in (Path(output_dir) / "metrics.jsonl").read_text().splitlines()]
     return [m for m in lines if "async/lag" in m], sorted(

@@ -12,7 +12,7 @@ from conftest import ROOT, TINY, save_random_policy, small_config
 
 import plumbing
 from plumbing.inputs import _check_model, _load_tokenizer, load_reward_model, load_split
-from plumbing.flags import _COMMON_DOMAINS, UsageError, check_domains
+from plumbing.flags import COMMON_DOMAINS, UsageError, check_domains
 
 # Private plumbing names (leading underscore) are used here on purpose: the checks of a model's files, a tokenizer
 # and a checkpoint are tested one by one, on the bad input each refuses, which a whole run would reach slowly.
@@ -85,12 +85,12 @@ def edges(domain: str, kind: type) -> tuple[list, list]:
 
 def test_every_numeric_flag_has_a_domain_and_both_sides_of_each_bound_are_checked(script):
     """A flag added without a domain fails here; every domain is exercised just inside and just outside its bounds.
-    check_domains gets the file's domains, as the file passes them, and adds _COMMON_DOMAINS (the plumbing's) itself."""
+    check_domains gets the file's domains, as the file passes them, and adds COMMON_DOMAINS (the plumbing's) itself."""
     own = script.SHARED_DOMAINS | script.ALGORITHM_DOMAINS
-    domains = _COMMON_DOMAINS | own
+    domains = COMMON_DOMAINS | own
     numbers = numeric_flags(script)
     assert sorted(numbers) == sorted(domains), (
-        "give each numeric flag a domain in _COMMON_DOMAINS, SHARED_DOMAINS or ALGORITHM_DOMAINS"
+        "give each numeric flag a domain in COMMON_DOMAINS, SHARED_DOMAINS or ALGORITHM_DOMAINS"
     )
     defaults = vars(script.Args())
     check_domains(defaults, own)  # the defaults are in their domains

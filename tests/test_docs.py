@@ -13,14 +13,23 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import ROOT, SMALL_RUN, check_run, run_script, shared_run, shared_stderr, stderr_noise
+from conftest import (
+    ROOT,
+    SMALL_RUN,
+    accelerate_launch,
+    check_run,
+    run_script,
+    shared_run,
+    shared_stderr,
+    stderr_noise,
+)
 
 import online_dpo_async as dpo
 import plumbing
-from plumbing.flags import _COMMON_DOMAINS, RunArgs, _flag_sections, _parse_args
+from plumbing.flags import COMMON_DOMAINS, RunArgs, _parse_args, flag_sections
 
-# Private plumbing names (leading underscore) on purpose: the grouped --help (_parse_args, _flag_sections) and the
-# plumbing's own flag domains are what the docs must show, so the docs are checked against them.
+# A private plumbing name (leading underscore) on purpose: the grouped --help (_parse_args), with the flag sections
+# and the plumbing's own flag domains, is what the docs must show, so the docs are checked against them.
 
 README = (ROOT / "README.md").read_text()
 DOC_FILES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
@@ -49,7 +58,7 @@ def to_argv(command: str) -> tuple[dict, list[str]]:
     if words[0].endswith("python"):
         words[0] = sys.executable
     elif words[0].endswith("accelerate") and words[1] == "launch":
-        words[:2] = [sys.executable, "-m", "accelerate.commands.launch"]
+        words[:2] = accelerate_launch()  # with a port of its own
     return env, words
 
 
@@ -184,7 +193,7 @@ for name in ("online_dpo_async", "rloo_async", "ppo_async"):
 plumbing.flags._leave_process_group()  # as a run ends
 """)
     proc = run_script(
-        [sys.executable, "-m", "accelerate.commands.launch", "--config_file", "configs/cpu_2proc.yaml", str(probe)],
+        accelerate_launch("--config_file", "configs/cpu_2proc.yaml", str(probe)),
         env={"ACCELERATE_USE_CPU": "1"},
         timeout=300,
     )
@@ -441,7 +450,7 @@ class Example:
 
 
 def test_flag_sections_read_the_titles_and_helps_of_the_class_body():
-    assert _flag_sections(Example) == [
+    assert flag_sections(Example) == [
         ("first", [("a", "a's help")]),
         ("second (with a note)", [("b", "b's help, on two lines"), ("c", "c's")]),
     ]
@@ -456,7 +465,7 @@ class Extended(Example):
 
 def test_flag_sections_put_the_base_classes_sections_first():
     """As RunArgs' sections come before each file's Args' own."""
-    assert [title for title, _ in _flag_sections(Extended)] == [
+    assert [title for title, _ in flag_sections(Extended)] == [
         "first",
         "second (with a note)",
         "third",
@@ -479,9 +488,9 @@ def test_help_is_grouped_the_same_way_in_the_three_files_and_says_what_every_fla
     own section is named after it); a flag the files share has the same section and text (except SAID_PER_FILE);
     every flag has a text, an optional one says what None means, and one whose domain starts at 0 says what 0
     means."""
-    run_sections = [title for title, _ in _flag_sections(RunArgs)]
+    run_sections = [title for title, _ in flag_sections(RunArgs)]
     assert run_sections == RUN_SECTIONS
-    sections = {name: _flag_sections(module.Args) for name, module in SCRIPTS.items()}
+    sections = {name: flag_sections(module.Args) for name, module in SCRIPTS.items()}
     titles = {name: [title for title, _ in s] for name, s in sections.items()}
     for name, names in titles.items():
         assert names[:5] + names[6:] == RUN_SECTIONS + [
@@ -494,7 +503,7 @@ def test_help_is_grouped_the_same_way_in_the_three_files_and_says_what_every_fla
         assert names[5].startswith("batch sizes (in prompts; each gets "), names[5]
     where = {}  # flag -> {(section index, help)}
     for name, module in SCRIPTS.items():
-        domains = _COMMON_DOMAINS | module.SHARED_DOMAINS | module.ALGORITHM_DOMAINS
+        domains = COMMON_DOMAINS | module.SHARED_DOMAINS | module.ALGORITHM_DOMAINS
         for index, (title, flags) in enumerate(sections[name]):
             for flag, text in flags:
                 assert text, f"{name} --{flag} has no help"
@@ -516,7 +525,7 @@ def test_help_shows_each_section_as_a_box_of_its_flags(script):
     boxes = re.findall(r"╭─ ([^\n]+?) options ─+╮\n(.*?)╰", help_text(script), re.S)
     shown = [(title, re.findall(r"^│ --(\w+)", body, re.M)) for title, body in boxes if title != "options"]
     module = SCRIPTS[script.removesuffix(".py")]
-    sections = _flag_sections(module.Args)
+    sections = flag_sections(module.Args)
     assert shown == [(title, [flag for flag, _ in flags]) for title, flags in sections]
     assert "{None}|INT (STR, FLOAT) is optional" in help_text(script)
 

@@ -32,7 +32,9 @@ from conftest import (
     ROOT,
     SMALL_RUN,
     TINY,
+    accelerate_launch,
     assert_resumed_run_matches,
+    free_port,
     read_metrics,
     run_script,
     run_with_fault,
@@ -850,12 +852,6 @@ def test_a_lost_training_process_is_named_of_how_many_and_said_by_one_process():
     zombie.wait()
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def lose_rank_1(rank: int, port: int, out: str) -> None:
     """One of two training processes (gloo, as `accelerate launch --num_processes 2` on a CPU sets them up): rank 1
     dies at once after the start, as the out-of-memory killer leaves a process; rank 0, in the training loop (the
@@ -977,7 +973,7 @@ def test_a_training_process_killed_mid_run_leaves_rank_0_s_line_naming_it_and_th
     checkpoint, with no traceback of its own about the closed connection; no process is left. (What the
     launcher prints after it, its summary of the failed ranks, is accelerate's.)"""
     run, log = tmp_path / "run", tmp_path / "output.log"
-    launch = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", "configs/cpu_2proc.yaml"]
+    launch = accelerate_launch("--config_file", "configs/cpu_2proc.yaml")
     flags = [*SMALL[:2], "--local_micro_batch_size", "4", *SMALL[4:], "--save_freq", "4", "--output_dir", str(run)]
     killed = []
 

@@ -226,9 +226,9 @@ def test_zero_runs_under_accelerate_launch_with_the_kl_exactly_0_at_step_0(zero,
     final policy. At step 0 the reference is the policy, both on bf16 weights (DeepSpeed's bf16 keeps the policy's in
     bf16, and the frozen models are cast to match), in passes of the same shape (64 pairs: micro-batches of 32 prompts,
     reference passes of 64 sequences): the KL estimate is exactly 0."""
-    from conftest import check_run, run_script
+    from conftest import accelerate_launch, check_run, run_script
 
-    launch = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", f"configs/deepspeed_zero{zero}.yaml"]
+    launch = accelerate_launch("--config_file", f"configs/deepspeed_zero{zero}.yaml")
     flags = ["--dtype", "bfloat16", "--total_episodes", "640", "--eval_freq", "0", "--num_eval_prompts", "64"]
     flags += ["--local_micro_batch_size", "32", "--local_rollout_forward_batch_size", "64", "--save_freq", "5"]
     flags += ["--vllm_enforce_eager"]

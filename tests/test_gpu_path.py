@@ -8,12 +8,11 @@ test_gpu.py."""
 import importlib
 import json
 import math
-import sys
 import tempfile
 
 import pytest
 import torch
-from conftest import ROOT, perturbed_policy, run_script, small_config
+from conftest import ROOT, accelerate_launch, perturbed_policy, run_script, small_config
 
 import plumbing
 from plumbing.placement import (
@@ -545,7 +544,7 @@ def test_the_snapshot_pushed_under_zero3_is_the_unsharded_one(tokenizer, tmp_pat
     probe.write_text(
         ZERO3_PROBE.format(root=str(ROOT), module="online_dpo_async", policy=str(policy), out=str(tmp_path))
     )
-    launch = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", "configs/deepspeed_zero3.yaml"]
+    launch = accelerate_launch("--config_file", "configs/deepspeed_zero3.yaml")
     run_script([*launch, "--num_processes", "1", "--mixed_precision", "no", str(probe)], timeout=300)
     sharded, plain = load_file(tmp_path / "zero3.safetensors"), load_file(tmp_path / "plain.safetensors")
     assert sharded.keys() == plain.keys() and len(plain) > 10
@@ -561,7 +560,7 @@ def test_ppo_s_push_under_zero3_gathers_the_policy_and_never_the_value_model(tok
     perturbed_policy(tokenizer, "llama", True, seed=3).save_pretrained(policy)
     probe = tmp_path / "probe.py"
     probe.write_text(ZERO3_PPO_PROBE.format(root=str(ROOT), policy=str(policy)))
-    launch = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", "configs/deepspeed_zero3.yaml"]
+    launch = accelerate_launch("--config_file", "configs/deepspeed_zero3.yaml")
     stdout = run_script([*launch, "--num_processes", "1", "--mixed_precision", "no", str(probe)], timeout=300).stdout
     report = json.loads(stdout.strip().splitlines()[-1])
     assert report["equal"]

@@ -11,7 +11,6 @@ import json
 import os
 import runpy
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -23,7 +22,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
-from conftest import ROOT, TINY, save_random_policy, small_config
+from conftest import ROOT, TINY, free_port, save_random_policy, small_config
 
 sys.path.insert(0, str(ROOT / "tasks"))
 import label_preferences  # noqa: E402
@@ -79,12 +78,6 @@ def by_hand(text: str | None) -> str | None:
 
 def read_jsonl(path) -> list[dict]:
     return [json.loads(line) for line in Path(path).read_text().splitlines()]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def run_main(script: str, argv: list[str], monkeypatch) -> None:

@@ -4,7 +4,6 @@ import contextlib
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -12,13 +11,7 @@ import time
 import pytest
 import torch
 from safetensors.torch import load_file
-from conftest import ALL_CORES, ROOT, check_run, training_lines_without_timings
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from conftest import ALL_CORES, ROOT, check_run, free_port, training_lines_without_timings
 
 
 def two_machines(flags: list[str], timeout: float = 300) -> tuple[str, str]:

@@ -13,6 +13,7 @@ from transformers import AutoModelForCausalLM
 from conftest import (
     ROOT,
     TINY,
+    accelerate_launch,
     read_metrics,
     run_script,
     save_random_policy,
@@ -173,7 +174,7 @@ def test_deepspeed_trains_pushes_and_resumes_exactly(config, processes, flags, t
     accelerate's autocast does nothing under DeepSpeed, the reference gives the policy's logprobs at step 0 (KL
     exactly 0); the weight snapshot is sized from the whole shapes (ZeRO-3's state dict holds empty tensors): the tiny
     policy's 662,144 parameters in bf16 are 1,324,288 bytes, 1.26 MiB; the collective timeout is the flag's."""
-    launch = [PYTHON, "-m", "accelerate.commands.launch", "--config_file", config, "--num_processes", str(processes)]
+    launch = accelerate_launch("--config_file", config, "--num_processes", str(processes))
     launch += ["online_dpo_async.py", "--total_episodes", "256", "--local_micro_batch_size", "8", *flags]
     launch += ["--eval_freq", "4", "--num_eval_prompts", "16", "--save_freq", "2", "--dtype", "bfloat16"]
     stdout = run_script(launch + ["--output_dir", str(tmp_path / "run")]).stdout

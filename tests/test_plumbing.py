@@ -7,13 +7,12 @@ import json
 import math
 import multiprocessing
 import os
-import socket
 from dataclasses import asdict
 from pathlib import Path
 
 import pytest
 import torch
-from conftest import ROOT, perturbed_policy
+from conftest import ROOT, free_port, perturbed_policy
 
 import online_dpo_async as dpo
 import plumbing
@@ -361,12 +360,6 @@ def test_a_non_finite_loss_stops_the_run_before_a_checkpoint_has_it(loss):
         f"loss is {loss} at step 3: stopping before it reaches a checkpoint; the last good one is "
         "runs/x/checkpoints/step_000002 (--resume)"
     )
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def reduce_on_two_processes(rank: int, port: int, out: str) -> None:

@@ -2,12 +2,11 @@
 
 import copy
 import math
-import sys
 
 import numpy as np
 import pytest
 import torch
-from conftest import run_script, small_config
+from conftest import accelerate_launch, run_script, small_config
 
 import rloo_async as rloo
 
@@ -826,7 +825,6 @@ def test_prime_rl_divides_by_the_batchs_tokens_across_micro_batches_and_processe
     divides by each process's own tokens (src/prime_rl/trainer/rl/train.py:255-259 at 443c657), which would weigh
     rank 1's tokens four times as much as rank 0's. Both updates are the hand computation's."""
     import dataclasses
-    import socket
 
     from accelerate import Accelerator
 
@@ -847,11 +845,7 @@ def test_prime_rl_divides_by_the_batchs_tokens_across_micro_batches_and_processe
     two = dataclasses.replace(args, gradient_accumulation_steps=1)
     inputs = dict(policy=str(tmp_path / "policy"), args=dataclasses.asdict(two), learning_rate=1.0)
     torch.save(inputs | dict(batch=batch._asdict(), targets=targets._asdict()), tmp_path / "inputs.pt")
-    with socket.socket() as free:  # a port of our own: another run of the suite may hold accelerate's default
-        free.bind(("127.0.0.1", 0))
-        port = free.getsockname()[1]
-    launch = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", "configs/cpu_2proc.yaml"]
-    launch += ["--main_process_port", str(port), "tests/two_process_update.py"]
+    launch = accelerate_launch("--config_file", "configs/cpu_2proc.yaml", "tests/two_process_update.py")
     run_script([*launch, str(tmp_path / "inputs.pt"), str(tmp_path / "out.pt")], env={"ACCELERATE_USE_CPU": "1"})
     got = torch.load(tmp_path / "out.pt")
     for (name, _), old, new in zip(policy.named_parameters(), before, expected):

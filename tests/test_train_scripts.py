@@ -9,7 +9,7 @@ import sys
 
 import pytest
 import torch
-from conftest import ROOT, TINY, save_random_policy, small_config
+from conftest import ROOT, TINY, accelerate_launch, save_random_policy, small_config
 
 sys.path.insert(0, str(ROOT / "tasks"))
 import train_reward  # noqa: E402
@@ -533,9 +533,7 @@ def test_two_processes_train_the_same_reward_model_as_one_with_the_same_micro_ba
     ]
     two = run_script(
         [
-            sys.executable,
-            "-m",
-            "accelerate.commands.launch",
+            *accelerate_launch(),
             "--config_file",
             "configs/cpu_2proc.yaml",
             "tasks/train_reward.py",
