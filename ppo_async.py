@@ -1032,11 +1032,14 @@ class Models(NamedTuple):
 def load_models(args: Args, inputs: Inputs, processes: plumbing.Processes) -> tuple[torch.nn.Module, Models]:
     """The policy and the frozen models (safetensors only), dropout off. The policy and the reference keep
     fp32 weights (the optimizer's, the policy's numbers at step 0) under autocast; the reward and gold models
-    hold --dtype weights. Under ZeRO-3 every model is sharded but the gold judge, which only rank 0 holds."""
+    hold --dtype weights. Under ZeRO-3 every model is sharded but the gold judge, which only rank 0 holds.
+    With LoRA (--lora_rank) only the policy's adapter trains, and the reference is the policy with it off:
+    the same weights, no copy of its own (docs/algorithms.md#lora)."""
     remote = args.trust_remote_code
     safe = dict(use_safetensors=True)
     load = partial(AutoModelForCausalLM.from_pretrained, args.sft_model_path, dtype=torch.float32, **safe)
-    policy, ref_policy = load(trust_remote_code=remote), load(trust_remote_code=remote)
+    policy = load(trust_remote_code=remote)
+    ref_policy = None if args.lora_rank else load(trust_remote_code=remote)
     scoring = dict(dtype=processes.dtype, trust_remote_code=remote, **safe)
     reward_model = gold_model = gold_tokenizer = None
     scorer = f"--task {args.task}'s verifier"  # what scores the rollouts, as an error names it
@@ -1053,7 +1056,11 @@ def load_models(args: Args, inputs: Inputs, processes: plumbing.Processes) -> tu
             disable_dropout(model)
     if args.gradient_checkpointing:
         policy.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    ref_policy = processes.prepare_frozen(ref_policy)  # sharded for inference under ZeRO-3
+    if args.lora_rank:
+        policy = plumbing.add_adapter(policy, args)
+        ref_policy = plumbing.AdapterOff(policy)
+    else:
+        ref_policy = processes.prepare_frozen(ref_policy)  # sharded for inference under ZeRO-3
     reward_model = None if reward_model is None else processes.prepare_frozen(reward_model)
     tokenizer, reward_tokenizer = inputs.tokenizer, inputs.reward_tokenizer
     return policy, Models(

@@ -710,6 +710,7 @@ LEFT_OUT = {
     "tests/test_plan.py": "benchmark/plan.py's run plans",
     "tests/test_vs_trl.py": "the comparison with TRL's driver",
     "tests/test_plumbing.py": "the plumbing's promises, which reads only the files' Args (mutation_check_plumbing.py)",
+    "tests/test_lora.py": "LoRA's adapter, reference and push (plumbing's: mutation_check_plumbing.py); an engine",
 }
 # Of those, the tests that start a script in a subprocess (seconds each): they check the command line, not the method.
 SUBPROCESS_TESTS = (

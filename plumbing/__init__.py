@@ -12,6 +12,8 @@
    stops.py         what stops a run: the deadline of each call to the engine, the stop signals
    weights.py       the weight push: the policy's snapshots in host memory, a bucket, the proof of each push
    receiver.py      the push's engine side: what vLLM's worker runs to load and prove a version
+   lora.py          LoRA: the policy's adapter, the reference with it off, the adapter as a version
+   lora_push.py     LoRA's push: the adapter the engine serves, and its proof
 5. watchdog.py      a program of its own that ends the engine's processes if the trainer dies
    tidy.py          nothing left half done: a file written whole, a process group stopped whole
 
@@ -44,10 +46,12 @@ _NAMES = {
     "Engine": "engine",
     "Channel": "channel",
     "PolicySnapshots": "weights",
+    "add_adapter": "lora",
+    "AdapterOff": "lora",
 }
 __all__ = list(_NAMES)
 _MODULES = {"flags", "inputs", "run_folder", "checkpoints", "timings", "distributed", "placement", "engine"}
-_MODULES |= {"channel", "stops", "weights", "receiver", "watchdog", "tidy"}
+_MODULES |= {"channel", "stops", "weights", "receiver", "lora", "lora_push", "watchdog", "tidy"}
 
 
 def __getattr__(name: str):

@@ -202,20 +202,76 @@ class Progress:
         self.shuffle.bit_generator.state = state["shuffle"][PartialState().process_index]
 
 
+# == Under LoRA: checkpoints of the weights that train ======================================================
+def hold_trained_weights_only(accelerator: Accelerator) -> None:
+    """Under LoRA (--lora_rank) a checkpoint holds the weights that train, the adapter (PPO's value model
+    too, or its adapter and head), not the frozen base model, which the run reloads from its own files:
+    accelerate's save hook keeps those of each prepared model's state, its load hook reads them back
+    (load_trained_weights) in accelerate's stead. Under DeepSpeed (ZeRO-2), which writes the models itself,
+    save_checkpoint and the run folder's resume pass it the same: trained_only_kwargs."""
+
+    def keep_trained(models: list, states: list, output_dir: str) -> None:
+        for index, (model, state) in enumerate(zip(models, states)):
+            trained = {name for name, p in model.named_parameters() if p.requires_grad}
+            states[index] = {name: tensor for name, tensor in state.items() if name in trained}
+
+    def load_trained(models: list, input_dir: str) -> None:
+        for index, model in enumerate(models):
+            name = "model.safetensors" if index == 0 else f"model_{index}.safetensors"
+            load_trained_weights(
+                load_file(os.path.join(input_dir, name)), model, os.path.join(input_dir, name)
+            )
+        models.clear()  # loaded: accelerate's own load would want every weight
+
+    accelerator.register_save_state_pre_hook(keep_trained)
+    accelerator.register_load_state_pre_hook(load_trained)
+
+
+def trained_only_kwargs(accelerator: Accelerator, saving: bool) -> dict:
+    """What DeepSpeed's save_checkpoint (`saving`) or load_checkpoint is passed under LoRA (a run of
+    hold_trained_weights_only): the frozen weights left out, and read back by load_trained_weights."""
+    if accelerator.state.deepspeed_plugin is None:
+        return {}
+    if saving:
+        return dict(exclude_frozen_parameters=True)
+    return dict(custom_load_fn=lambda src, dst: load_trained_weights(src, dst, "the checkpoint's model file"))
+
+
+def load_trained_weights(state: dict, model: torch.nn.Module, where: str) -> None:
+    """Load a checkpoint's weights that train (hold_trained_weights_only) into `model`: exactly those, each
+    of the model's trainable parameters and nothing else, or the resume stops in one line naming the first
+    that differs (a checkpoint of another adapter, or of a run without LoRA)."""
+    trained = {name for name, p in model.named_parameters() if p.requires_grad}
+    missing, extra = sorted(trained - state.keys()), sorted(state.keys() - trained)
+    if missing or extra:
+        first = f"it lacks {missing[0]}" if missing else f"it holds {extra[0]}, which does not train"
+        raise UsageError(
+            f"--resume: {where} does not hold this run's trained weights ({len(trained)} tensors): {first}; "
+            "resume it with the flags (--lora_rank, --lora_target_modules) of the run that wrote it"
+        )
+    model.load_state_dict(state, strict=False)
+
+
 def save_checkpoint(
-    accelerator: Accelerator, output_dir: str, progress: Progress, owed: dict[int, list], keep: int
+    accelerator: Accelerator,
+    output_dir: str,
+    progress: Progress,
+    owed: dict[int, list],
+    keep: int,
+    trained_only: dict,
 ):
     """Everything a resumed run needs to go on exactly: accelerate's `save_state` (the trained weights as
     safetensors, the optimizer, the registered objects such as the scheduler and Progress, RNG states) and the
     older policy versions the generator still owes batches or evaluations (`owed`: version -> [(name,
     tensor)]), so no engine state is needed. Written to a temporary folder, then renamed; then all but the
     `keep` newest checkpoints are deleted. Its manifest, written last, lists every file with its size and
-    sha256 (_write_manifest). Returns its path."""
+    sha256 (_write_manifest). `trained_only`: DeepSpeed's own under LoRA (trained_only_kwargs). Returns its
+    path."""
     path = os.path.join(output_dir, "checkpoints", f"step_{progress.step:06d}")
     if accelerator.is_main_process:
         shutil.rmtree(f"{path}.tmp", ignore_errors=True)
     accelerator.wait_for_everyone()
-    accelerator.save_state(f"{path}.tmp")
+    accelerator.save_state(f"{path}.tmp", **trained_only)
     accelerator.wait_for_everyone()  # every process's files are written before rank 0 lists them
     if accelerator.is_main_process:  # theta_step itself is the policy's weights
         for version, tensors in owed.items():
@@ -247,18 +303,28 @@ def load_owed_version(checkpoint: str, version: int) -> dict[str, torch.Tensor]:
     return load_file(os.path.join(checkpoint, f"version_{version:06d}.safetensors"))
 
 
-def save_policy(accelerator: Accelerator, model, tokenizer, path: str, prefix: str = "") -> None:
+def save_policy(
+    accelerator: Accelerator, model, tokenizer, path: str, prefix: str = "", merged: str | None = None
+) -> None:
     """save_pretrained (safetensors) into a temporary folder, then rename: no half-written model. `prefix`:
-    the policy's submodule in `model` (PPO's `policy.`)."""
+    the policy's submodule in `model` (PPO's `policy.`). A LoRA policy writes its adapter alone, PEFT's
+    format (adapter_config.json, adapter_model.safetensors), which PEFT and vLLM load onto the base model;
+    and with `merged`, a folder there of the base model with the adapter merged into its weights."""
     state_dict = accelerator.get_state_dict(model)
     if accelerator.is_main_process:
         state_dict = {k.removeprefix(prefix): v for k, v in state_dict.items() if k.startswith(prefix)}
         policy = accelerator.unwrap_model(model)
         policy = getattr(policy, prefix.rstrip(".")) if prefix else policy
-        shutil.rmtree(tmp := f"{path}.tmp", ignore_errors=True)
-        policy.save_pretrained(tmp, state_dict=state_dict, safe_serialization=True)
-        tokenizer.save_pretrained(tmp)
-        _follow_umask(tmp)
-        shutil.rmtree(path, ignore_errors=True)
-        os.replace(tmp, path)
+        _save_pretrained(policy, state_dict, tokenizer, path)
+        if merged is not None:  # last: merging changes the policy's own weights
+            _save_pretrained(policy.merge_and_unload(), None, tokenizer, merged)
     accelerator.wait_for_everyone()
+
+
+def _save_pretrained(model, state_dict: dict | None, tokenizer, path: str) -> None:
+    shutil.rmtree(tmp := f"{path}.tmp", ignore_errors=True)
+    model.save_pretrained(tmp, state_dict=state_dict, safe_serialization=True)
+    tokenizer.save_pretrained(tmp)
+    _follow_umask(tmp)
+    shutil.rmtree(path, ignore_errors=True)
+    os.replace(tmp, path)

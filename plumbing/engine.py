@@ -26,6 +26,8 @@ import psutil
 import torch
 
 from plumbing.flags import REDUCE_OP_WARNING, RunArgs, UsageError
+from plumbing.lora import engine_lora_settings
+from plumbing.lora_push import drop_adapter, push_adapter, write_adapter
 from plumbing.placement import (
     Placement,
     contiguous_parts,
@@ -54,9 +56,9 @@ from plumbing.weights import (
     SnapshotPlace,
     WeightBucket,
     bucket_bytes,
-    checkpoint_names,
     push_weights,
     snapshot_sizes,
+    version_names,
 )
 
 
@@ -100,18 +102,24 @@ class Engine:
         self.failure, self.names = None, {}  # why an engine failed (died, froze); its processes' names
         self.engine_of: dict[int, int] = {}  # each engine process's engine, by pid
         self.busy: set[int] = set()  # the engines the call in flight waits on (on_each)
+        # under LoRA (--lora_rank) the engines serve the policy's adapter, the LoRARequest of the version they
+        # hold (none at version 0: the base model is the policy then)
+        self.lora, self.adapter = args.lora_rank > 0, None
 
     @classmethod
-    def around(cls, llms: list, buckets: list[WeightBucket]) -> "Engine":
+    def around(cls, llms: list, buckets: list[WeightBucket], weights_dir: str | None = None) -> "Engine":
         """An Engine over LLMs already up, in one process with no signals: how benchmark/push_cost.py and the
-        tests that share engines drive them (push, generate; with a Channel, the generation thread)."""
+        tests that share engines drive them (push, generate; with a Channel, the generation thread). With a
+        `weights_dir` (RAM-backed), engines started with LoRA (lora.py's engine_lora_settings) are pushed
+        adapters there."""
         engine = cls.__new__(cls)
-        for name in ("args", "processes", "folder", "signals", "cores", "failure"):
+        for name in ("args", "processes", "folder", "signals", "cores", "failure", "adapter"):
             setattr(engine, name, None)
         engine.llms, engine.buckets, engine.engine_processes, engine.names = llms, buckets, [], {}
         engine.engine_of, engine.busy = {}, set()
         engine.versions = [0] * len(llms)
         engine.deadlines = Deadlines(RunArgs.engine_timeout_minutes, on_gpu=False)
+        engine.lora, engine.weights_dir = weights_dir is not None, weights_dir
         return engine
 
     def start(self, model, policy, path: str, max_model_len: int, async_level: int) -> None:
@@ -127,7 +135,7 @@ class Engine:
         bf16 = accelerator.mixed_precision == "bf16"
         trained = trained_memory(trained, self.processes.zero_stage, accelerator.num_processes, bf16)
         to_come = {part: trained[part] for part in ("gradients", "optimizer state")}  # the weights are loaded
-        sizes = snapshot_sizes(checkpoint_names(policy))
+        sizes = snapshot_sizes(version_names(policy))
         snapshot, bucket = sum(sizes.values()) * dtype.itemsize, bucket_bytes(sizes, dtype.itemsize)
         host = snapshot_memory(snapshot, async_level)
         given = args.vllm_gpu_memory_utilization is not None
@@ -140,6 +148,8 @@ class Engine:
         llm_kwargs |= dict(tensor_parallel_size=args.vllm_tensor_parallel_size)
         # CUDA graphs on GPUs
         llm_kwargs["enforce_eager"] = placements[0].devices is None or args.vllm_enforce_eager
+        if self.lora:
+            llm_kwargs |= engine_lora_settings(args.lora_rank)
         self.watchdog = self.signals.watchdog = start_watchdog()
         with on_cores(self.cores):
             # the push's CUDA IPC handle is pickled, between our processes
@@ -217,10 +227,20 @@ class Engine:
 
     def push(self, weights) -> None:
         """Loads a policy version into every running engine, in place (push_weights, each through its own
-        bucket, all at the same time), under one deadline; each engine proves it holds it (check_loaded)."""
+        bucket, all at the same time), under one deadline; each engine proves it holds it (check_loaded).
+        Under LoRA the version is an adapter, written once, which every engine serves (push_adapter) and
+        proves it serves; then the previous version's goes."""
         with self.deadlines.call("weight push", weights.version):
             every = list(range(len(self.llms)))
-            self.on_each(lambda llm, bucket: push_weights(llm, bucket, weights), every, self.buckets)
+            if self.lora:
+                path = write_adapter(self.weights_dir, weights)
+                served = self.on_each(lambda llm, _: push_adapter(llm, weights, path), every, every)
+                if self.adapter is not None:
+                    self.on_each(lambda llm, _: drop_adapter(llm, self.adapter), every, every)
+                    shutil.rmtree(self.adapter.lora_path, ignore_errors=True)
+                self.adapter = served[0]
+            else:
+                self.on_each(lambda llm, bucket: push_weights(llm, bucket, weights), every, self.buckets)
         self.versions = [weights.version] * len(self.llms)
 
     @property
@@ -239,15 +259,16 @@ class Engine:
         put back in the prompts' order. A prompt's sampling seed is its own, so its completions do not depend
         on which engine made them, up to the numerics of the batch it shares (docs/gpus.md, several
         engines)."""
+        adapter = {} if self.adapter is None else {"lora_request": self.adapter}  # under LoRA, the version's
         with self.deadlines.call(*call):
             if len(self.llms) == 1:
-                return self.llms[0].generate(prompts, params, use_tqdm=False)
+                return self.llms[0].generate(prompts, params, use_tqdm=False, **adapter)
             parts = contiguous_parts(len(prompts), len(self.llms))
             engines = [i for i, part in enumerate(parts) if part.stop > part.start]
             parts = [parts[i] for i in engines]
 
             def generate_part(llm, part: slice) -> list:
-                return llm.generate(prompts[part], params[part], use_tqdm=False)
+                return llm.generate(prompts[part], params[part], use_tqdm=False, **adapter)
 
             return [output for outputs in self.on_each(generate_part, engines, parts) for output in outputs]
 

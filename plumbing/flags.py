@@ -52,13 +52,24 @@ def run(main, args_class: type, doc: str) -> None:
 
 
 def _leave_process_group() -> None:
-    """Every process leaves the process group at the end of a run: torch's gloo threads, left running into the
-    interpreter's exit after a collective, abort it ("terminate called without an active exception", status
-    -6). Only at a clean end: after a failure another process may still wait in a collective."""
+    """Every process leaves the process group at the end of a run, once all of them are there (a barrier).
+    Only at a clean end: after a failure another process may still wait in a collective. Then, where every
+    process is on this machine, each ends at once, its output flushed: torch's gloo threads outlive
+    destroy_process_group once transformers' auto classes are imported (something keeps the group), and the
+    interpreter's exit, meeting them in its static destructors, aborted it now and then ("terminate called
+    without an active exception", status -6: 8 of 20 two-process launches, two at a time on two cores; none
+    of 20 ended at once). Everything the run writes is closed by then (the logs, the folder's lock, the
+    engine's processes). A run across machines exits as usual: the launcher of a machine that ended at once
+    closes its rendezvous under the others', which say so."""
     import torch
 
     if torch.distributed.is_initialized():
+        torch.distributed.barrier()
         torch.distributed.destroy_process_group()
+        if os.environ.get("LOCAL_WORLD_SIZE", "1") == os.environ.get("WORLD_SIZE", "1"):
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(0)
 
 
 def quiet_known_noise() -> None:
@@ -221,6 +232,22 @@ class RunArgs:
     # recompute activations in the backward pass: less memory, ~1/3 more compute
     gradient_checkpointing: bool = False
 
+    # LoRA
+    # LoRA's rank r (docs/algorithms.md#lora): only a PEFT adapter of this rank on --lora_target_modules
+    # trains and travels to the engine; the reference is the policy with it off, no copy of its own (0: the
+    # whole policy trains)
+    lora_rank: int = 0
+    lora_alpha: float = 16.0  # LoRA's alpha: the adapter's update B A x is scaled by alpha / rank
+    # dropout on the adapter's input in the training passes (> 0: their logprobs are no longer the policy's
+    # that sampled, and the first PPO ratio is not 1)
+    lora_dropout: float = 0.0
+    # the layers that get an adapter: PEFT's all-linear (every linear layer but the output head), or their
+    # names, comma-separated (q_proj,v_proj)
+    lora_target_modules: str = "all-linear"
+    # also save the final policy with its adapter merged into the weights, as policy_merged/ beside the
+    # adapter in policy/
+    lora_save_merged: bool = False
+
     # checkpoints
     # checkpoint every this many steps (0: none on a schedule; one is also written on SIGTERM / Ctrl-C)
     save_freq: int = 0
@@ -240,6 +267,9 @@ COMMON_DOMAINS = {
     "engine_timeout_minutes": ("> 0", "a time to wait"),
     "save_freq": (">= 0", "0 writes no periodic checkpoint"),
     "keep_checkpoints": (">= 1", "the latest checkpoint is the one a resume needs"),
+    "lora_rank": (">= 0", "0 trains the whole policy"),
+    "lora_alpha": ("> 0", "the adapter's update is scaled by alpha / rank"),
+    "lora_dropout": ("in [0, 1]", "a probability"),
 }
 
 

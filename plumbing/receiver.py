@@ -169,6 +169,42 @@ class WeightReceiver:
         sums = torch.stack([held[name] for name in names]).tolist()  # one wait for the device
         return {"held": dict(zip(names, sums)), "renamed": renamed}
 
+    def adapter_fingerprint(self, adapter_id: int, sent: list[str]) -> dict:
+        """Under LoRA (lora_push.py): the adapter `adapter_id`, which the engine added, moved into a LoRA slot
+        of this worker (vLLM's LRU manager, which frees the slot of the adapter used longest ago), and the
+        slots' adapters (LoRAModelManager.lora_index_to_id); the fingerprint of what each LoRA layer
+        multiplies with in its slot, its A's, then its B's (of every part of a fused layer), in the slot's
+        dtype; and the layer each of the `sent` tensors (PEFT's names) goes into, as vLLM names and fuses them
+        (parse_fine_tuned_lora_name, packed_modules_mapping): lora_push.py's _check_adapter_loaded compares
+        them with the trainer's."""
+        from vllm.lora.utils import parse_fine_tuned_lora_name
+
+        manager = self.model_runner.lora_manager._adapter_manager
+        manager.activate_adapter(adapter_id)
+        mapper = getattr(self.model_runner.model, "hf_to_vllm_mapper", None)
+        fused = {part: whole for whole, parts in manager.packed_modules_mapping.items() for part in parts}
+        into = {}
+        for name in sent:
+            module, _ = parse_fine_tuned_lora_name(name, mapper)
+            parent, _, leaf = module.rpartition(".")
+            into[name] = ".".join(filter(None, [parent, fused.get(leaf, leaf)]))
+        slots = list(manager.lora_index_to_id)
+        held = {}
+        if adapter_id in slots:
+            index = slots.index(adapter_id)
+            for name, layer in manager.modules.items():
+                matrices = [getattr(layer, "lora_a_stacked", None), getattr(layer, "lora_b_stacked", None)]
+                if None in matrices:
+                    continue
+                sums = [sum(fingerprint(part[index], part.dtype) for part in parts) for parts in matrices]
+                held[name] = torch.cat(sums).tolist()
+        return {
+            "slot": adapter_id if adapter_id in slots else None,
+            "slots": slots,
+            "held": held,
+            "into": into,
+        }
+
     def parameter_copies(self) -> bytes:
         """Every parameter of the engine's model (as vLLM names and fuses them), copied to the CPU, as the
         bytes of a safetensors file (safetensors.torch.load reads them back; vLLM's messages would turn

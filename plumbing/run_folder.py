@@ -32,9 +32,11 @@ from plumbing.checkpoints import (
     Progress,
     checkpoint_to_resume,
     checkpoints_in,
+    hold_trained_weights_only,
     holds_a_run,
     save_checkpoint,
     save_policy,
+    trained_only_kwargs,
 )
 from plumbing.flags import RunArgs, UsageError
 from plumbing.inputs import json_kind
@@ -122,8 +124,10 @@ class RunFolder:
         the algorithm's own (`more`); all as the checkpoint --resume continues from left them, if any."""
         progress = Progress(self.args.seed)
         accelerator.register_for_checkpointing(scheduler, progress, *more)
+        if self.args.lora_rank:  # checkpoints of the adapter, not of the frozen base model
+            hold_trained_weights_only(accelerator)
         if self.checkpoint:
-            accelerator.load_state(self.checkpoint)
+            accelerator.load_state(self.checkpoint, **self.trained_only(accelerator, saving=False))
         if not accelerator.is_main_process:  # what it says is rank 0's, once for the run
             return progress
         if self.checkpoint:
@@ -183,8 +187,13 @@ class RunFolder:
     def save_checkpoint(self, accelerator: Accelerator, progress: "Progress", owed: dict[int, list]) -> None:
         """A checkpoint for a trainer about to run step `progress.step` (save_checkpoint), with `owed`."""
         with self.writing(f"checkpoints/step_{progress.step:06d}"):
-            keep = self.args.keep_checkpoints
-            self.last_checkpoint = save_checkpoint(accelerator, self.path, progress, owed, keep)
+            keep, trained_only = self.args.keep_checkpoints, self.trained_only(accelerator, saving=True)
+            self.last_checkpoint = save_checkpoint(accelerator, self.path, progress, owed, keep, trained_only)
+
+    def trained_only(self, accelerator: Accelerator, saving: bool) -> dict:
+        """DeepSpeed's arguments that leave the frozen weights out of a checkpoint under LoRA (none
+        otherwise)."""
+        return trained_only_kwargs(accelerator, saving) if self.args.lora_rank else {}
 
     def stopped(self, step: int) -> None:
         """Rank 0 says where the run stopped and what resumes it."""
@@ -193,9 +202,11 @@ class RunFolder:
             print(f"stopped before step {step}{resume}")
 
     def save_policy(self, accelerator: Accelerator, model, tokenizer, prefix: str = "") -> None:
-        """The trained policy, as policy/ (save_policy)."""
+        """The trained policy, as policy/ (save_policy; under LoRA its adapter, and with --lora_save_merged
+        the adapter merged into the base model as policy_merged/)."""
+        merged = os.path.join(self.path, "policy_merged") if self.args.lora_save_merged else None
         with self.writing("policy/"):
-            save_policy(accelerator, model, tokenizer, os.path.join(self.path, "policy"), prefix)
+            save_policy(accelerator, model, tokenizer, os.path.join(self.path, "policy"), prefix, merged)
 
     @contextmanager
     def writing(self, what: str):

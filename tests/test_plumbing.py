@@ -449,7 +449,7 @@ def test_checkpoints_are_written_whole_or_not_at_all_and_the_oldest_deleted(tmp_
     owed = {1: [("w", torch.ones(2))]}
     for step in (2, 4, 6):
         progress.step = step
-        path = checkpoints.save_checkpoint(accelerator, str(tmp_path), progress, owed, keep=2)
+        path = checkpoints.save_checkpoint(accelerator, str(tmp_path), progress, owed, keep=2, trained_only={})
         assert path == str(tmp_path / "checkpoints" / f"step_{step:06d}")
     assert [p.name for p in checkpoints.checkpoints_in(str(tmp_path))] == ["step_000004", "step_000006"]
     newest = tmp_path / "checkpoints" / "step_000006"
@@ -463,7 +463,7 @@ def test_checkpoints_are_written_whole_or_not_at_all_and_the_oldest_deleted(tmp_
     monkeypatch.setattr(checkpoints.os, "replace", machine_down)
     progress.step = 8
     with pytest.raises(OSError, match="injected test fault"):
-        checkpoints.save_checkpoint(accelerator, str(tmp_path), progress, owed, keep=2)
+        checkpoints.save_checkpoint(accelerator, str(tmp_path), progress, owed, keep=2, trained_only={})
     assert not (tmp_path / "checkpoints" / "step_000008").exists()
     (tmp_path / "args.json").write_text(json.dumps({"world_size": 1}))  # the run's, which a resume checks
     assert checkpoints.checkpoint_to_resume(str(tmp_path), {}, True, 1) == str(newest)

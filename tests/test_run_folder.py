@@ -198,7 +198,7 @@ def test_a_real_checkpoint_has_a_manifest_written_last_and_no_temporary_folder(t
     accelerator.register_for_checkpointing(progress)
     progress.step = 6
     owed = {5: [("weight", torch.ones(3, 4))]}
-    path = Path(save_checkpoint(accelerator, str(tmp_path), progress, owed, keep=2))
+    path = Path(save_checkpoint(accelerator, str(tmp_path), progress, owed, keep=2, trained_only={}))
     assert path == tmp_path / "checkpoints" / "step_000006"
     listed = json.loads((path / "manifest.json").read_text())["files"]
     on_disk = sorted(str(p.relative_to(path)) for p in path.rglob("*") if p.is_file() and p.name != "manifest.json")
