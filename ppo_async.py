@@ -95,6 +95,9 @@ class Args(plumbing.RunArgs):  # and the plumbing's flags: run, engine, checkpoi
     cliprange: float = 0.2  # PPO's epsilon: the per-token probability ratio is clipped to [1 - eps, 1 + eps]
     cliprange_value: float = 0.2  # new values are clipped to old value +- cliprange_value in the value loss
     vf_coef: float = 0.1  # weight of the value loss: loss = pg_loss + vf_coef * vf_loss
+    # with --lora_rank, the value model gets an adapter of the policy's settings too, its value head training
+    # whole beside it; without, the value model trains whole
+    lora_value_model: bool = False
     # pi_old of the ratio. trainer: theta_n, the trainer's weights at the top of step n, as the paper's code
     # computes it; at N = T = 1 every ratio is then exactly 1 and nothing corrects for a batch that
     # theta_(n-k) generated. engine: also weight each token's clipped loss by --correction, from pi_old /
@@ -168,7 +171,10 @@ def completions_per_prompt(args: Args) -> int:
 
 
 def check_value_model(inputs: Inputs, args: Args) -> None:
-    """The value model starts from the reward model and reads the policy's tokens: their tokenizers agree."""
+    """The value model starts from the reward model and reads the policy's tokens: their tokenizers agree. An
+    adapter of its own needs the policy's LoRA settings."""
+    if args.lora_value_model and not args.lora_rank:
+        raise UsageError("--lora_value_model gives the value model an adapter of --lora_rank's: set --lora_rank")
     reward_tokenizer = inputs.reward_tokenizer
     if reward_tokenizer is not None and not plumbing.same_tokenizer(reward_tokenizer, inputs.tokenizer):
         start = f"the value model starts from --reward_model_path {args.reward_model_path}"
@@ -184,6 +190,8 @@ def load_value_model(start: str, args: Args) -> torch.nn.Module:
     disable_dropout(value_model)
     if args.gradient_checkpointing:
         value_model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if args.lora_value_model:  # the model with its adapter and a trained copy of its head (PEFT's SEQ_CLS)
+        value_model = plumbing.add_adapter(value_model, args, task_type="SEQ_CLS").get_base_model()
     return value_model
 
 

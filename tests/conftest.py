@@ -233,8 +233,7 @@ def free_port() -> int:
 def accelerate_launch(*options: str) -> list[str]:
     """`accelerate launch OPTIONS...` with a port of its own: two launches at once (the two xdist workers', or another
     run of the suite) would both take torch's default 29500, and accelerate then starts the second in a mode of its own
-    ("Port 29500 is already in use"), whose rank 0 was once seen to abort at exit ("terminate called without an active
-    exception")."""
+    ("Port 29500 is already in use")."""
     return [sys.executable, "-m", "accelerate.commands.launch", "--main_process_port", str(free_port()), *options]
 
 
@@ -335,8 +334,14 @@ def check_run(output_dir: Path, script: str) -> tuple[dict, list[dict], list[dic
     expected = [lr * (1 - (m["step"] + 1) / num_steps) if linear else lr for m in train]
     assert [m["lr"] for m in train] == pytest.approx(expected, rel=1e-6, abs=1e-15)
     assert train[-1]["episode"] == args["total_episodes"]
-    assert (Path(output_dir) / "policy" / "model.safetensors").exists()
+    assert final_policy_file(output_dir).exists()
     return args, train, evals
+
+
+def final_policy_file(output_dir: Path) -> Path:
+    """The final policy's weights: the model's, or under LoRA (--lora_rank) its adapter's, in PEFT's format."""
+    policy = Path(output_dir) / "policy"
+    return policy / ("adapter_model.safetensors" if (policy / "adapter_config.json").exists() else "model.safetensors")
 
 
 SHARED = Path(tempfile.gettempdir())  # the folder of the shared runs, set by shared_runs_folder
@@ -484,8 +489,8 @@ def assert_resumed_run_matches(
         before_resume(interrupted)
     resumed = run_script([sys.executable, script, *flags, "--output_dir", str(interrupted), "--resume"]).stdout
     assert training_lines_without_timings(interrupted) == training_lines_without_timings(reference)
-    final, expected = (load_file(d / "policy" / "model.safetensors") for d in (interrupted, reference))
-    assert all(torch.equal(final[k], expected[k]) for k in expected)
+    final, expected = (load_file(final_policy_file(d)) for d in (interrupted, reference))
+    assert final.keys() == expected.keys() and all(torch.equal(final[k], expected[k]) for k in expected)
     return interrupted, reference, output, stopped, resumed
 
 

@@ -241,6 +241,53 @@ def names(out_file: str) -> None:
     # (inplace, layerwise), 0.26 the second
     reload = Path(vllm.__file__).parent / "model_executor" / "model_loader" / "reload"
     need("the reload's logger vllm.model_executor.model_loader.reload.layerwise", (reload / "layerwise.py").exists())
+    # LoRA (plumbing/lora_push.py, WeightReceiver.adapter_fingerprint): the engine's LoRA settings, the ranks it
+    # serves, the adapter added and removed by id and named by each generation, the worker's slots and what each
+    # LoRA layer holds, the names of a PEFT file's tensors as vLLM reads them; the prefix cache keyed by adapter
+    from vllm.lora.layers.base_linear import BaseLinearLayerWithLoRA
+    from vllm.lora.model_manager import LoRAModelManager, LRUCacheLoRAModelManager
+    from vllm.lora.request import LoRARequest
+    from vllm.lora.utils import parse_fine_tuned_lora_name
+    from vllm.lora.worker_manager import LRUCacheWorkerLoRAManager
+    from vllm.v1.engine.llm_engine import LLMEngine as Engine
+
+    for name in ("enable_lora", "max_loras", "max_cpu_loras", "max_lora_rank"):
+        need(f"LLM(..., {name}=)", name in engine_args)
+    ranks = importlib.import_module("vllm.config.lora").MaxLoRARanks.__args__
+    need("max_lora_rank in 1, 8, 16, 32, 64, 128, 256, 320, 512", ranks == (1, 8, 16, 32, 64, 128, 256, 320, 512))
+    need(
+        "LoRARequest(lora_name=, lora_int_id=, lora_path=)",
+        {"lora_name", "lora_int_id", "lora_path"} <= set(LoRARequest.__struct_fields__),
+    )
+    need("LLM.llm_engine.add_lora, .remove_lora", hasattr(Engine, "add_lora") and hasattr(Engine, "remove_lora"))
+    need("LLM.generate(lora_request=)", "lora_request" in parameters_of(LLM.generate))
+    need(
+        "the worker's model_runner.lora_manager",
+        "self.lora_manager" in inspect.getsource(importlib.import_module("vllm.v1.worker.lora_model_runner_mixin")),
+    )
+    need(
+        "the worker manager's _adapter_manager", "self._adapter_manager" in inspect.getsource(LRUCacheWorkerLoRAManager)
+    )
+    manager = inspect.getsource(LoRAModelManager)
+    for name in ("self.lora_index_to_id", "self.packed_modules_mapping", "self.modules"):
+        need(f"LoRAModelManager.{name.removeprefix('self.')}", name in manager)
+    need(
+        "an adapter activated with its LRU slot freed",
+        "remove_oldest" in inspect.getsource(LRUCacheLoRAModelManager.activate_adapter),
+    )
+    layer = inspect.getsource(BaseLinearLayerWithLoRA)
+    need(
+        "LoRA layers' lora_a_stacked, lora_b_stacked", "self.lora_a_stacked" in layer and "self.lora_b_stacked" in layer
+    )
+    need(
+        "parse_fine_tuned_lora_name(name, weights_mapper)",
+        {"name", "weights_mapper"} <= parameters_of(parse_fine_tuned_lora_name),
+    )
+    need(
+        "the prefix cache keyed by the adapter",
+        "lora_request"
+        in inspect.getsource(importlib.import_module("vllm.v1.core.kv_cache_utils")._gen_lora_extra_hash_keys),
+    )
     Path(out_file).write_text(json.dumps({"version": vllm.__version__, "missing": missing}, indent=1))
 
 
