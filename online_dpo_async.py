@@ -703,7 +703,7 @@ def load_models(args: Args, inputs: Inputs, processes: plumbing.Processes) -> tu
     fp32 weights (the optimizer's, the policy's numbers at step 0) under autocast; the reward and gold models
     hold --dtype weights. Under ZeRO-3 every model is sharded but the gold judge, which only rank 0 holds.
     With LoRA (--lora_rank) only the policy's adapter trains, and the reference is the policy with it off:
-    the same weights, no copy of its own (docs/algorithms.md#lora)."""
+    the same weights, no copy of its own (docs/algorithms.md#lora---lora_rank)."""
     remote = args.trust_remote_code
     safe = dict(use_safetensors=True)
     load = partial(AutoModelForCausalLM.from_pretrained, args.sft_model_path, dtype=torch.float32, **safe)

@@ -96,6 +96,23 @@ class Model:
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
 
 
+def adapter_parameters(model: Model, rank: int, targets: str) -> int:
+    """A LoRA adapter's parameters on `model` (plumbing.lora.add_adapter, PEFT's LoraConfig): r (in + out) for each
+    adapted linear layer, every one but the output head (PEFT's all-linear) or those `targets` names."""
+    import torch
+
+    head = model.module.get_output_embeddings()
+    named = None if targets == "all-linear" else {name.strip() for name in targets.split(",")}
+    return sum(
+        rank * (module.in_features + module.out_features)
+        for name, module in model.module.named_modules()
+        if isinstance(module, torch.nn.Linear)
+        and module is not head
+        and name.rpartition(".")[2] != "score"  # a classifier's head trains whole (PEFT's SEQ_CLS)
+        and (named is None or name.rpartition(".")[2] in named)
+    )
+
+
 def activations(model: Model, sequences: int, length: int, logits: int, checkpointing: bool, bytes_: int) -> int:
     """One micro-batch's activations kept for the backward pass (Korthikanti et al. 2022, table 2, in 16-bit; x2 in
     fp32) and its response logits in fp32 (the logits, their temperature-scaled copy, the log-softmax's)."""
@@ -214,12 +231,28 @@ def memory_plan(run: Run, gpu_bytes: int, gpus: int | None) -> dict:
 
     args, script, processes, stage, bf16 = run.args, run.script, run.processes, run.stage, run.bf16
     samples, policy, reward, gold, value = run.samples, run.policy, run.reward, run.gold, run.value
-    trained = policy.params + (value.params if value else 0)
     shard = processes if stage == 3 else 1
     L, R, micro = args.max_prompt_length + args.response_length, args.response_length, args.local_micro_batch_size
+    lora = args.lora_rank > 0
+    if lora and stage == 3:
+        raise SystemExit(f"{script}: --lora_rank under ZeRO-3 is refused by the run (plumbing/lora.py)")
+    if lora:  # the adapters and heads train; the base models are frozen, whole, in DeepSpeed's dtype or fp32
+        adapter = adapter_parameters(policy, args.lora_rank, args.lora_target_modules)
+        frozen = policy.params
+        trained, pushed = adapter, adapter
+        if value and getattr(args, "lora_value_model", False):
+            trained += adapter_parameters(value, args.lora_rank, args.lora_target_modules) + value.hidden
+            frozen += value.params - value.hidden
+        elif value:
+            trained += value.params
+    else:
+        trained, pushed, frozen = policy.params + (value.params if value else 0), policy.params, 0
     training = plumbing.placement.trained_memory(trained, stage, processes, bf16)
     rank = {f"trained models' {part}": n for part, n in training.items()}
-    rank["reference policy"] = policy.params * (2 if stage and bf16 else 4) // shard  # DeepSpeed's bf16 parameters
+    if lora:  # no reference: the policy with its adapter off
+        rank["frozen base models (LoRA)"] = frozen * (2 if run.deepspeed and bf16 else 4)
+    else:
+        rank["reference policy"] = policy.params * (2 if stage and bf16 else 4) // shard  # DeepSpeed's bf16 parameters
     if reward:
         rank["reward model"] = reward.params * (2 if bf16 else 4) // shard
     act = 2 if bf16 else 4
@@ -235,17 +268,20 @@ def memory_plan(run: Run, gpu_bytes: int, gpus: int | None) -> dict:
     rank0 = dict(rank)
     if gold:
         rank0["gold judge (rank 0 only)"] = gold.params * 2
-    snapshot, bucket = policy.params * run.engine_bytes, plumbing.weights.bucket_bytes(policy.sizes, run.engine_bytes)
+    snapshot = pushed * run.engine_bytes
+    # under LoRA the adapter travels as a folder in host memory, which vLLM reads into its own share: no bucket
+    bucket = 0 if lora else plumbing.weights.bucket_bytes(policy.sizes, run.engine_bytes)
     engine_gpus = run.engines * run.tensor_parallel
     gpus = gpus or processes + engine_gpus
     utilization = args.vllm_gpu_memory_utilization
     if gpus >= processes + engine_gpus:  # the engines' GPUs of their own, each alike
-        engine = {"engine (vLLM's share)": int((utilization or 0.9) * gpu_bytes), BUCKET: bucket}
-        engine["rank 0's CUDA context (it writes the bucket)"] = plumbing.placement.CUDA_CONTEXT
+        engine = {"engine (vLLM's share)": int((utilization or 0.9) * gpu_bytes)} | ({BUCKET: bucket} if bucket else {})
+        if bucket:
+            engine["rank 0's CUDA context (it writes the bucket)"] = plumbing.placement.CUDA_CONTEXT
         engine["engine's CUDA context"] = plumbing.placement.CUDA_CONTEXT
         result = {"training rank 0": rank0, engine_column(run): engine}
     elif engine_gpus == 1:
-        rank0 |= {"engine (vLLM's share)": int((utilization or 0.3) * gpu_bytes), BUCKET: bucket}
+        rank0 |= {"engine (vLLM's share)": int((utilization or 0.3) * gpu_bytes)} | ({BUCKET: bucket} if bucket else {})
         rank0["engine's CUDA context"] = plumbing.placement.CUDA_CONTEXT
         result = {"training rank 0, shared with the engine": rank0}
     else:
@@ -258,6 +294,8 @@ def memory_plan(run: Run, gpu_bytes: int, gpus: int | None) -> dict:
         result["training ranks 1 ..."] = rank
     summary = f"{script}: {policy.params / 1e9:.2f}B policy, {processes} training process(es)"
     summary += f", ZeRO-{stage}" if stage else ", no ZeRO" if not run.deepspeed else ""
+    if lora:
+        summary += f", LoRA rank {args.lora_rank} ({adapter / 1e6:.1f}M adapter parameters)"
     if engine_gpus > 1:
         summary += f", {run.engines} engine(s) of {run.tensor_parallel} GPU(s)"
     summary += (

@@ -77,6 +77,7 @@ MOST_SAMPLES = 64  # the largest K the advice tries
 # are loaded"), and those training allocates later (its `to_come`)
 SHARED = "training rank 0, shared with the engine"  # memory.py's name of that GPU
 LOADED = ("trained models' weights", "reference policy", "reward model", "gold judge (rank 0 only)", "CUDA context")
+LOADED += ("frozen base models (LoRA)",)  # under LoRA, in the reference's stead
 TO_COME = ("trained models' gradients", "trained models' optimizer state")
 
 
@@ -154,6 +155,18 @@ def phase_flops(run: memory.Run, sizes: NamedTuple) -> dict[str, int]:
     return module.step_flops(trained, models, sizes, args)
 
 
+def push_bucket(run: memory.Run) -> int:
+    """The push's bucket on the engine's GPU: none under LoRA, whose adapter travels as a folder in host memory."""
+    return 0 if run.args.lora_rank else plumbing.weights.bucket_bytes(run.policy.sizes, run.engine_bytes)
+
+
+def pushed_bytes(run: memory.Run) -> int:
+    """A policy version's bytes: the whole policy's, or under LoRA its adapter's (memory.adapter_parameters)."""
+    args = run.args
+    pushed = memory.adapter_parameters(run.policy, args.lora_rank, args.lora_target_modules) if args.lora_rank else 0
+    return (pushed or run.policy.params) * run.engine_bytes
+
+
 def engine_share(run: memory.Run, plan: dict, gpu_bytes: int) -> tuple[float, str]:
     """The engine's share of its GPU and where it comes from: the flag, or plumbing.placement.engine_share on the GPUs as
     the module docstring approximates them."""
@@ -167,7 +180,7 @@ def engine_share(run: memory.Run, plan: dict, gpu_bytes: int) -> tuple[float, st
         devices="0", shared=shared, engine_gpu=0 if shared else run.processes, memory_utilization=None
     )
     engine_gpu = rank0_gpu if shared else (gpu_bytes, gpu_bytes)
-    bucket = plumbing.weights.bucket_bytes(run.policy.sizes, run.engine_bytes)
+    bucket = push_bucket(run)
     try:
         share = plumbing.placement.engine_share(placement, rank0_gpu, engine_gpu, to_come, bucket=bucket)
     except plumbing.UsageError as error:
@@ -320,9 +333,9 @@ def report(plan: Plan, hardware: Hardware) -> str:
     """Markdown: the engine's KV cache, the predicted phases, the bound and the advice."""
     run, args, full = plan.run, plan.run.args, plan.full_step
     P, R = args.max_prompt_length, args.response_length
-    snapshot = run.policy.params * run.engine_bytes
+    snapshot = pushed_bytes(run)
     host = plumbing.placement.snapshot_memory(snapshot, args.async_level)
-    bucket = plumbing.weights.bucket_bytes(run.policy.sizes, run.engine_bytes)
+    bucket = push_bucket(run)
     engines, gpus = run.engines, run.tensor_parallel
     if plan.shared:
         where = (
@@ -363,8 +376,13 @@ def report(plan: Plan, hardware: Hardware) -> str:
         f"| **sequences in flight** | **{sequences}** (at most {hardware.max_num_seqs}, vLLM's max_num_seqs) |",
         f"| **waves** | **{plan.waves}** |",
         "",
-        f"Weight snapshots of {gib(snapshot)}: async level + 2 = {args.async_level + 2} in rank 0's pinned host "
-        f"memory ({gib(host)}); {engine_gpu} holds the push's bucket beside vLLM's share ({gib(bucket)}).",
+        f"Weight snapshots of {gib(snapshot)}{' (the LoRA adapter)' if args.lora_rank else ''}: async level + 2 = "
+        f"{args.async_level + 2} in rank 0's pinned host memory ({gib(host)}); "
+        + (
+            f"{engine_gpu} holds the push's bucket beside vLLM's share ({gib(bucket)})."
+            if bucket
+            else "the adapter reaches the engine as a folder in host memory, which vLLM reads into its share."
+        ),
         "",
         "| predicted time per step | s | from |",
         "|---|---|---|",

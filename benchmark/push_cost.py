@@ -17,7 +17,11 @@ probe each push adds, the trainer's (plumbing.weights.trainer_probe) and the eng
 the medians in milliseconds, the bucket's loads per push, the bucket push's cost over the whole buffer's, the push to
 `--num_engines` engines (the engines share the machine's one GPU, or its CPU, as the engines of a one-GPU run do) over
 the push to one, and the fingerprint's rate on one tensor of `--rate_elements` elements, with what it would take for an 8B policy at that rate
-(an estimate, arithmetic).
+(an estimate, arithmetic). With `--lora_rank R`, on an engine of its own serving LoRA adapters, the push of a LoRA
+policy's version too (plumbing/lora_push.py: its adapter alone, written as a PEFT folder, served, proven), beside the
+full push through the bucket, with both sizes:
+
+    python benchmark/push_cost.py --lora_rank 8
 """
 
 import argparse
@@ -43,12 +47,14 @@ def main() -> None:
     parser.add_argument(
         "--rate_elements", type=int, default=2**26, help="the tensor the fingerprint's rate is timed on"
     )
+    parser.add_argument("--lora_rank", type=int, default=0, help="also time a LoRA adapter's push (0: not)")
     options = parser.parse_args()
 
     import torch
     from transformers import AutoModelForCausalLM
 
-    from plumbing.flags import quiet_known_noise
+    from plumbing.flags import RunArgs, quiet_known_noise
+    from plumbing.lora import add_adapter as with_adapter
     from plumbing.engine import Engine, make_engine
     from plumbing.placement import engine_placements, visible_gpus
     from plumbing.weights import (
@@ -78,6 +84,17 @@ def main() -> None:
         os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
     llms = [make_engine(options.model_path, p, dtype=options.dtype, max_model_len=64, seed=0) for p in placements]
     llm = llms[0]
+    if options.lora_rank:  # a LoRA policy, and an engine of its own that serves its adapters
+        from plumbing.lora import engine_lora_settings
+
+        base = AutoModelForCausalLM.from_pretrained(options.model_path, dtype=dtype)
+        lora = with_adapter(base, RunArgs(lora_rank=options.lora_rank))
+        lora = lora.to(device or "cpu")
+        lora_settings = engine_lora_settings(options.lora_rank)
+        lora_llm = make_engine(
+            options.model_path, placements[0], dtype=options.dtype, max_model_len=64, seed=0, **lora_settings
+        )
+        llms.append(lora_llm)
     folder = tempfile.mkdtemp()
     try:
         snapshot = snapshot_bytes(checkpoint_names(model), dtype)
@@ -85,7 +102,8 @@ def main() -> None:
         whole = WeightBucket(device, folder, least=snapshot)
         bucket = WeightBucket(device, folder, least=int(snapshot * options.bucket_fraction))
         buckets = [WeightBucket(device, folder, least=int(snapshot * options.bucket_fraction)) for _ in llms]
-        several = Engine.around(llms, buckets)
+        several = Engine.around(llms[:engines], buckets)
+        served = Engine.around([llms[-1]], [None], weights_dir=folder) if options.lora_rank else None
         names = [
             "push, whole buffer",
             "push, bucket",
@@ -97,6 +115,7 @@ def main() -> None:
             "round trip",
             "trainer's probe",
             "engine's probe",
+            *([f"push, LoRA adapter of rank {options.lora_rank}"] if options.lora_rank else []),
         ]
         seconds = {name: [] for name in names}
         opened = lambda: shared_handle(whole.flat)  # noqa: E731  (allocated at the first push)
@@ -108,7 +127,16 @@ def main() -> None:
                     parameter.add_(1e-3)
             weights = model_snapshot(model, version, dtype, place)
             sent = [(name, shape) for name, shape, _ in weights.layout]
+            timed = []
+            if options.lora_rank:
+                with torch.no_grad():
+                    for name, parameter in lora.named_parameters():
+                        if ".lora_" in name:
+                            parameter.add_(1e-3)
+                adapter = model_snapshot(lora, version, dtype, place, probed=True)
+                timed = [(f"push, LoRA adapter of rank {options.lora_rank}", lambda: served.push(adapter))]
             for name, call in [
+                *timed,
                 ("push, whole buffer", lambda: push_weights(llm, whole, weights)),
                 ("push, bucket", lambda: push_weights(llm, bucket, weights)),
                 (f"push, bucket, {engines} engines", lambda: several.push(weights)),
@@ -130,6 +158,13 @@ def main() -> None:
         print(f"push, bucket / push, whole buffer: {median['push, bucket'] / median['push, whole buffer']:.2f}")
         to_several = median[f"push, bucket, {engines} engines"] / median["push, bucket"]
         print(f"push to {engines} engines / push to one, through buckets: {to_several:.2f}")
+        if options.lora_rank:
+            adapter_bytes = adapter.flat.numel() * dtype.itemsize
+            ratio = median[f"push, LoRA adapter of rank {options.lora_rank}"] / median["push, bucket"]
+            print(
+                f"LoRA adapter of rank {options.lora_rank}: {adapter_bytes / 2**20:.2f} MiB, "
+                f"{adapter_bytes / snapshot:.3f} of the snapshot; its push / the full push through the bucket: {ratio:.2f}"
+            )
         big = torch.randn(options.rate_elements, device=device or "cpu")  # fp32, rounded to --dtype as the trainer's
         times = []
         for _ in range(5):

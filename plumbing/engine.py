@@ -131,7 +131,7 @@ class Engine:
         if not self.processes.is_main:
             return
         args, accelerator, dtype = self.args, self.processes.accelerator, self.processes.engine_dtype
-        trained = sum(numel(p) for p in model.parameters())
+        trained = sum(numel(p) for p in model.parameters() if p.requires_grad)  # under LoRA, the adapter
         bf16 = accelerator.mixed_precision == "bf16"
         trained = trained_memory(trained, self.processes.zero_stage, accelerator.num_processes, bf16)
         to_come = {part: trained[part] for part in ("gradients", "optimizer state")}  # the weights are loaded

@@ -5,7 +5,8 @@ update is B A x scaled by alpha / r; the reference is the same model with the ad
 copy of its own, so the KL at step 0 is exactly 0. A policy version is its adapter alone (adapter_names): A,
 and B already scaled by alpha / r (for_the_engine), so that the engine, told alpha = r (lora_push.py),
 scales by exactly 1 and holds bit for bit what the trainer fingerprinted. How a version reaches the engine and
-is proven there: lora_push.py. docs/algorithms.md#lora says what LoRA changes in the method."""
+is proven there: lora_push.py. docs/algorithms.md#lora---lora_rank says what LoRA changes
+in the method."""
 
 import torch
 

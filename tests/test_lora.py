@@ -5,6 +5,7 @@ push proven; checkpoints of the adapter alone, and runs that resume exactly."""
 import json
 import math
 import os
+import shutil
 
 import pytest
 import torch
@@ -239,6 +240,28 @@ def test_a_stale_or_foreign_adapter_stops_the_push_naming_the_version(lora_engin
     assert engine.version == 5
 
 
+@pytest.mark.slow
+@on_the_lora_engine
+def test_an_adapter_saved_in_peft_s_format_is_served_by_the_engine_as_peft_computes_it(
+    lora_engine, tokenizer, tmp_path
+):
+    """A run's final policy/ is PEFT's save_pretrained of the adapter (its own alpha 16, B unscaled): vLLM serves that
+    folder as an adapter too, and samples what PEFT's model computes, to 1e-5 (float32)."""
+    from vllm.lora.request import LoRARequest
+
+    policy = lora_policy(seed=21)
+    policy.save_pretrained(tmp_path / "policy")
+    engine = plumbing.Engine.around([lora_engine], [None], weights_dir=str(tmp_path))
+    engine.adapter = LoRARequest(lora_name="final", lora_int_id=1000, lora_path=str(tmp_path / "policy"))
+    try:
+        engine_logprobs, trainer, _ = sampled_and_logprobs(engine, tokenizer, policy, [1, 2, 3])
+    finally:
+        lora_engine.llm_engine.remove_lora(1000)
+    gap = (engine_logprobs - trainer).abs().max().item()
+    print(f"PEFT's folder served by the engine: max |engine - PEFT| {gap:.2e}")
+    assert gap < 1e-5
+
+
 # A LoRA run of the tests' size, checkpointed every 4 steps: 32 steps of 8 prompts (x 2 samples for online DPO)
 LORA_RUN = ["--total_episodes", "512", "--local_micro_batch_size", "8", "--eval_freq", "8", "--num_eval_prompts", "32"]
 LORA_RUN += ["--lora_rank", "8", "--learning_rate", "1e-3", "--save_freq", "4", "--lora_save_merged"]
@@ -285,3 +308,67 @@ def test_a_lora_run_killed_by_sigkill_resumes_exactly_from_checkpoints_of_the_ad
     assert gap < 1e-5 and moved > 1e-3
     config = json.loads((reference / "policy" / "adapter_config.json").read_text())
     assert (config["r"], config["lora_alpha"], config["peft_type"]) == (8, 16.0, "LORA")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "config, processes",
+    [("configs/cpu_2proc.yaml", 2), ("configs/deepspeed_zero2.yaml", 1)],
+    ids=["two_processes", "zero2"],
+)
+def test_lora_trains_and_resumes_exactly_over_two_processes_and_under_zero2(config, processes, tmp_path):
+    """LoRA over two CPU training processes (gloo) and under DeepSpeed ZeRO-2 (bf16, which DeepSpeed writes its own
+    checkpoints for, here of the weights that train alone): the run copied as if stopped during step 5 resumes from
+    its step-4 checkpoint and ends with the same metrics and final adapter, bit for bit."""
+    from safetensors.torch import load_file
+
+    from conftest import accelerate_launch, run_script, training_lines_without_timings
+
+    launch = accelerate_launch("--config_file", config, "--num_processes", str(processes))
+    launch += ["online_dpo_async.py", "--total_episodes", "256", "--local_micro_batch_size", "4", "--eval_freq", "4"]
+    launch += ["--num_eval_prompts", "16", "--save_freq", "2", "--keep_checkpoints", "8"]
+    launch += ["--lora_rank", "8", "--learning_rate", "1e-3"]
+    if processes == 1:
+        launch += ["--dtype", "bfloat16", "--gradient_accumulation_steps", "2"]
+    env = {"ACCELERATE_USE_CPU": "1"} if processes > 1 else {}
+    run_script(launch + ["--output_dir", str(tmp_path / "run")], env=env)
+    if processes == 1:  # DeepSpeed's own checkpoint: its model file holds the adapter alone
+        model_file = next((tmp_path / "run" / "checkpoints" / "step_000004" / "pytorch_model").glob("*model_states.pt"))
+        saved = torch.load(model_file, weights_only=False)["module"]
+        assert len(saved) == 56 and all(".lora_" in name for name in saved)
+    resumed = tmp_path / "resumed"
+    shutil.copytree(tmp_path / "run", resumed)
+    shutil.rmtree(resumed / "policy")
+    for later in [p for p in (resumed / "checkpoints").iterdir() if p.name > "step_000004"]:
+        shutil.rmtree(later)
+    lines = (resumed / "metrics.jsonl").read_text().splitlines()
+    (resumed / "metrics.jsonl").write_text("".join(line + "\n" for line in lines if json.loads(line)["step"] < 5))
+    said = run_script(launch + ["--output_dir", str(resumed), "--resume"], env=env).stdout
+    assert f"resuming from {resumed / 'checkpoints' / 'step_000004'} (step 4)" in said
+    assert training_lines_without_timings(resumed) == training_lines_without_timings(tmp_path / "run")
+    final, expected = (load_file(d / "policy" / "adapter_model.safetensors") for d in (resumed, tmp_path / "run"))
+    assert final.keys() == expected.keys() and all(torch.equal(final[k], expected[k]) for k in expected)
+
+
+@pytest.mark.slow
+def test_ppo_s_value_model_gets_an_adapter_of_its_own_and_a_sigterm_resumes_exactly(tmp_path):
+    """PPO with --lora_value_model: the policy and the value model each with an adapter, the value head trained whole
+    (PEFT's SEQ_CLS); a checkpoint holds exactly the weights that train, and a run stopped by SIGTERM after 6 steps
+    resumes to the same metrics and final adapter as the run that was not stopped."""
+    import signal
+
+    from safetensors.torch import load_file
+
+    from conftest import assert_resumed_run_matches
+
+    flags = [*LORA_RUN[:-1], "--lora_value_model"]  # no merged policy
+    run, reference, _, stopped, _ = assert_resumed_run_matches(
+        "ppo_async.py", flags, tmp_path, stop_after=6, sig=signal.SIGTERM
+    )
+    held = load_file(sorted((reference / "checkpoints").iterdir())[-1] / "model.safetensors")
+    policy = {name for name in held if name.startswith("policy.")}
+    value = {name for name in held if name.startswith("value_model.")}
+    assert len(policy) == 56 and all(".lora_" in name for name in policy)
+    assert {name for name in value if ".lora_" not in name} == {"value_model.score.modules_to_save.default.weight"}
+    reward_layers = json.loads((TINY / "reward" / "config.json").read_text())["num_hidden_layers"]
+    assert len(value) == 2 * 7 * reward_layers + 1 and policy | value == held.keys()
