@@ -174,7 +174,9 @@ def check_value_model(inputs: Inputs, args: Args) -> None:
     """The value model starts from the reward model and reads the policy's tokens: their tokenizers agree. An
     adapter of its own needs the policy's LoRA settings."""
     if args.lora_value_model and not args.lora_rank:
-        raise UsageError("--lora_value_model gives the value model an adapter of --lora_rank's: set --lora_rank")
+        raise UsageError(
+            "--lora_value_model gives the value model an adapter like the policy's: set --lora_rank"
+        )
     reward_tokenizer = inputs.reward_tokenizer
     if reward_tokenizer is not None and not plumbing.same_tokenizer(reward_tokenizer, inputs.tokenizer):
         start = f"the value model starts from --reward_model_path {args.reward_model_path}"
