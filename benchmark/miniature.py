@@ -6,6 +6,8 @@ file on the tiny task, on a CPU, then the plots and the results tables (`plot_mi
     python benchmark/miniature.py --out_dir runs/miniature_smoke --smoke   # every run at a trivial size
     python benchmark/miniature.py --study corrections --out_dir runs/corrections \
         --reuse benchmark/results/miniature/runs                            # the corrections sweep
+    python benchmark/miniature.py --study lora --out_dir runs/lora \
+        --reuse benchmark/results/miniature/runs                            # LoRA against full fine-tuning
 
 The comparisons (paper sections 3-5):
   - off-policy sweep, figures 3-5: N = 1, 2, 4, 8, 16 mini-batches per generated batch
@@ -23,6 +25,8 @@ The corrections sweep (`--study corrections`, beyond the paper): PPO and GRPO at
 that order: where PPO diverged first), each with the trainer's pi_old and no correction, then with the engine's
 logprobs (`--old_logprobs engine`) and each `--correction`; `--reuse` copies the runs it shares with the async level
 sweep (same name, same flags) instead of running them again.
+The LoRA study (`--study lora`): each file's async N = 1 run in full fine-tuning and with a rank-8 adapter on every
+linear layer at ten times the learning rate (`--lora_rank 8`).
 Figure 7's T (PPO epochs) sweep is not part of the miniature. Each run has 6144 episodes (the
 files' default is 12800) and 2 seeds, evaluated on all 512 eval prompts at step 0 and 3 more times.
 Every run lives in `<out_dir>/<name>/` (the script's `--output_dir`; its `args.json` holds the git
@@ -294,6 +298,7 @@ class Run:
     flags: list[str]
     # the correction sweep's: --old_logprobs engine with this --correction; None: --old_logprobs trainer, no correction
     correction: str | None = None
+    lora_rank: int = 0  # the LoRA study's: an adapter of this rank trains (LORA); 0: the whole policy
 
     def argv(self, out_dir: Path) -> list[str]:
         return [sys.executable, self.script, *self.flags, "--output_dir", str(out_dir / self.name)]
@@ -311,16 +316,18 @@ def make_run(
     eval_prompts: int,
     num_samples: int | None = None,
     correction: str | None = None,
+    lora_rank: int = 0,
 ) -> Run:
     """One run with every defining flag spelled out. Batch sizes count prompts: a step generates
     micro_batch x N prompts x K completions and trains N mini-batches of micro_batch prompts, so at equal
     episodes every N makes the same number of optimizer updates (and the same linear lr decay). A `correction`
-    reads the engine's logprobs (--old_logprobs engine) and corrects with it (--correction)."""
+    reads the engine's logprobs (--old_logprobs engine) and corrects with it (--correction); a `lora_rank` trains an
+    adapter of that rank alone (LORA's settings spelled out)."""
     script, default_samples, algorithm = METHODS[method]
     k = num_samples or default_samples
     mode = "sync" if async_level == 0 else "async" if async_level == 1 else f"async{async_level}"
     name = f"{method}_n{n}_{mode}" + (f"_k{k}" if k != default_samples else "")
-    name += (f"_{correction}" if correction else "") + f"_s{seed}"
+    name += (f"_{correction}" if correction else "") + (f"_lora{lora_rank}" if lora_rank else "") + f"_s{seed}"
     if correction:
         algorithm = list(algorithm)
         algorithm[algorithm.index("--old_logprobs") + 1] = "engine"
@@ -359,6 +366,8 @@ def make_run(
     ]
     if script in SAMPLES_FLAG:
         flags += [SAMPLES_FLAG[script], str(k)]
+    if lora_rank:
+        flags += ["--lora_rank", str(lora_rank), *LORA]
     return Run(
         name,
         method,
@@ -373,6 +382,7 @@ def make_run(
         num_steps // num_evals,
         flags,
         correction,
+        lora_rank,
     )
 
 
@@ -422,6 +432,28 @@ def make_correction_plan(
         for seed in seeds
         for method in CORRECTION_METHODS
         for correction in CORRECTIONS
+    ]
+
+
+# The LoRA study (docs/reproducing.md#lora-against-full-fine-tuning): each file's async N = 1 run, the whole policy
+# trained at the sweep's learning rate beside a rank-8 adapter on every linear layer at ten times it (the usual
+# starting point: docs/algorithms.md#lora---lora_rank), PEFT's defaults but alpha 16 and no dropout.
+LORA_METHODS = ("dpo", "rloo", "ppo")
+LORA_RANK = 8
+LORA = ["--lora_alpha", "16.0", "--lora_dropout", "0.0", "--lora_target_modules", "all-linear", "--no_lora_save_merged"]
+
+
+def make_lora_plan(
+    seeds: list[int], episodes: int, learning_rate: float, micro_batch: int, num_evals: int, eval_prompts: int
+) -> list[Run]:
+    """Seed by seed, each method's async N = 1 run in full fine-tuning (the async level sweep's: --reuse copies it),
+    then with LoRA at ten times the learning rate."""
+    common = dict(episodes=episodes, micro_batch=micro_batch, num_evals=num_evals, eval_prompts=eval_prompts)
+    return [
+        make_run(method, 1, 1, seed, learning_rate=lr, lora_rank=rank, **common)
+        for seed in seeds
+        for method in LORA_METHODS
+        for lr, rank in ((learning_rate, 0), (10 * learning_rate, LORA_RANK))
     ]
 
 
@@ -528,10 +560,11 @@ def parse(argv: list[str]) -> argparse.Namespace:
     )
     parser.add_argument(
         "--study",
-        choices=("paper", "corrections"),
+        choices=("paper", "corrections", "lora"),
         default="paper",
         help="paper: the paper's comparisons and the async level sweep; corrections: the corrections sweep, PPO and "
-        "GRPO at k = 8, 16, 4, 2, 0 without and with each --correction (docs/reproducing.md#the-corrections-sweep)",
+        "GRPO at k = 8, 16, 4, 2, 0 without and with each --correction (docs/reproducing.md#the-corrections-sweep); "
+        "lora: each file's async N = 1 run in full fine-tuning and with a rank-8 LoRA adapter at 10x the learning rate",
     )
     parser.add_argument(
         "--reuse",
@@ -572,7 +605,7 @@ def parse(argv: list[str]) -> argparse.Namespace:
 def main(argv: list[str]) -> int:
     args = parse(argv)
     out_dir = Path(args.out_dir).resolve()
-    planner = make_correction_plan if args.study == "corrections" else make_plan
+    planner = {"paper": make_plan, "corrections": make_correction_plan, "lora": make_lora_plan}[args.study]
     plan = planner(args.seeds, args.episodes, args.learning_rate, args.micro_batch, args.num_evals, args.eval_prompts)
     if args.only:
         patterns = args.only.split(",")

@@ -128,8 +128,10 @@ def train_time(run: dict, step: int) -> float:
 
 
 def group_key(meta: dict) -> tuple:
-    """A run's group, its seeds together: a record made before the corrections sweep has no correction (None)."""
-    return meta["method"], meta["num_mini_batches"], meta["num_samples"], meta["async_level"], meta.get("correction")
+    """A run's group, its seeds together: a record made before the corrections sweep has no correction (None), one
+    made before the LoRA study no adapter (rank 0)."""
+    method, n, k, level = meta["method"], meta["num_mini_batches"], meta["num_samples"], meta["async_level"]
+    return method, n, k, level, meta.get("correction"), meta.get("lora_rank", 0)
 
 
 def mean_over_steps(run: dict, key: str) -> float | None:
@@ -147,7 +149,9 @@ def summarise(runs: list[dict]) -> tuple[list[dict], bool]:
     order = {m: i for i, m in enumerate(METHOD_LABELS)}
     rows = []
     corrections = {c: i for i, c in enumerate(CORRECTION_LABELS)}
-    for key in sorted(groups, key=lambda k: (order.get(k[0], len(order)), k[3], k[2], k[1], corrections.get(k[4], 0))):
+    for key in sorted(
+        groups, key=lambda k: (order.get(k[0], len(order)), k[3], k[2], k[1], corrections.get(k[4], 0), k[5])
+    ):
         members = sorted(groups[key], key=lambda r: r["meta"]["seed"])
         win = [r["evals"][-1]["eval/win_rate"] for r in members]
         kl = [kl_proxy(r, ppl_key) for r in members]
@@ -164,6 +168,7 @@ def summarise(runs: list[dict]) -> tuple[list[dict], bool]:
                 "k": key[2],
                 "async_level": key[3],
                 "correction": key[4],
+                "lora_rank": key[5],
                 "truncated": None if None in weighted else float(np.mean(weighted)),
                 "masked": None if None in masked else float(np.mean(masked)),
                 "seeds": [r["meta"]["seed"] for r in members],
@@ -190,8 +195,48 @@ def label(row: dict) -> str:
 
 
 def paper_rows(rows: list[dict]) -> list[dict]:
-    """The paper's comparisons: its methods, synchronous or one step asynchronous."""
-    return [r for r in rows if r["method"] in PAPER_METHODS and r["async_level"] <= 1 and r["correction"] is None]
+    """The paper's comparisons: its methods, synchronous or one step asynchronous, the whole policy trained."""
+    return [
+        r
+        for r in rows
+        if r["method"] in PAPER_METHODS and r["async_level"] <= 1 and r["correction"] is None and not r["lora_rank"]
+    ]
+
+
+def lora_rows(rows: list[dict]) -> list[dict]:
+    """The LoRA study (benchmark/miniature.py --study lora): at N = 1, async level 1, K default, each method that has
+    runs with an adapter, full fine-tuning first."""
+    studied = {r["method"] for r in rows if r["lora_rank"]}
+    chosen = [
+        r
+        for r in rows
+        if r["method"] in studied and r["n"] == 1 and r["async_level"] == 1 and r["k"] == DEFAULT_K[r["method"]]
+    ]
+    order = {m: i for i, m in enumerate(METHOD_LABELS)}
+    return sorted(chosen, key=lambda r: (order[r["method"]], r["lora_rank"]))
+
+
+def lora_table(rows: list[dict], use_perplexity: bool) -> str:
+    """The LoRA study: per method, the final win rate of full fine-tuning and of LoRA, each with its seeds' range and
+    the KL proxy, and LoRA's gain (or cost)."""
+    kl = "ref. perplexity" if use_perplexity else "KL proxy"
+    chosen = lora_rows(rows)
+    ranks = sorted({r["lora_rank"] for r in chosen if r["lora_rank"]})
+    head = f"| method | full fine-tuning (range; {kl}) | " + " | ".join(
+        f"LoRA r = {rank} (range; {kl}) | LoRA r = {rank} - full" for rank in ranks
+    )
+    lines = [head + " |", "|---|---|" + "---|---|" * len(ranks)]
+    for method in dict.fromkeys(r["method"] for r in chosen):
+        by_rank = {r["lora_rank"]: r for r in chosen if r["method"] == method}
+        cell = lambda r: f"{r['win_rate']:.3f} ({r['win_rate_min']:.3f}-{r['win_rate_max']:.3f}; {r['kl']:.2f})"  # noqa: E731
+        full = by_rank.get(0)
+        cells = [cell(full) if full else ""]
+        for rank in ranks:
+            lora = by_rank.get(rank)
+            cells.append(cell(lora) if lora else "")
+            cells.append(f"{lora['win_rate'] - full['win_rate']:+.3f}" if lora and full else "")
+        lines.append(f"| {METHOD_LABELS[method]} | " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
 
 
 def staleness_rows(rows: list[dict]) -> list[dict]:
@@ -200,7 +245,11 @@ def staleness_rows(rows: list[dict]) -> list[dict]:
     return [
         r
         for r in rows
-        if r["method"] in swept and r["n"] == 1 and r["k"] == DEFAULT_K[r["method"]] and r["correction"] is None
+        if r["method"] in swept
+        and r["n"] == 1
+        and r["k"] == DEFAULT_K[r["method"]]
+        and r["correction"] is None
+        and not r["lora_rank"]
     ]
 
 
@@ -306,7 +355,9 @@ def correction_summary(rows: list[dict], use_perplexity: bool) -> str:
 def results_text(rows: list[dict], use_perplexity: bool) -> str:
     """results.md: the paper's comparisons if there are their runs, then the staleness sweep's table if there are
     its runs; or else the corrections sweep's alone (whose uncorrected runs are the staleness sweep's, its
-    synchronous ones the paper's)."""
+    synchronous ones the paper's); or the LoRA study's alone (whose full fine-tuning runs are the paper's)."""
+    if lora_rows(rows):
+        return "LoRA against full fine-tuning (N = 1, async level 1):\n\n" + lora_table(rows, use_perplexity)
     text = table(rows, use_perplexity) if paper_rows(rows) and not correction_rows(rows) else ""
     if staleness_rows(rows) and not correction_rows(rows):
         text += "\nThe async level sweep (N = 1):\n\n" + staleness_table(rows, use_perplexity)
@@ -537,12 +588,13 @@ def main(argv: list[str]) -> None:
     rows, use_perplexity = summarise(read_runs(runs_dir))
     out.mkdir(parents=True, exist_ok=True)
     pngs = []
-    if paper_rows(rows) and not correction_rows(rows):  # the corrections sweep: its table and figure alone
+    studies = correction_rows(rows) or lora_rows(rows)  # a study's folder shows its own table (and figure) alone
+    if paper_rows(rows) and not studies:
         plot_kl(rows, use_perplexity, out / "win_rate_vs_kl.png")
         plot_time(rows, out / "win_rate_vs_time.png")
         plot_curves(rows, out / "learning_curves.png")
         pngs += ["win_rate_vs_kl.png", "win_rate_vs_time.png", "learning_curves.png"]
-    if staleness_rows(rows) and not correction_rows(rows):
+    if staleness_rows(rows) and not studies:
         plot_staleness(rows, use_perplexity, out / "win_rate_vs_async_level.png")
         pngs.append("win_rate_vs_async_level.png")
     elif correction_rows(rows):
