@@ -10,6 +10,9 @@
 # Experiments:
 #   online_dpo  tables 1 and 8, figure 9: online DPO, sync (async_level 0) and async (async_level 1)
 #   ppo         table 9, figure 10: PPO, sync and async, KL coefficient 0.01
+#   lora        not in the paper: async online DPO with a rank-8 LoRA adapter on every linear layer, at ten
+#               times the learning rate, on 2 GPUs (1 training + the engine's; ZeRO-2), which the memory
+#               plan says it fits (docs/algorithms.md#lora---lora_rank)
 #
 # The SFT policy and the reward model are yours to train first (tables 5-6), from Meta-Llama-3.1-8B:
 # tasks/train_sft.py, then tasks/label_preferences.py (4 completions per prompt including the
@@ -18,7 +21,7 @@
 # answers (tables 1, 8, 9) is judged afterwards from each run's eval_completions/ by tasks/llm_judge.py.
 set -euo pipefail
 BENCH=no_robots
-EXPERIMENTS=(online_dpo ppo)
+EXPERIMENTS=(online_dpo ppo lora)
 source "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
 select_experiments "$@"
 
@@ -80,6 +83,8 @@ NO_ROBOTS=(
 DPO_PROMPTS_PER_GPU=$(exact_div $((EPISODES_PER_STEP / 2)) "$TRAIN_GPUS" "online DPO's prompts per step over the training GPUs")
 PPO_PROMPTS_PER_GPU=$(exact_div "$EPISODES_PER_STEP" "$TRAIN_GPUS" "PPO's prompts per step over the training GPUs")
 DPO_ACCUMULATION=$(exact_div "$DPO_PROMPTS_PER_GPU" "$LOCAL_MICRO_BATCH_SIZE" "online DPO's prompts per GPU over the micro-batch")
+# LoRA: the step's 126 prompts on one training GPU, in micro-batches of 2 (the memory plan: 51.8 of 79 GiB)
+LORA_ACCUMULATION=$(exact_div $((EPISODES_PER_STEP / 2)) 2 "online DPO's prompts per step over LoRA's micro-batch")
 PPO_ACCUMULATION=$(exact_div "$PPO_PROMPTS_PER_GPU" "$LOCAL_MICRO_BATCH_SIZE" "PPO's prompts per GPU over the micro-batch")
 
 # TINY=1: the local fixture in the real format (chat `messages`, splits train/test), the tiny
@@ -117,6 +122,13 @@ for seed in $SEEDS; do
                 "${NO_ROBOTS[@]}" "${ENGINE_FLAGS[@]}" \
                 --gradient_accumulation_steps "$DPO_ACCUMULATION" --async_level "$async" --num_samples 2 \
                 --loss_type sigmoid --beta 0.03 --seed "$seed"
+        fi
+        if wants lora && [[ "$async" == 1 ]]; then  # one training GPU and the engine's: CUDA_VISIBLE_DEVICES=0,1
+            run "online_dpo-llama8b-lora8-async$async-s$seed" online_dpo_async.py configs/deepspeed_zero2.yaml 1 \
+                "${NO_ROBOTS[@]}" --local_micro_batch_size 2 \
+                --gradient_accumulation_steps "$LORA_ACCUMULATION" --async_level "$async" --num_samples 2 \
+                --loss_type sigmoid --beta 0.03 --lora_rank 8 --lora_alpha 16.0 --lora_dropout 0.0 \
+                --lora_target_modules all-linear --learning_rate 8e-6 --seed "$seed"
         fi
         if wants ppo; then  # table 7 but the KL coefficient 0.01 (appendix A.2, "PPO"); value model from the reward model
             run "ppo-llama8b$LAYOUT-async$async-s$seed" ppo_async.py "$ACCELERATE_CONFIG" "$TRAIN_GPUS" \

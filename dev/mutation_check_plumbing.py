@@ -26,9 +26,10 @@ RECEIVER, STOPS, CHECKPOINTS = "plumbing/receiver.py", "plumbing/stops.py", "plu
 DISTRIBUTED, INPUTS = "plumbing/distributed.py", "plumbing/inputs.py"
 FLAGS, PLACEMENT, TIMINGS = "plumbing/flags.py", "plumbing/placement.py", "plumbing/timings.py"
 TIDY, CHANNEL = "plumbing/tidy.py", "plumbing/channel.py"
+LORA, LORA_PUSH = "plumbing/lora.py", "plumbing/lora_push.py"
 PLAN, MEMORY = "benchmark/plan.py", "benchmark/memory.py"
 FILES = (WEIGHTS, RECEIVER, ENGINE, CHANNEL, STOPS, PLACEMENT, RUN_FOLDER, CHECKPOINTS, TIMINGS, TIDY)
-FILES += (DISTRIBUTED, FLAGS, INPUTS, PLAN, MEMORY)
+FILES += (DISTRIBUTED, FLAGS, INPUTS, PLAN, MEMORY, LORA, LORA_PUSH)
 
 # A table, one mutant to a line or two: left as laid out (the formatter would spread each over eight lines).
 # fmt: off
@@ -186,7 +187,8 @@ MUTANTS = [
            "shard = processes if stage >= 2 else 1", "the frozen models sharded under ZeRO-2"),
     Mutant("M03", MEMORY, "memory_plan", "if gpus >= processes + engine_gpus:", "if gpus > processes + engine_gpus:",
            "> vs >=: the engine sharing rank 0's GPU where the run has one for it of its own"),
-    Mutant("M04", MEMORY, "memory_plan", '0.3) * gpu_bytes), BUCKET: bucket}', "0.3) * gpu_bytes)}",
+    Mutant("M04", MEMORY, "memory_plan", "0.3) * gpu_bytes)} | ({BUCKET: bucket} if bucket else {})",
+           "0.3) * gpu_bytes)}",
            "the push's bucket left out of a shared GPU"),
     Mutant("M05", MEMORY, "memory_plan", '"online_dpo_async.py": 2 * micro', '"online_dpo_async.py": micro',
            "a micro-batch of pairs counted as one sequence a pair"),
@@ -257,6 +259,37 @@ MUTANTS = [
            "a dead process not yet reaped (a zombie) taken for alive: no process named"),
     Mutant("M07", MEMORY, "read_command", '"auto": 2 if bf16 else 4', '"auto": 2',
            "a float32 run's engine counted in bf16 by the memory and run plans"),
+    # -------- LoRA: the adapter, the reference, its push and proof, its checkpoints, its plans
+    Mutant("L01", LORA, "check_lora_flags", "if zero_stage == 3:", "if False:",
+           "LoRA under ZeRO-3 let through: the frozen base model sharded, gathered at every forward pass"),
+    Mutant("L02", LORA, "check_lora_flags", "if getattr(args, name) != default]", "if False]",
+           "LoRA's settings taken without --lora_rank: a run that says LoRA and trains the whole policy"),
+    Mutant("L03", LORA, "engine_lora_settings", "if rank >= lora_rank", "if rank > lora_rank",
+           "the engine's slots of the next rank up: twice the memory for a rank vLLM offers"),
+    Mutant("L04", LORA, "AdapterOff", "        with policy.disable_adapter():\n            return policy(*args, **kwargs)",
+           "        return policy(*args, **kwargs)", "the reference computed with the adapter on: the KL always 0"),
+    Mutant("L05", LORA, "for_the_engine", 'tensor * scaling if ".lora_B." in name else tensor', "tensor",
+           "B sent unscaled while the engine is told alpha = r: it samples with 1 / scaling of the update"),
+    Mutant("L06", LORA, "adapter_names", '.replace(".default.", ".")', "",
+           "the adapter's tensors under their in-memory names, which vLLM does not read as an adapter's"),
+    Mutant("L07", LORA_PUSH, "adapter_config", "lora_alpha=rank,", "lora_alpha=2 * rank,",
+           "the pushed adapter's alpha twice its rank: the engine doubles the update the trainer computes"),
+    Mutant("L08", LORA_PUSH, "_check_adapter_loaded", 'if held["slot"] != version:', "if False:",
+           "the adapter in the engine's slot not checked: another version's serves"),
+    Mutant("L09", LORA_PUSH, "_check_adapter_loaded", "    elif others:\n", "    elif False:\n",
+           "weights in a layer the adapter has none in let through"),
+    Mutant("L10", LORA_PUSH, "adapter_fingerprints", 'part = 0 if ".lora_A." in name else 3', "part = 0",
+           "A's and B's sums added together: a wrong B hidden by A"),
+    Mutant("L11", RECEIVER, "WeightReceiver", "        manager.activate_adapter(adapter_id)\n", "",
+           "the pushed adapter never moved into a slot before its slot is read"),
+    Mutant("L12", CHECKPOINTS, "load_trained_weights", "if missing or extra:", "if missing:",
+           "a checkpoint holding weights that do not train loaded silently"),
+    Mutant("L13", CHECKPOINTS, "hold_trained_weights_only", "state.items() if name in trained}", "state.items()}",
+           "checkpoints of the frozen base model too, under LoRA: 10 times the adapter's size"),
+    Mutant("L14", ENGINE, "Engine", "                if self.adapter is not None:\n", "                if False:\n",
+           "the previous version's adapter never dropped: the engine's host cache and the RAM folder grow"),
+    Mutant("L15", MEMORY, "adapter_parameters", "rank * (module.in_features + module.out_features)",
+           "rank * module.in_features", "the adapter's B left out of the plans' count"),
 ]
 # fmt: on
 
@@ -266,6 +299,7 @@ MUTANTS = [
 # mutant that needs it).
 TESTS = [
     "tests/test_plumbing.py",
+    "tests/test_lora.py",
     "tests/test_gpu_path.py",
     "tests/test_plan.py",
     "tests/test_benchmark_tools.py",
@@ -290,7 +324,9 @@ DESELECTED = (
 )
 # The engine's worker runs in its own process, where the recording cannot see: the test that pushes and checks
 ENGINE_PUSH = "tests/test_engine.py::test_an_engine_holding_other_weights_than_it_was_sent_stops_the_run"
-UNRECORDED = {(RECEIVER, "WeightReceiver"): [ENGINE_PUSH], (RECEIVER, "_repacked_fingerprint"): [ENGINE_PUSH]}
+# and LoRA's: the test that pushes adapters and checks what the engine samples
+LORA_PUSHES = "tests/test_lora.py::test_only_the_adapter_travels_and_the_engine_samples_the_trainers_policy_at_each_version"
+UNRECORDED = {(RECEIVER, "WeightReceiver"): [ENGINE_PUSH, LORA_PUSHES], (RECEIVER, "_repacked_fingerprint"): [ENGINE_PUSH]}
 PLUMBING = Suite(FILES, MUTANTS, TESTS, DESELECTED, UNRECORDED)
 
 if __name__ == "__main__":

@@ -182,7 +182,7 @@ def test_tldr_commands_are_table_4_and_the_figures_sweeps():
 
 
 def test_no_robots_commands_are_table_7():
-    commands = dry_run("no_robots", NO_ROBOTS_SFT="my/sft", NO_ROBOTS_RM="my/rm")
+    commands = dry_run("no_robots", "online_dpo", "ppo", NO_ROBOTS_SFT="my/sft", NO_ROBOTS_RM="my/rm")
     check_names_and_launch(commands, "no_robots", 7, zero=3)
     assert all(c.args.gradient_checkpointing and c.args.vllm_gpu_memory_utilization == 0.91 for c in commands)
     assert sorted((c.script, c.args.async_level) for c in commands) == [
@@ -216,6 +216,25 @@ def test_no_robots_commands_are_table_7():
             assert a.kl_coef == 0.01 and s.batch_size == 252  # appendix A.2, "PPO"
 
 
+def test_no_robots_lora_is_the_paper_s_async_online_dpo_with_an_adapter_on_two_gpus():
+    """The lora experiment: table 7's async online DPO (the same step of 126 prompts x 2, 397 steps, beta 0.03), one
+    training process under ZeRO-2 beside the engine's GPU, a rank-8 adapter on every linear layer at ten times the
+    learning rate; its memory plan fits on those 2 GPUs (the whole policy takes 8)."""
+    sys.path.insert(0, str(ROOT / "benchmark"))
+    import memory
+
+    (lora,) = dry_run("no_robots", "lora")
+    (paper,) = [c for c in dry_run("no_robots", "online_dpo") if c.args.async_level == 1]
+    assert lora.launcher[-4:] == ["--config_file", "configs/deepspeed_zero2.yaml", "--num_processes", "1"]
+    a, s = lora.args, lora.sizes
+    assert (a.lora_rank, a.lora_alpha, a.lora_dropout, a.lora_target_modules) == (8, 16.0, 0.0, "all-linear")
+    assert a.learning_rate == 10 * paper.args.learning_rate == 8e-6 and (a.beta, a.async_level) == (0.03, 1)
+    assert (s.batch_size, s.episodes_per_step, s.num_steps) == (paper.sizes.batch_size, 252, 397) and s.world_size == 1
+    assert lora.value("--exp_name").startswith("online_dpo-llama8b-lora8-async1-s1__")
+    result = memory.plan(["accelerate", "launch", *lora.launcher[2:], lora.script, *lora.flags], int(79 * 2**30), None)
+    assert len(result["gpus"]) == 2 and memory.table(result, int(79 * 2**30))[1]
+
+
 def without(flags: list[str], names: set[str]) -> list[str]:
     """`flags` less the flags in `names`, each with its value."""
     dropped = {i + j for i, flag in enumerate(flags) if flag in names for j in (0, 1)}
@@ -231,7 +250,10 @@ def test_no_robots_offers_two_engines_beside_six_training_gpus_for_the_same_step
     import memory
     import tyro
 
-    paper, two = dry_run("no_robots"), dry_run("no_robots", VLLM_NUM_ENGINES="2")
+    paper, two = (
+        dry_run("no_robots", "online_dpo", "ppo"),
+        dry_run("no_robots", "online_dpo", "ppo", VLLM_NUM_ENGINES="2"),
+    )
     assert [c.script for c in two] == [c.script for c in paper] and len(two) == 4
     changed = {"--local_micro_batch_size", "--gradient_accumulation_steps", "--exp_name", "--output_dir"}
     for p, t in zip(paper, two):
@@ -332,6 +354,7 @@ TINY_RUNS = {  # what each script's tiny mode runs: (script, distinguishing flag
     ],
     "no_robots": [
         ("online_dpo_async.py", dict(task="no_robots", beta=0.03, async_level=1, learning_rate=8e-7)),
+        ("online_dpo_async.py", dict(task="no_robots", beta=0.03, async_level=1, learning_rate=8e-6, lora_rank=8)),
         ("ppo_async.py", dict(task="no_robots", kl_coef=0.01, async_level=1, learning_rate=8e-7)),
     ],
     "gsm8k": [

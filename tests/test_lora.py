@@ -151,6 +151,42 @@ def test_lora_flags_are_refused_in_one_line_where_they_cannot_work():
     assert engine_lora_settings(8)["max_lora_rank"] == 8 and engine_lora_settings(9)["max_lora_rank"] == 16
 
 
+def test_a_checkpoint_holds_the_weights_that_train_and_a_resume_reads_exactly_those_back(tmp_path):
+    """hold_trained_weights_only, with a real Accelerator: save_state writes the adapter alone (the 56 tensors that
+    train, none of the base model's), and load_state reads them back into a fresh policy, bit for bit; a checkpoint
+    short of one of them, or holding a weight that does not train, stops the resume in one line naming it."""
+    from accelerate import Accelerator
+    from safetensors.torch import load_file, save_file
+
+    from plumbing.checkpoints import hold_trained_weights_only, load_trained_weights
+
+    accelerator = Accelerator(cpu=True)
+    policy = accelerator.prepare(lora_policy(seed=7))
+    hold_trained_weights_only(accelerator)
+    accelerator.save_state(str(tmp_path / "checkpoint"))
+    held = load_file(tmp_path / "checkpoint" / "model.safetensors")
+    trained = {name: p for name, p in policy.named_parameters() if p.requires_grad}
+    assert held.keys() == trained.keys() and len(held) == 56
+    fresh = Accelerator(cpu=True)
+    other = fresh.prepare(lora_policy(seed=8))
+    hold_trained_weights_only(fresh)
+    fresh.load_state(str(tmp_path / "checkpoint"))
+    assert all(torch.equal(p, trained[name]) for name, p in other.named_parameters() if p.requires_grad)
+    short = dict(held)
+    short.pop(next(iter(short)))
+    with pytest.raises(
+        UsageError, match=r"does not hold this run's trained weights \(56 tensors\): it lacks base_model"
+    ):
+        load_trained_weights(short, other, "step_000004/model.safetensors")
+    frozen = "base_model.model.model.layers.0.self_attn.q_proj.base_layer.weight"
+    extra = held | {frozen: torch.zeros(1)}
+    with pytest.raises(UsageError, match=f"it holds {frozen}, which does not train"):
+        load_trained_weights(extra, other, "step_000004/model.safetensors")
+    save_file(short, tmp_path / "checkpoint" / "model.safetensors")
+    with pytest.raises(UsageError, match="checkpoint/model.safetensors does not hold this run's trained weights"):
+        fresh.load_state(str(tmp_path / "checkpoint"))
+
+
 @pytest.fixture(scope="module")
 def lora_engine():
     """The scripts' engine over the tiny SFT policy, serving LoRA adapters of rank 8 (engine_lora_settings)."""
@@ -177,7 +213,6 @@ def sampled_and_logprobs(engine, tokenizer, policy, seeds):
     return rloo.pad_logprobs(logprobs, batch), trainer, responses
 
 
-@pytest.mark.slow
 @on_the_lora_engine
 def test_only_the_adapter_travels_and_the_engine_samples_the_trainers_policy_at_each_version(
     lora_engine, tokenizer, tmp_path
@@ -211,7 +246,6 @@ def test_only_the_adapter_travels_and_the_engine_samples_the_trainers_policy_at_
     )
 
 
-@pytest.mark.slow
 @on_the_lora_engine
 def test_a_stale_or_foreign_adapter_stops_the_push_naming_the_version(lora_engine, tokenizer, tmp_path, monkeypatch):
     """A fault planted where the adapter is written (plumbing.engine's write_adapter, the one place it is): the folder

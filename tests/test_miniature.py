@@ -242,7 +242,7 @@ def test_plan_spells_out_every_flag_that_defines_a_run(script):
     # has its test split, and left out (None) is what the runs used
     later = {"dataset_eval_file"}
     # and LoRA's (issue 53): left out, --lora_rank 0, the whole policy trains, as the runs did
-    later |= {"lora_rank", "lora_alpha", "lora_dropout", "lora_target_modules", "lora_save_merged"}
+    later |= {"lora_rank", "lora_alpha", "lora_dropout", "lora_target_modules", "lora_save_merged", "lora_value_model"}
     # the file's methods (Best-of-2 is online DPO's with another loss); PRIME-RL's objective sets its loss, its mu and
     # its KL term on purpose too, and GRPO (the corrections sweep's) its loss, advantage, normaliser and KL term
     methods = {"online_dpo_async.py": ["dpo"], "rloo_async.py": ["rloo", "prime_rl", "grpo"], "ppo_async.py": ["ppo"]}
@@ -430,10 +430,12 @@ def write_run(
     perplexity_key: str | None = "eval/ref_ppl",
     correction: str | None = None,
     fractions: list[tuple] | None = None,
+    lora_rank: int = 0,
 ) -> None:
     """evals: (step, episode, win rate, perplexity); train: (step, objective/kl, step start, step time);
     fractions: per training step, the correction's (truncated, masked) fractions."""
     name = f"{method}_n{n}_async{async_level}_k{k}" + (f"_{correction}" if correction else "") + f"_s{seed}"
+    name += f"_lora{lora_rank}" if lora_rank else ""
     folder = runs_dir / name
     folder.mkdir(parents=True)
     meta = {
@@ -444,6 +446,7 @@ def write_run(
         "async_level": async_level,
         "seed": seed,
         **({"correction": correction} if correction else {}),
+        **({"lora_rank": lora_rank} if lora_rank else {}),
     }
     (folder / "miniature.json").write_text(json.dumps(meta))
     lines = [
@@ -769,6 +772,64 @@ def test_committed_corrections_results_are_the_table_of_their_runs():
     for name, record in records.items():
         assert miniature.same_flags(record["flags"], plan[name]), name
         assert record["script"] == plan[name].script and "argv" not in record, name
+
+
+def test_lora_plan_is_each_files_async_run_in_full_and_with_an_adapter_at_ten_times_the_learning_rate():
+    """The LoRA study, seed by seed, method by method: the async level sweep's N = 1, k = 1 run (the same name and
+    flags, so --reuse takes it), then the same run with a rank-8 adapter on every linear layer (alpha 16, no dropout)
+    at ten times the learning rate, every LoRA flag spelled out."""
+    plan = miniature.make_lora_plan(**PLAN_ARGS)
+    expected = [
+        f"{m}_n1_async{lora}_s{seed}" for seed in (1, 2) for m in ("dpo", "rloo", "ppo") for lora in ("", "_lora8")
+    ]
+    assert [run.name for run in plan] == expected
+    sweep = by_name(miniature.make_plan(**PLAN_ARGS))
+    for run in plan:
+        flags = flag_dict(run.flags)
+        if run.lora_rank:
+            assert (flags["lora_rank"], flags["lora_alpha"], flags["lora_dropout"]) == ("8", "16.0", "0.0"), run.name
+            assert flags["lora_target_modules"] == "all-linear" and "no_lora_save_merged" in flags, run.name
+            full = sweep[run.name.replace("_lora8", "")]
+            assert float(flags["learning_rate"]) == 10 * full.learning_rate, run.name
+            lora_flags = {"lora_rank", "lora_alpha", "lora_dropout", "lora_target_modules", "no_lora_save_merged"}
+            others = {
+                key: value for key, value in flags.items() if key not in lora_flags | {"learning_rate", "exp_name"}
+            }
+            assert others == {k: v for k, v in flag_dict(full.flags).items() if k not in {"learning_rate", "exp_name"}}
+        else:
+            assert run.flags == sweep[run.name].flags and "lora_rank" not in flags, run.name
+
+
+def test_lora_table_against_hand_computation(tmp_path):
+    """Runs with an adapter beside full fine-tuning's make the LoRA study's table alone: per method the final win rate
+    of each, seeds averaged, with their range and reference perplexity, and LoRA's difference; no figure."""
+    runs_dir, out = tmp_path / "runs", tmp_path / "plots"
+    train = [(0, 0.0, 0.5, 1.0), (1, 0.2, 1.5, 1.0)]
+    for seed, (full, lora) in enumerate([(0.60, 0.64), (0.62, 0.58)], start=1):
+        write_run(runs_dir, "dpo", 1, 2, 1, seed, [(0, 0, 0.40, 1.20), (2, 64, full, 1.30)], train)
+        write_run(runs_dir, "dpo", 1, 2, 1, seed, [(0, 0, 0.40, 1.20), (2, 64, lora, 1.50)], train, lora_rank=8)
+    plot_miniature.main([str(runs_dir), "--out", str(out)])
+    text = (out / "results.md").read_text()
+    assert text.startswith("LoRA against full fine-tuning (N = 1, async level 1):")
+    assert "| online DPO | 0.610 (0.600-0.620; 1.30) | 0.610 (0.580-0.640; 1.50) | +0.000 |" in text
+    assert list(out.glob("*.png")) == []
+
+
+def test_committed_lora_results_are_the_table_of_their_runs():
+    """benchmark/results/lora: results.md is the LoRA study's table computed from its committed runs, docs/reproducing.md
+    shows it, and each run is the LoRA plan's run of its name with the flags the driver gives it."""
+    results = ROOT / "benchmark" / "results" / "lora"
+    rows, use_perplexity = plot_miniature.summarise(plot_miniature.read_runs(results / "runs"))
+    assert len(plot_miniature.lora_rows(rows)) == 6
+    assert (results / "results.md").read_text() == plot_miniature.results_text(rows, use_perplexity)
+    reproducing = (ROOT / "docs" / "reproducing.md").read_text()
+    shown = plot_miniature.lora_table(rows, use_perplexity)
+    assert reproducing.split("<!-- lora-results -->\n", 1)[1].startswith(shown)
+    plan = by_name(miniature.make_lora_plan(**PLAN_ARGS))
+    records = {f.name: json.loads((f / "miniature.json").read_text()) for f in (results / "runs").iterdir()}
+    assert set(records) == set(plan)
+    for name, record in records.items():
+        assert miniature.same_flags(record["flags"], plan[name]), name
 
 
 def test_readme_k4_commands_are_the_runs_the_readme_describes(tmp_path, capsys):

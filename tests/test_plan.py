@@ -389,3 +389,36 @@ def test_a_float32_run_plans_a_float32_engine():
         host = memory.plan(words, int(79 * GIB), None)["host"]
         assert host == {"weight snapshots, pinned (3)": 3 * 2 ** math.ceil(math.log2(engine_bytes * P))}, flags
         assert plan.make_plan(words, H100, None).kv_cache == int(0.7 * 79 * GIB) - engine_bytes * P - 2 * GIB, flags
+
+
+def test_with_lora_the_8b_no_robots_online_dpo_fits_on_one_gpu_and_the_plan_says_what_travels():
+    """--lora_rank 8 on every linear layer of Llama 3.1 8B: 32 layers x 8 x (q 4096 + 4096, k and v 4096 + 1024 each,
+    o 4096 + 4096, gate and up 4096 + 14336 each, down 14336 + 4096) = 20,971,520 adapter parameters, which alone train
+    (AdamW's 12 bytes each under DeepSpeed's bf16, 0.23 GiB); the base model is frozen, whole, in bf16 (15.0 GiB), and
+    no reference is loaded. On one H100 beside the engine (its share 0.3, rollout forwards of 4 sequences) rank 0's GPU
+    fits where the paper's run takes 8 (ZeRO-3 over 7 training processes and the engine's); the snapshot is the
+    adapter, 40 MiB in bf16, and the engine's GPU holds no push bucket. ZeRO-3 with LoRA is refused, as the run
+    refuses it."""
+    lora = NO_ROBOTS.replace("deepspeed_zero3.yaml --num_processes 7", "deepspeed_zero2.yaml --num_processes 1")
+    lora = lora.split() + ["--lora_rank", "8", "--vllm_gpu_memory_utilization", "0.3"]
+    lora += ["--local_rollout_forward_batch_size", "4"]
+    policy = memory.Model("models/llama-3.1-8b-sft-no-robots")
+    adapter = memory.adapter_parameters(policy, 8, "all-linear")
+    by_layer = 8 * (2 * (4096 + 4096) + 2 * (4096 + 1024) + 2 * (4096 + 14336) + (14336 + 4096))
+    assert adapter == 32 * by_layer == 20_971_520
+    assert memory.adapter_parameters(policy, 8, "q_proj,v_proj") == 32 * 8 * ((4096 + 4096) + (4096 + 1024))
+    result = memory.plan(lora, int(79 * GIB), gpus=1)
+    (gpu,) = result["gpus"].values()
+    assert "reference policy" not in gpu and memory.BUCKET not in gpu
+    assert gpu["frozen base models (LoRA)"] == 2 * LLAMA_8B
+    assert gpu["trained models' optimizer state"] == 12 * adapter and gpu["trained models' gradients"] == 2 * adapter
+    text, fits = memory.table(result, int(79 * GIB))
+    assert fits and "LoRA rank 8 (21.0M adapter parameters)" in text
+    assert result["host"] == {
+        "weight snapshots, pinned (3)": 3 * 2**26
+    }  # 40 MiB in bf16, async level + 2 blocks of 64 MiB
+    p = plan.make_plan(lora, H100, 1)
+    assert plan.pushed_bytes(p.run) == 2 * adapter and plan.push_bucket(p.run) == 0 and p.fits
+    zero3 = NO_ROBOTS.split() + ["--lora_rank", "8"]
+    with pytest.raises(SystemExit, match="--lora_rank under ZeRO-3 is refused by the run"):
+        memory.plan(zero3, int(79 * GIB), None)
