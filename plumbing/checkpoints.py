@@ -206,14 +206,16 @@ class Progress:
 def hold_trained_weights_only(accelerator: Accelerator) -> None:
     """Under LoRA (--lora_rank) a checkpoint holds the weights that train, the adapter (PPO's value model
     too, or its adapter and head), not the frozen base model, which the run reloads from its own files:
-    accelerate's save hook keeps those of each prepared model's state, its load hook reads them back
-    (load_trained_weights) in accelerate's stead. Under DeepSpeed (ZeRO-2), which writes the models itself,
-    save_checkpoint and the run folder's resume pass it the same: trained_only_kwargs."""
+    accelerate's save hook keeps those of each prepared model's state, and writes the policy's adapter in
+    PEFT's format too (save_adapters); its load hook reads them back (load_trained_weights) in accelerate's
+    stead. Under DeepSpeed (ZeRO-2), which writes the models itself, save_checkpoint and the run folder's
+    resume pass it the same: trained_only_kwargs."""
 
     def keep_trained(models: list, states: list, output_dir: str) -> None:
         for index, (model, state) in enumerate(zip(models, states)):
             trained = {name for name, p in model.named_parameters() if p.requires_grad}
             states[index] = {name: tensor for name, tensor in state.items() if name in trained}
+        save_adapters(accelerator, models, output_dir)
 
     def load_trained(models: list, input_dir: str) -> None:
         for index, model in enumerate(models):
@@ -225,6 +227,18 @@ def hold_trained_weights_only(accelerator: Accelerator) -> None:
 
     accelerator.register_save_state_pre_hook(keep_trained)
     accelerator.register_load_state_pre_hook(load_trained)
+
+
+def save_adapters(accelerator: Accelerator, models: list, output_dir: str) -> None:
+    """Beside accelerate's state, rank 0 writes each PEFT model's adapter again in PEFT's own format,
+    `policy_adapter/` (adapter_config.json and adapter_model.safetensors), which PEFT and vLLM load onto the
+    base model as they are."""
+    if not accelerator.is_main_process:
+        return
+    for model in models:
+        for module in accelerator.unwrap_model(model).modules():
+            if hasattr(module, "peft_config") and hasattr(module, "save_pretrained"):
+                module.save_pretrained(os.path.join(output_dir, "policy_adapter"), safe_serialization=True)
 
 
 def trained_only_kwargs(accelerator: Accelerator, saving: bool) -> dict:

@@ -153,7 +153,8 @@ def test_lora_flags_are_refused_in_one_line_where_they_cannot_work():
 
 def test_a_checkpoint_holds_the_weights_that_train_and_a_resume_reads_exactly_those_back(tmp_path):
     """hold_trained_weights_only, with a real Accelerator: save_state writes the adapter alone (the 56 tensors that
-    train, none of the base model's), and load_state reads them back into a fresh policy, bit for bit; a checkpoint
+    train, none of the base model's), and in PEFT's format too (policy_adapter/: PEFT loads it into the same logits,
+    bit for bit), and load_state reads them back into a fresh policy, bit for bit; a checkpoint
     short of one of them, or holding a weight that does not train, stops the resume in one line naming it."""
     from accelerate import Accelerator
     from safetensors.torch import load_file, save_file
@@ -167,6 +168,15 @@ def test_a_checkpoint_holds_the_weights_that_train_and_a_resume_reads_exactly_th
     held = load_file(tmp_path / "checkpoint" / "model.safetensors")
     trained = {name: p for name, p in policy.named_parameters() if p.requires_grad}
     assert held.keys() == trained.keys() and len(held) == 56
+    # the adapter again in PEFT's own format, which PEFT loads onto the base model as the policy it was
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    base = AutoModelForCausalLM.from_pretrained(TINY / "sft", dtype=torch.float32)
+    loaded = PeftModel.from_pretrained(base, tmp_path / "checkpoint" / "policy_adapter").eval()
+    ids = torch.randint(0, base.config.vocab_size, (2, 12), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert torch.equal(loaded(input_ids=ids).logits, policy(input_ids=ids).logits)
     fresh = Accelerator(cpu=True)
     other = fresh.prepare(lora_policy(seed=8))
     hold_trained_weights_only(fresh)
