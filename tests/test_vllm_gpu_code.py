@@ -8,7 +8,7 @@ import os
 import sys
 
 import pytest
-from conftest import PUSHED_FAMILIES, ROOT, perturbed_policy, run_script
+from conftest import PUSHED_FAMILIES, ROOT, TINY, perturbed_policy, run_script
 
 GPU_VLLM = ROOT / ".vllm_gpu"
 # The families the push tests cover (conftest.PUSHED_FAMILIES): the GPU check and the benchmark scripts push GPT-NeoX
@@ -84,3 +84,27 @@ def test_every_vllm_name_the_code_relies_on_is_in_the_gpu_s_vllm(tmp_path):
     gpu_vllm("names", str(tmp_path / "names.json"))
     found = json.loads((tmp_path / "names.json").read_text())
     assert found == {"version": "0.26.0", "missing": []}
+
+
+def test_a_pushed_lora_adapter_is_read_by_the_gpu_s_vllm_as_the_trainer_sent_it(tmp_path):
+    """LoRA's push (plumbing/lora_push.py) as vLLM 0.26.0 reads the folder: its config scales by exactly 1, so every
+    A and B it holds for a slot is the trainer's, bit for bit (B already scaled by alpha / r = 2); every layer our
+    proof sums them into (the receiver's mapping, with 0.26.0's own parse_fine_tuned_lora_name and Llama's
+    packed_modules_mapping) is a module of the model 0.26.0 builds; q, k and v go into qkv_proj, whose packed B's sum
+    is its parts' added."""
+    import torch
+
+    from plumbing.lora_push import write_adapter
+    from plumbing.weights import SnapshotPlace, model_snapshot
+    from test_lora import lora_policy
+
+    policy = lora_policy(seed=3)
+    weights = model_snapshot(policy, 2, torch.float32, SnapshotPlace(pinned=False, folder=str(tmp_path)))
+    folder = write_adapter(str(tmp_path), weights)
+    gpu_vllm("lora", folder, str(TINY / "sft"), str(tmp_path / "lora.json"))
+    found = json.loads((tmp_path / "lora.json").read_text())
+    assert found["scaling"] == 1.0 and found["differ"] == [] and found["layers"] == 28
+    assert found["not_modules"] == [] and len(found["layers_into"]) == 16
+    assert "model.layers.0.self_attn.qkv_proj" in found["layers_into"]
+    assert "model.layers.0.mlp.gate_up_proj" in found["layers_into"]
+    assert found["packed_b_sum"] == pytest.approx(found["parts_b_sum"], rel=1e-12)

@@ -7,6 +7,7 @@ classes can, built on the CPU platform (the CUDA wheel finds no GPU), and their 
 
     python tests/vllm_gpu_code.py push SPEC.json OUT.json    # each family: build, push, prove (WeightReceiver)
     python tests/vllm_gpu_code.py names OUT.json             # every vLLM name and argument our code relies on
+    python tests/vllm_gpu_code.py lora ADAPTER BASE OUT.json # a pushed LoRA adapter, as 0.26.0 reads it
 
 `push`: SPEC.json lists [architecture label, v0 folder, v1 folder] (models saved by save_pretrained). For each, the
 model class vLLM 0.26.0's registry picks for the folder's architecture is built, loaded from v0 as the engine's start
@@ -58,7 +59,7 @@ def cpu_platform() -> None:
             module.current_platform = platform
 
 
-def build(folder: str, first: bool):
+def build(folder: str, first: bool, max_model_len: int = 128):
     """The model the engine builds for the folder, as it builds it (vLLM's initialize_model: the class its registry
     picks for the architecture, and what a later in-place reload needs recorded), on the CPU, in its config."""
     from vllm.config import DeviceConfig, ModelConfig, VllmConfig, set_current_vllm_config
@@ -66,7 +67,7 @@ def build(folder: str, first: bool):
     from vllm.distributed.parallel_state import destroy_model_parallel
     from vllm.model_executor.model_loader.utils import initialize_model
 
-    model_config = ModelConfig(model=folder, dtype="float32", max_model_len=128, enforce_eager=True, seed=0)
+    model_config = ModelConfig(model=folder, dtype="float32", max_model_len=max_model_len, enforce_eager=True, seed=0)
     config = VllmConfig(model_config=model_config, device_config=DeviceConfig(device="cpu"))
     with set_current_vllm_config(config):
         if first:
@@ -157,6 +158,63 @@ def push(spec_file: str, out_file: str) -> None:
             "seconds": round(time.perf_counter() - start, 1),
         }
         Path(out_file).write_text(json.dumps(results, indent=1))  # each family's as it is proven
+
+
+# == A LoRA push as vLLM 0.26.0 reads it =======================================================================
+def lora(folder: str, base: str, out_file: str) -> None:
+    """A pushed adapter folder (plumbing.lora_push.write_adapter's) read as vLLM 0.26.0's engine reads one: its config
+    (PEFTHelper: the scaling it applies), its tensors (LoRAModel.from_local_checkpoint, each layer's weights as
+    optimize() leaves them, what set_lora copies into a slot), and the layers they go into: our proof's names
+    (parse_fine_tuned_lora_name, the model class's packed_modules_mapping: WeightReceiver.adapter_fingerprint's
+    mapping) against the modules of the model 0.26.0 builds for `base`, and the fused layers' parts as its
+    PackedLoRALayerWeights.pack packs them, whose sums are the parts' added."""
+    from safetensors.torch import load_file
+    from vllm.lora.lora_model import LoRAModel
+    from vllm.lora.lora_weights import PackedLoRALayerWeights
+    from vllm.lora.peft_helper import PEFTHelper
+    from vllm.lora.utils import parse_fine_tuned_lora_name
+
+    cpu_platform()
+    model, _, _ = build(base, first=True, max_model_len=64)
+    # vLLM reads an adapter into pinned host memory where it found pinning at import: there is no GPU to pin for here
+    importlib.import_module("vllm.lora.lora_model").PIN_MEMORY = False
+    helper = PEFTHelper.from_local_dir(folder, max_position_embeddings=128)
+    sent = load_file(str(Path(folder) / "adapter_model.safetensors"))
+    leaves = {name.split(".lora_")[0].rpartition(".")[2] for name in sent}
+    adapter = LoRAModel.from_local_checkpoint(
+        folder, leaves, helper, lora_model_id=1, device="cpu", dtype=torch.float32
+    )
+    differ = []
+    for module_name, weights in adapter.loras.items():
+        weights.optimize()  # B times the scaling, as the engine's manager does before a slot holds it
+        for matrix, held in (("A", weights.lora_a), ("B", weights.lora_b)):
+            name = f"base_model.model.{module_name}.lora_{matrix}.weight"
+            if not torch.equal(held, sent[name]):
+                differ.append(name)
+    fused = {part: whole for whole, parts in type(model).packed_modules_mapping.items() for part in parts}
+    into = {}
+    for name in sent:
+        module, _ = parse_fine_tuned_lora_name(name, getattr(model, "hf_to_vllm_mapper", None))
+        parent, _, leaf = module.rpartition(".")
+        into[name] = ".".join(filter(None, [parent, fused.get(leaf, leaf)]))
+    modules = {name for name, _ in model.named_modules()}
+    qkv = "model.layers.0.self_attn"
+    packed = PackedLoRALayerWeights.pack([adapter.loras[f"{qkv}.{p}_proj"] for p in "qkv"])
+    parts = [sent[f"base_model.model.{qkv}.{p}_proj.lora_B.weight"].double().sum() for p in "qkv"]
+    Path(out_file).write_text(
+        json.dumps(
+            {
+                "scaling": helper.vllm_lora_scaling_factor,
+                "layers": len(adapter.loras),
+                "differ": differ,
+                "not_modules": sorted({layer for layer in into.values() if layer not in modules}),
+                "layers_into": sorted(set(into.values())),
+                "packed_b_sum": float(sum(b.double().sum() for b in packed.lora_b)),
+                "parts_b_sum": float(sum(parts)),
+            },
+            indent=1,
+        )
+    )
 
 
 # == The names our code relies on ==============================================================================
@@ -294,5 +352,7 @@ def names(out_file: str) -> None:
 if __name__ == "__main__":
     if sys.argv[1] == "push":
         push(sys.argv[2], sys.argv[3])
+    elif sys.argv[1] == "lora":
+        lora(sys.argv[2], sys.argv[3], sys.argv[4])
     else:
         names(sys.argv[2])
