@@ -234,8 +234,9 @@ class RunArgs:
 
     # LoRA
     # LoRA's rank r: only a PEFT adapter of this rank on --lora_target_modules trains and travels to the
-    # engine; the reference is the policy with it off, no copy of its own (0: the whole policy trains;
-    # docs/algorithms.md#lora---lora_rank)
+    # engine; the reference is the policy with it off, no copy of its own (0: the whole policy trains). E.g.
+    # --lora_rank 8 --learning_rate 1e-3, about 10x full fine-tuning's rate
+    # (docs/algorithms.md#lora---lora_rank)
     lora_rank: int = 0
     lora_alpha: float = 16.0  # LoRA's alpha: the adapter's update B A x is scaled by alpha / rank
     # dropout on the adapter's input in the training passes (> 0: their logprobs are no longer the policy's
