@@ -50,12 +50,11 @@ def write_adapter(folder: str, weights: Weights) -> str:
 
 def push_adapter(llm, weights: Weights, path: str):
     """Serve the version `weights` (an adapter) on the running engine `llm`: its folder `path` (write_adapter)
-    added
-    under the version's id and moved into the engine's LoRA slot, then proven (_check_adapter_loaded): what
-    the slot holds, and the probe, generated with it. Returns its LoRARequest, which every generation
-    of this version names. The base model's weights do not change, and vLLM's prefix cache keys each block by
-    the adapter that computed it (vllm/v1/core/kv_cache_utils.py, _gen_lora_extra_hash_keys): no cache to
-    reset."""
+    added under the version's id and moved into the engine's LoRA slot, then proven (_check_adapter_loaded):
+    what the slot holds, on each of the engine's workers together (combined_slots), and the probe, generated
+    with it. Returns its LoRARequest, which every generation of this version names. The base model's weights
+    do not change, and vLLM's prefix cache keys each block by the adapter that computed it
+    (vllm/v1/core/kv_cache_utils.py, _gen_lora_extra_hash_keys): no cache to reset."""
     from vllm.lora.request import LoRARequest
 
     request = LoRARequest(lora_name=f"policy-{weights.version}", lora_int_id=weights.version, lora_path=path)
@@ -65,9 +64,28 @@ def push_adapter(llm, weights: Weights, path: str):
     probed = None
     if weights.probe is not None:
         probed = engine_probe(llm, weights.probe.token_ids, lora_request=request)
-    for worker in held:
-        _check_adapter_loaded(weights, worker, probed)
+    _check_adapter_loaded(weights, combined_slots(held), probed)
     return request
+
+
+def combined_slots(workers: list[dict]) -> dict:
+    """What an engine's LoRA slots hold (WeightReceiver.adapter_fingerprint), from each of its workers': one,
+    or under vLLM's tensor parallelism one per GPU. A matrix of a layer the workers hold alike (replicated:
+    the same sums, bit for bit) counts once; one each holds a part of (sharded) counts the sum of its parts,
+    as weights.combined_fingerprints adds a full push's; the slot is the version's only if every worker's
+    is."""
+    if len(workers) == 1:
+        return workers[0]
+    held = {}
+    for layer in workers[0]["held"]:
+        sums = []
+        for matrix in (slice(0, 2), slice(2, 4)):  # A's two sums, then B's
+            parts = [worker["held"][layer][matrix] for worker in workers]
+            alike = all(part == parts[0] for part in parts)
+            sums += parts[0] if alike else [sum(part[i] for part in parts) for i in (0, 1)]
+        held[layer] = sums
+    slot = workers[0]["slot"] if all(worker["slot"] == workers[0]["slot"] for worker in workers) else None
+    return workers[0] | {"held": held, "slot": slot}
 
 
 def drop_adapter(llm, request) -> None:

@@ -131,6 +131,22 @@ def test_a_slot_holding_another_adapter_or_other_sums_is_refused_by_hand():
     _check_adapter_loaded(weights, within, None)
 
 
+def test_an_engine_over_two_gpus_is_proven_from_both_workers_slots_together():
+    """Under vLLM's tensor parallelism each worker's slot holds a part of a sharded matrix (a column-parallel layer's
+    B, a row-parallel layer's A) and the whole of a replicated one: combined_slots counts a matrix both hold alike
+    once, and adds the parts of one they hold differently, by hand; a worker whose slot holds another adapter makes
+    the engine's slot none."""
+    from plumbing.lora_push import combined_slots
+
+    layer = "model.layers.0.self_attn.qkv_proj"
+    one = {"slot": 3, "slots": [3], "held": {layer: [1.5, 2.25, 0.5, 1.0]}, "into": {}}
+    two = {"slot": 3, "slots": [3], "held": {layer: [1.5, 2.25, -0.25, 3.0]}, "into": {}}
+    combined = combined_slots([one, two])
+    assert combined["held"][layer] == [1.5, 2.25, 0.25, 4.0] and combined["slot"] == 3
+    assert combined_slots([one, two | {"slot": 2}])["slot"] is None
+    assert combined_slots([one]) is one
+
+
 def test_lora_flags_are_refused_in_one_line_where_they_cannot_work():
     """LoRA's other flags without --lora_rank, a rank vLLM does not serve, ZeRO-3: each a UsageError naming what to
     change; target modules the model has none of: PEFT's reason, with the flag."""
