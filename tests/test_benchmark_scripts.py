@@ -14,7 +14,7 @@ import sys
 import time
 
 import pytest
-from conftest import ROOT
+from conftest import ROOT, final_policy_file
 
 MODULES = {"online_dpo_async.py": "online_dpo_async", "rloo_async.py": "rloo_async", "ppo_async.py": "ppo_async"}
 REV = subprocess.run(["git", "rev-parse", "--short=8", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
@@ -327,7 +327,7 @@ def finished_run(output_dir) -> tuple[dict, list[dict], list[dict]]:
     assert [m["async/lag"] for m in train] == [0, min(1, args["async_level"])]
     assert [e["step"] for e in evals] == [0, 2] and train[-1]["episode"] == args["total_episodes"]
     assert all(math.isfinite(v) for m in lines for v in m.values() if isinstance(v, float))
-    assert (output_dir / "policy" / "model.safetensors").exists()
+    assert final_policy_file(output_dir).exists()  # the model's, or under LoRA its adapter's
     return args, train, evals
 
 
