@@ -2,6 +2,7 @@
 
 import contextlib
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -46,6 +47,20 @@ def two_machines(flags: list[str], timeout: float = 300) -> tuple[str, str]:
     return outputs[0], outputs[1]
 
 
+# What torch's launcher on machine 1 may print after a clean run: its exit barrier raced with machine 0's launcher,
+# which holds the rendezvous store and had already closed it (torch.distributed.elastic's exit barrier; the exit
+# status stays 0). It is the launcher's, not the run's, and a user sees it too.
+LAUNCHERS_EXIT_BARRIER_REPORT = re.compile(
+    r"\[W\d{4} [\d:.]+ TCPStore\.cpp:\d+\] |Exception raised from recvBytes |frame #\d+: |<omitting python frames>$"
+    r"|E\d{4} [\d:.]+ \d+ \S*torch/distributed/elastic/agent/server/api\.py:\d+\] |$"
+)
+
+
+def ours(output: str) -> list[str]:
+    """The lines a machine printed, less the launcher's report of a raced exit barrier."""
+    return [line for line in output.splitlines() if not LAUNCHERS_EXIT_BARRIER_REPORT.match(line)]
+
+
 @pytest.mark.slow
 def test_two_machines_train_and_resume_with_the_engine_and_the_run_folder_on_rank_0(tmp_path):
     """Two machines of one training process each, rank 0's machine running the engine: 4 steps of 2 x 8 prompts,
@@ -59,7 +74,7 @@ def test_two_machines_train_and_resume_with_the_engine_and_the_run_folder_on_ran
     first, second = two_machines([*flags, "--output_dir", str(tmp_path / "run")])
     assert "engine: on the CPU; weight snapshots of 2.53 MiB each" in first.splitlines()
     assert "2 training processes; a collective waits 1:00:00 for them at most" in first.splitlines()
-    assert second == ""
+    assert ours(second) == []
     args, train, evals = check_run(tmp_path / "run", "online_dpo_async.py")
     assert (args["world_size"], args["batch_size"], len(train), len(evals)) == (2, 16, 4, 3)
     checkpoint = tmp_path / "run" / "checkpoints" / "step_000002"
@@ -81,7 +96,7 @@ def test_two_machines_train_and_resume_with_the_engine_and_the_run_folder_on_ran
     shutil.rmtree(resumed / "policy")
     first, second = two_machines([*flags, "--output_dir", str(resumed), "--resume"])
     assert f"resuming from {resumed / 'checkpoints' / 'step_000002'} (step 2)" in first.splitlines()
-    assert second == ""
+    assert ours(second) == []
     assert training_lines_without_timings(resumed) == training_lines_without_timings(tmp_path / "run")
     weights = [load_file(folder / "policy" / "model.safetensors") for folder in (tmp_path / "run", resumed)]
     assert weights[0].keys() == weights[1].keys() and all(torch.equal(weights[0][k], weights[1][k]) for k in weights[0])
