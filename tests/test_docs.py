@@ -145,14 +145,39 @@ SHARED_EXAMPLES = {
 }
 
 
+# The LoRA examples, which the LoRA tests run, longer, and check as this test does besides their learning
+# (test_lora.test_each_file_learns_with_lora).
+RUN_BY_THE_LORA_TESTS = {
+    ".venv/bin/python online_dpo_async.py --lora_rank 8 --learning_rate 1e-3",
+    ".venv/bin/python ppo_async.py --lora_rank 8 --lora_value_model --learning_rate 1e-3",
+}
+
+
 def example_marks(command: str) -> list:
     marks = [] if command in FAST_EXAMPLES else [pytest.mark.slow]
     return marks + ([pytest.mark.xdist_group(SHARED_EXAMPLES[command])] if command in SHARED_EXAMPLES else [])
 
 
-@pytest.mark.parametrize("command", [pytest.param(c, marks=example_marks(c)) for c in block("cpu-examples")])
+def test_the_lora_examples_are_the_commands_the_lora_tests_run():
+    """The CPU examples left to the LoRA tests are among the docs' examples (the README's LoRA command too), and
+    each is its file's command there, word for word."""
+    from test_lora import LORA_COMMANDS
+
+    assert RUN_BY_THE_LORA_TESTS <= set(block("cpu-examples"))
+    readme_lora = ".venv/bin/python online_dpo_async.py --lora_rank 8 --learning_rate 1e-3"
+    assert readme_lora in RUN_BY_THE_LORA_TESTS and f"\n{readme_lora}\n" in README
+    for command in RUN_BY_THE_LORA_TESTS:
+        script = next(word for word in command.split() if word.endswith("_async.py"))
+        assert command.split() == LORA_COMMANDS[script], command
+
+
+@pytest.mark.parametrize(
+    "command",
+    [pytest.param(c, marks=example_marks(c)) for c in block("cpu-examples") if c not in RUN_BY_THE_LORA_TESTS],
+)
 def test_cpu_example_commands_run(command, tmp_path):
-    """Each CPU example with SMALL_RUN's sizes (the run tests of rloo_async.py and ppo_async.py share the runs of their plain examples).
+    """Each CPU example with SMALL_RUN's sizes (the run tests of rloo_async.py and ppo_async.py share the runs of their
+    plain examples; the LoRA tests run the LoRA examples).
     The two-process one runs as shown, without --output_dir (from an empty folder): both processes must write
     to the one runs/<run name> folder, which a checkpoint shows (each process writes its RNG states there)."""
     env, argv = to_argv(command)
