@@ -371,19 +371,20 @@ class SnapshotPlace(NamedTuple):
 _BUCKET_BYTES = 2**30
 
 
-def push_weights(llm, bucket: "WeightBucket", weights: Weights) -> None:
+def push_weights(llm, bucket: "WeightBucket", weights: Weights, reset_prefix_cache: bool = True) -> None:
     """Load theta_v into the running engine `llm`, in place, a bucket at a time: each run of whole layers of
     the host snapshot is copied into the push's bucket on the engine's device, which its worker opens (by CUDA
     IPC on a GPU, shared memory on a CPU), loads as a checkpoint's and compares with what it holds
     (WeightReceiver) before the next run overwrites it; then the engine's parameters are fingerprinted and the
-    prefix cache, KV of the old weights, reset. An engine left with other weights stops the run
-    (_check_loaded)."""
+    prefix cache, KV of the old weights, reset (unless `reset_prefix_cache` is False: in-flight sequences
+    keep the KV of their earlier tokens, plumbing/inflight.py's "keep", each under a cache salt of its own,
+    and the probe reads no cache). An engine left with other weights stops the run (_check_loaded)."""
     loads = [  # each run's load, by each of the engine's workers (one per GPU under tensor parallelism)
         llm.collective_rpc("load_shared_weights", args=(filled.bucket, filled.header, filled.layout))
         for filled in bucket.fill(weights)
     ]
     held = llm.collective_rpc("fingerprint", args=([(name, shape) for name, shape, _ in weights.layout],))
-    held, cache_reset = combined_fingerprints(held), llm.reset_prefix_cache()
+    held, cache_reset = combined_fingerprints(held), llm.reset_prefix_cache() if reset_prefix_cache else None
     probed = engine_probe(llm, weights.probe.token_ids) if weights.probe is not None else None
     for worker in range(len(loads[0])):
         _check_loaded(weights, [run[worker] for run in loads], held, cache_reset, probed)

@@ -404,6 +404,76 @@ def test_two_engines_are_each_proven_at_every_push_and_generate_what_one_does(en
         second.llm_engine.engine_core.shutdown()
 
 
+def trainer_logprobs(model, prompt: list[int], tokens: list[int], temperature: float, past=None) -> list[float]:
+    """The trainer's logprob (after temperature) of each of `tokens` after `prompt`; with `past` (the keys and values
+    of the first tokens of prompt + tokens, another model's), only the rest is computed by `model`."""
+    ids = torch.tensor([prompt + tokens])
+    start = 0 if past is None else past.get_seq_length()
+    with torch.no_grad():
+        logits = model(ids[:, start:], past_key_values=past).logits[0]
+    logprobs = (logits / temperature).log_softmax(-1)
+    # the logit at position i (of the computed part) predicts token start + i + 1
+    return [logprobs[len(prompt) + i - 1 - start, token].item() for i, token in enumerate(tokens)]
+
+
+@on_the_module_engine
+@pytest.mark.parametrize("kv", ["recompute", "keep"])
+def test_a_push_between_two_segments_changes_the_logprobs_after_it_and_not_before(
+    engine, policy_a, tokenizer, tmp_path, kv
+):
+    """In-flight decoding (plumbing/inflight.py): 5 tokens of each of 3 sampled sequences under policy a (version 0),
+    then a push of policy b (version 1), then the rest (one sampled EOS before the push). Every token records the version that sampled it, exactly, and
+    the engine's logprob of it is the trainer's under that version: under "recompute" the first 5 are a's and the
+    others b's, each given its whole prefix (to 1e-5, float32 on both sides); under "keep" the tokens after the push
+    are b's given the keys and values a computed for the prefix's whole KV-cache blocks (the cache keeps whole blocks:
+    the first 32 of the 50 tokens), which a differs from b's own by far more than numerics."""
+    from transformers import AutoModelForCausalLM
+
+    from plumbing.inflight import Sequence, decode_segment
+
+    g = torch.Generator().manual_seed(0)
+    prompts = [
+        [tokenizer.bos_token_id] + torch.randint(4, len(tokenizer), (PROMPT_LENGTH,), generator=g).tolist()
+        for _ in range(3)
+    ]
+    models = {
+        0: AutoModelForCausalLM.from_pretrained(policy_a).eval(),
+        1: AutoModelForCausalLM.from_pretrained(save_random_policy(tokenizer, tmp_path / "policy_b", seed=1)).eval(),
+    }
+    place = SnapshotPlace(pinned=False, folder=str(tmp_path))
+    bucket = WeightBucket(None, str(tmp_path))
+    push_weights(engine, bucket, model_snapshot(models[0], 0, torch.float32, place))
+    engines, eos, temperature = plumbing.Engine.around([engine], [None]), tokenizer.eos_token_id, 0.7
+    sequences = [Sequence(p, seed=i, max_tokens=12, salt=f"{kv}-rollout-0") for i, p in enumerate(prompts)]
+    decode_segment(engines, sequences, 5, 0, kv, temperature, eos, ("rollout", 0))
+    before = [list(s.tokens) for s in sequences]
+    weights = model_snapshot(models[1], 1, torch.float32, place)
+    push_weights(engine, bucket, weights, reset_prefix_cache=kv == "recompute")
+    while not all(s.done for s in sequences):
+        decode_segment(engines, sequences, 5, 1, kv, temperature, eos, ("rollout", 0))
+    gaps = {"before": [], "after": [], "after, a's prefix": []}
+    for sequence, first in zip(sequences, before):
+        assert sequence.tokens[: len(first)] == first and (len(first) == 5 or first[-1] == eos)
+        assert sequence.versions == [0] * len(first) + [1] * (len(sequence.tokens) - len(first))
+        assert len(sequence.logprobs) == len(sequence.tokens)
+        under_a = trainer_logprobs(models[0], sequence.prompt, sequence.tokens, temperature)
+        under_b = trainer_logprobs(models[1], sequence.prompt, sequence.tokens, temperature)
+        with torch.no_grad():  # a's keys and values of the first KV-cache block, the rest b's
+            past = models[0](torch.tensor([(sequence.prompt + sequence.tokens)[:BLOCK_SIZE]])).past_key_values
+        kept = trainer_logprobs(models[1], sequence.prompt, sequence.tokens, temperature, past=past)
+        expected = under_b if kv == "recompute" else kept
+        gaps["before"] += [abs(e - t) for e, t in zip(sequence.logprobs[:5], under_a[:5])]
+        gaps["after"] += [abs(e - t) for e, t in zip(sequence.logprobs[5:], expected[5:])]
+        gaps["after, a's prefix"] += [abs(e - t) for e, t in zip(sequence.logprobs[5:], under_a[5:])]
+        if kv == "keep":  # what keeping the KV changes: b's logprobs given a's KV of the first block
+            assert sequence.done and (len(first) < 5 or max(abs(k - b) for k, b in zip(kept[5:], under_b[5:])) > 1e-2)
+    print(kv, {name: f"{max(gap):.2e}" for name, gap in gaps.items()}, [len(s.tokens) for s in sequences])
+    assert sum(len(s.tokens) > 5 for s in sequences) >= 2  # sequences that went on after the push
+    assert max(gaps["before"]) < 1e-5 and max(gaps["after"]) < 1e-5
+    assert min(gaps["after, a's prefix"]) > 1e-3  # after the push, not policy a's
+    engine.reset_prefix_cache()
+
+
 @on_the_module_engine
 def test_a_failure_in_the_generation_thread_surfaces_in_the_trainer(engine, tokenizer, tmp_path):
     """Fault injected with a real engine error: a prompt token id outside the vocabulary."""

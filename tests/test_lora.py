@@ -439,7 +439,15 @@ def test_ppo_s_value_model_gets_an_adapter_of_its_own_and_a_sigterm_resumes_exac
 LORA_COMMANDS = {
     "online_dpo_async.py": [".venv/bin/python", "online_dpo_async.py", "--lora_rank", "8", "--learning_rate", "1e-3"],
     "rloo_async.py": [".venv/bin/python", "rloo_async.py", "--lora_rank", "8", "--learning_rate", "1e-3"],
-    "ppo_async.py": [".venv/bin/python", "ppo_async.py", "--lora_rank", "8", "--lora_value_model", "--learning_rate", "1e-3"],
+    "ppo_async.py": [
+        ".venv/bin/python",
+        "ppo_async.py",
+        "--lora_rank",
+        "8",
+        "--lora_value_model",
+        "--learning_rate",
+        "1e-3",
+    ],
 }
 
 

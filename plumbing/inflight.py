@@ -1,0 +1,96 @@
+"""4d. In-flight weight updates, their first part (issue 54): sequences decoded a segment of tokens at a time,
+so that a new policy version can reach the engine between two segments of the sequences in flight, and every
+token records the version that sampled it, with the engine's own logprob of it (the behaviour policy of that
+token).
+
+Why segments, and not vLLM's own decoding loop, paused at a step: vLLM's engine runs its decoding steps in a
+process of its own, ahead of its client, so the step at which a push lands there depends on the clock; a
+segment ends at a fixed count of tokens, so where each version begins in each sequence is a function of the
+run alone, and a run (and its resume) is reproducible. Both vLLM versions the project runs (0.26 on GPUs, 0.32
+on CPUs) take the segments as ordinary requests (the prompt with the tokens decoded so far), which plumbing's
+Engine cuts among its engines.
+
+What a sequence's keys and values are computed with after a push (`kv`):
+- "keep" (PipelineRL's choice): those of the tokens before it stay as the old version computed them; the new
+  version computes only the next tokens'. A segment reads them back from vLLM's prefix cache, by the
+  sequence's own cache salt, so the push must leave the cache as it is (push_weights(...,
+  reset_prefix_cache=False)); the cache holds whole blocks only, so the tokens of a sequence's last, partial
+  block (at most a block's size less one) are computed again, by the new version.
+- "recompute": the new version computes the whole prefix again (the salt names the version, so no block of an
+  older version is read): every token's logprob is then exactly the new policy's given its prefix, at a
+  prefill's cost.
+"""
+
+from dataclasses import dataclass, field
+
+KV_MODES = ("keep", "recompute")
+
+
+@dataclass
+class Sequence:
+    """One completion in flight: its prompt and sampling seed, and what the segments decoded so far, each
+    token with the engine's logprob of it (after temperature) and the policy version that sampled it."""
+
+    prompt: list[int]
+    seed: int
+    max_tokens: int
+    salt: str  # its prefix-cache salt (its batch's): no other batch's blocks are read for it
+    tokens: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)
+    done: bool = False  # it sampled EOS or reached max_tokens
+
+
+def segment_seed(seed: int, decoded: int) -> int:
+    """The sampling seed of a sequence's segment that starts after `decoded` tokens: vLLM seeds a request's
+    sampler afresh, so each segment gets its own, and no two segments of a sequence draw the same random
+    numbers."""
+    return (seed * 1_000_003 + decoded) % 2**63
+
+
+def segment_salt(sequence: Sequence, version: int, kv: str) -> str:
+    """The prefix-cache salt of a sequence's next segment: its own under "keep" (it reads back the blocks its
+    earlier segments computed, whichever version computed them); its own and the version's under
+    "recompute"."""
+    if kv not in KV_MODES:
+        raise ValueError(f"kv must be one of {KV_MODES}, not {kv!r}")
+    return sequence.salt if kv == "keep" else f"{sequence.salt}-v{version}"
+
+
+def decode_segment(
+    engine, sequences: list[Sequence], tokens: int, version: int, kv: str, temperature: float, eos: int, call
+) -> None:
+    """Each unfinished sequence decodes up to `tokens` more tokens (fewer where it samples EOS or reaches its
+    max_tokens) under the policy `version` the engine holds, through plumbing's Engine.generate (the sequences
+    cut among the engines, under the deadline of `call`); each new token is recorded with its logprob and
+    `version`."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    live = [sequence for sequence in sequences if not sequence.done]
+    if not live:
+        return
+    prompts = [
+        TokensPrompt(prompt_token_ids=s.prompt + s.tokens, cache_salt=segment_salt(s, version, kv))
+        for s in live
+    ]
+    params = [
+        SamplingParams(
+            n=1,
+            temperature=temperature,
+            max_tokens=min(tokens, s.max_tokens - len(s.tokens)),
+            stop_token_ids=[eos],
+            seed=segment_seed(s.seed, len(s.tokens)),
+            logprobs=0,
+            detokenize=False,
+        )
+        for s in live
+    ]
+    outputs = engine.generate(prompts, params, call)
+    for sequence, output in zip(live, outputs):
+        completion = output.outputs[0]
+        new = list(completion.token_ids)
+        sequence.tokens += new
+        sequence.logprobs += [at[token].logprob for token, at in zip(new, completion.logprobs)]
+        sequence.versions += [version] * len(new)
+        sequence.done = completion.finish_reason == "stop" or len(sequence.tokens) >= sequence.max_tokens
