@@ -371,6 +371,7 @@ TINY_RUNS = {  # what each script's tiny mode runs: (script, distinguishing flag
 
 
 @pytest.mark.slow
+@pytest.mark.benchmark
 @pytest.mark.parametrize("bench", ["tldr", "no_robots", "gsm8k"])
 def test_tiny_mode_runs_every_command_to_the_end(bench, tmp_path):
     """TINY=1: the GPU commands with the tiny task's models or the task's fixture swapped in (flags appended:

@@ -871,6 +871,7 @@ def test_plot_bad_input_is_one_line(tmp_path):
 # End to end: a few runs of the smoke mode, through the real algorithm files, then the plots
 # ---------------------------------------------------------------------------------------------
 @pytest.mark.slow
+@pytest.mark.benchmark
 def test_smoke_mode_end_to_end(tmp_path):
     """Three runs of the smoke plan through the real algorithm files (about a minute and a half on 2 quiet cores), then
     a re-run that skips them: two files, sync and async, N = 16 and K = 4 with its halved lr, and a line of the async

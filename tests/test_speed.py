@@ -38,6 +38,7 @@ def by_hand(output_dir) -> dict:
 
 
 @pytest.mark.slow
+@pytest.mark.benchmark
 def test_speed_benchmark_end_to_end(tmp_path):
     """Two 6-step runs; every number of the table equals a by-hand computation from their metrics."""
     out = tmp_path / "speed"
