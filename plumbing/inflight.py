@@ -10,20 +10,19 @@ run alone, and a run (and its resume) is reproducible. Both vLLM versions the pr
 on CPUs) take the segments as ordinary requests (the prompt with the tokens decoded so far), which plumbing's
 Engine cuts among its engines.
 
-What a sequence's keys and values are computed with after a push (`kv`):
+What a sequence's keys and values are computed with after a push, which the push decides:
 - "keep" (PipelineRL's choice): those of the tokens before it stay as the old version computed them; the new
-  version computes only the next tokens'. A segment reads them back from vLLM's prefix cache, by the
-  sequence's own cache salt, so the push must leave the cache as it is (push_weights(...,
-  reset_prefix_cache=False)); the cache holds whole blocks only, so the tokens of a sequence's last, partial
-  block (at most a block's size less one) are computed again, by the new version.
-- "recompute": the new version computes the whole prefix again (the salt names the version, so no block of an
-  older version is read): every token's logprob is then exactly the new policy's given its prefix, at a
+  version computes only the next tokens'. A segment reads them back from vLLM's prefix cache, under its
+  sequence's cache salt (its batch's: no other batch's blocks are read), so the push leaves the cache as it is
+  (push_weights(..., reset_prefix_cache=False); the probe reads no cache); the cache holds whole blocks
+  only, so the tokens of a sequence's last, partial block (at most a block's size less one) are computed
+  again, by the new version.
+- "recompute": the push resets the prefix cache, as every push does, so the next segment computes the whole
+  prefix with the new version: every token's logprob is then exactly the new policy's given its prefix, at a
   prefill's cost.
 """
 
 from dataclasses import dataclass, field
-
-KV_MODES = ("keep", "recompute")
 
 
 @dataclass
@@ -48,17 +47,8 @@ def segment_seed(seed: int, decoded: int) -> int:
     return (seed * 1_000_003 + decoded) % 2**63
 
 
-def segment_salt(sequence: Sequence, version: int, kv: str) -> str:
-    """The prefix-cache salt of a sequence's next segment: its own under "keep" (it reads back the blocks its
-    earlier segments computed, whichever version computed them); its own and the version's under
-    "recompute"."""
-    if kv not in KV_MODES:
-        raise ValueError(f"kv must be one of {KV_MODES}, not {kv!r}")
-    return sequence.salt if kv == "keep" else f"{sequence.salt}-v{version}"
-
-
 def decode_segment(
-    engine, sequences: list[Sequence], tokens: int, version: int, kv: str, temperature: float, eos: int, call
+    engine, sequences: list[Sequence], tokens: int, version: int, temperature: float, eos: int, call
 ) -> None:
     """Each unfinished sequence decodes up to `tokens` more tokens (fewer where it samples EOS or reaches its
     max_tokens) under the policy `version` the engine holds, through plumbing's Engine.generate (the sequences
@@ -70,10 +60,7 @@ def decode_segment(
     live = [sequence for sequence in sequences if not sequence.done]
     if not live:
         return
-    prompts = [
-        TokensPrompt(prompt_token_ids=s.prompt + s.tokens, cache_salt=segment_salt(s, version, kv))
-        for s in live
-    ]
+    prompts = [TokensPrompt(prompt_token_ids=s.prompt + s.tokens, cache_salt=s.salt) for s in live]
     params = [
         SamplingParams(
             n=1,

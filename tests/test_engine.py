@@ -445,12 +445,12 @@ def test_a_push_between_two_segments_changes_the_logprobs_after_it_and_not_befor
     push_weights(engine, bucket, model_snapshot(models[0], 0, torch.float32, place))
     engines, eos, temperature = plumbing.Engine.around([engine], [None]), tokenizer.eos_token_id, 0.7
     sequences = [Sequence(p, seed=i, max_tokens=12, salt=f"{kv}-rollout-0") for i, p in enumerate(prompts)]
-    decode_segment(engines, sequences, 5, 0, kv, temperature, eos, ("rollout", 0))
+    decode_segment(engines, sequences, 5, 0, temperature, eos, ("rollout", 0))
     before = [list(s.tokens) for s in sequences]
     weights = model_snapshot(models[1], 1, torch.float32, place)
     push_weights(engine, bucket, weights, reset_prefix_cache=kv == "recompute")
     while not all(s.done for s in sequences):
-        decode_segment(engines, sequences, 5, 1, kv, temperature, eos, ("rollout", 0))
+        decode_segment(engines, sequences, 5, 1, temperature, eos, ("rollout", 0))
     gaps = {"before": [], "after": [], "after, a's prefix": []}
     for sequence, first in zip(sequences, before):
         assert sequence.tokens[: len(first)] == first and (len(first) == 5 or first[-1] == eos)

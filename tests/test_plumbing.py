@@ -653,16 +653,10 @@ def test_a_command_past_its_timeout_is_stopped_with_what_it_started_in_sessions_
     assert not psutil.pid_exists(child)
 
 
-def test_each_segment_of_a_sequence_draws_its_own_numbers_and_reads_the_cache_its_kv_mode_allows():
+def test_each_segment_of_a_sequence_draws_its_own_numbers():
     """In-flight decoding's requests (plumbing/inflight.py): a segment's seed is its sequence's advanced by the tokens
-    decoded before it (vLLM seeds each request afresh); its cache salt is the sequence's under "keep", whatever the
-    version, and the sequence's and the version's under "recompute"; another mode is refused."""
-    from plumbing.inflight import Sequence, segment_salt, segment_seed
+    decoded before it (vLLM seeds each request afresh), and stays within the seeds a request takes."""
+    from plumbing.inflight import segment_seed
 
     assert [segment_seed(7, decoded) for decoded in (0, 5, 10)] == [7_000_021, 7_000_026, 7_000_031]
-    assert segment_seed(2**62, 0) == (2**62 * 1_000_003) % 2**63
-    sequence = Sequence(prompt=[1, 2], seed=7, max_tokens=4, salt="rollout-3")
-    assert [segment_salt(sequence, v, "keep") for v in (0, 1)] == ["rollout-3", "rollout-3"]
-    assert [segment_salt(sequence, v, "recompute") for v in (0, 1)] == ["rollout-3-v0", "rollout-3-v1"]
-    with pytest.raises(ValueError, match="kv must be one of"):
-        segment_salt(sequence, 0, "reuse")
+    assert 0 <= segment_seed(2**62, 0) < 2**63
