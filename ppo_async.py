@@ -595,7 +595,8 @@ def main(args: Args) -> None:
     snapshots = plumbing.PolicySnapshots(processes, policy, engine.snapshot_place, prefix="policy.")
     folder.open(sizes._asdict(), progress, origin=engine.started, episodes_per_step=sizes.episodes_per_step)
     channel = plumbing.Channel(engine)  # the generation thread's queues, to and from the trainer
-    channel.run_thread(generation_thread, engine, channel, schedule, inputs, args, sizes)
+    thread = inflight_generation_thread if args.inflight_updates else generation_thread
+    channel.run_thread(thread, engine, channel, schedule, inputs, args, sizes)
     for weights in snapshots.owed_at_start(model, to_publish, start_step, folder.checkpoint):  # on resume
         channel.weights.put(weights)
 
@@ -624,9 +625,7 @@ def main(args: Args) -> None:
                 folder.stopped(step)
                 break
             laps.lap("wait_for_rollouts")
-            if rollout.step != step or step - rollout.version != min(step, args.async_level):  # section 3
-                got = f"rollout {rollout.step} from policy version {rollout.version}"
-                raise RuntimeError(f"async invariant broken: step {step} got {got}")
+            spans = check_staleness(rollout, step, args.async_level)  # paper section 3
             local = slice(accelerator.process_index * B, (accelerator.process_index + 1) * B)
             indices = rollout.prompt_indices[local]
             responses = rollout.responses[local.start * K : local.stop * K]
@@ -670,7 +669,7 @@ def main(args: Args) -> None:
             reduced = processes.mean(stats, step, folder.last_checkpoint)
             step_kl_coef = kl_coef.step(reduced["kl"], args, sizes.episodes_per_step)  # and the next step's
             lr = scheduler.get_last_lr()[0]
-            metrics = ppo_metrics(step, rollout.version, sizes, lr, reduced, ratios, step_kl_coef)
+            metrics = ppo_metrics(step, rollout.version, sizes, lr, reduced, ratios, step_kl_coef) | spans
             tokens = reduced["response_tokens"] * sizes.world_size
             folder.log(metrics, laps, generator=rollout.timings, flops=phase_flops, tokens=tokens)
             scheduler.step()  # the next step's learning rate (lr_factor), after this one's was logged
@@ -1251,6 +1250,8 @@ class Rollout(NamedTuple):
     logprobs: list[list[float]] | None  # the engine's logprob of each response token (after temperature)
     # generation, weight_sync and generator_wait (idle, waiting for the weights it needs) -> (start, seconds)
     timings: dict[str, tuple[float | None, float]]
+    # --inflight_updates: the policy version that sampled each token of each response (None: all `version`'s)
+    token_versions: list[list[int]] | None = None
 
 
 class EvalRollout(NamedTuple):
@@ -1266,6 +1267,28 @@ def generation_schedule(num_steps: int, async_level: int, eval_steps: list[int])
     events = [Event("rollout", m, max(0, m - async_level)) for m in range(num_steps)]
     events += [Event("eval", v, v) for v in eval_steps]
     return sorted(events, key=lambda e: (e.version, e.kind == "eval", e.index))
+
+
+def check_staleness(rollout: Rollout, step: int, async_level: int) -> dict[str, float]:
+    """The staleness contract (paper section 3), checked at every step: step n trains on rollout n, which
+    policy version max(0, n - k) started; with --inflight_updates every token of it was sampled by a version
+    from there to n (later versions reach the engine between two segments), and the versions the batch spans
+    are logged. Broken, the run stops."""
+    oldest = max(0, step - async_level)
+    if rollout.step != step or rollout.version != oldest:
+        got = f"rollout {rollout.step} from policy version {rollout.version}"
+        raise RuntimeError(f"async invariant broken: step {step} got {got}")
+    if rollout.token_versions is None:
+        return {}
+    versions = [v for response in rollout.token_versions for v in response]
+    if versions and not oldest <= min(versions) <= max(versions) <= step:
+        spans = f"tokens of versions {min(versions)} to {max(versions)}"
+        raise RuntimeError(f"async invariant broken: step {step} got {spans}, not {oldest} to {step}")
+    return {
+        "async/token_version_min": min(versions, default=oldest),
+        "async/token_version_max": max(versions, default=oldest),
+        "async/token_version_mean": float(np.mean(versions)) if versions else float(oldest),
+    }
 
 
 def published_versions(schedule: list[Event]) -> set[int]:
@@ -1284,23 +1307,72 @@ def pending_events(schedule: list[Event], next_step: int, evals_logged: set[int]
 
 # == The generation thread: it drives the engine, one batch ahead of the trainer =============================
 def generate(
-    engine, call, prompts, n: int, temperature: float, max_tokens: int, eos: int, seeds, logprobs=False
+    engine,
+    call,
+    prompts,
+    n: int,
+    temperature: float,
+    max_tokens: int,
+    eos: int,
+    seeds,
+    logprobs=False,
+    salt=None,
 ):
     """n completions per prompt (and the engine's logprob of each token), the prompts cut among the engines
     (plumbing's Engine.generate), under the deadline of `call` (what it is, and its step or version); each
     prompt has its own sampling seed, so a batch is reproducible whatever the engine generated before and
-    whichever engine generates it."""
+    whichever engine generates it. `salt`: the prompts' prefix-cache salt (no KV cached under another salt is
+    read for them)."""
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
     sampling = dict(temperature=temperature, max_tokens=max_tokens, stop_token_ids=[eos], detokenize=False)
     params = [SamplingParams(n=n, **sampling, seed=seed, logprobs=0 if logprobs else None) for seed in seeds]
-    outputs = engine.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, call)
+    salted = {} if salt is None else {"cache_salt": salt}
+    outputs = engine.generate([TokensPrompt(prompt_token_ids=p, **salted) for p in prompts], params, call)
     completions = [completion for output in outputs for completion in output.outputs]
     responses = [list(c.token_ids) for c in completions]
     if not logprobs:
         return responses, None
     return responses, [[at[t].logprob for t, at in zip(c.token_ids, c.logprobs)] for c in completions]
+
+
+def load_version(engine, channel, version: int, event: Event, keep_cache: bool = False) -> tuple[int, dict]:
+    """Loads each policy version up to the one `event` needs, as soon as the trainer publishes it, into
+    every engine (keep_cache: their prefix cache stays, --inflight_kv keep); returns the version the engines
+    hold, and the time spent waiting (generator_wait) and pushing (weight_sync: start and seconds)."""
+    wait_start, sync_time, sync_start = time.perf_counter(), 0.0, None
+    while version < event.version:
+        weights = channel.get(channel.weights)
+        push_start = time.perf_counter()
+        sync_start = sync_start or push_start
+        engine.push(weights, keep_cache)  # into every running engine, in place (plumbing/weights.py)
+        sync_time += time.perf_counter() - push_start
+        version = engine.version  # each engine proved it holds it (check_loaded)
+    if version != event.version:
+        raise RuntimeError(f"{event.kind} {event.index} needs version {event.version}, has {version}")
+    now = time.perf_counter()
+    return version, {
+        "generator_wait": (None, now - wait_start - sync_time),
+        "weight_sync": (sync_start or now, sync_time),
+    }
+
+
+def run_evaluation(engine, channel, version: int, inputs: Inputs, args: Args, salt=None) -> None:
+    """The evaluation of policy version `version`, the engine's: one completion of each evaluation prompt
+    (greedy where the task says so), sent to the trainer."""
+    gen_start, prompts = time.perf_counter(), inputs.evaluation.token_ids
+    seeds = [args.seed + i for i in range(len(prompts))]
+    temperature = 0.0 if TASKS[args.task].eval_greedy else args.temperature
+    sampling = (temperature, args.response_length, inputs.tokenizer.eos_token_id, seeds)
+    responses, _ = generate(engine, ("evaluation", version), prompts, 1, *sampling, salt=salt)
+    channel.evals.put(EvalRollout(version, responses, time.perf_counter() - gen_start, gen_start))
+
+
+def rollout_prompts(step: int, inputs: Inputs, args: Args, sizes: Sizes) -> tuple[np.ndarray, list[int]]:
+    """Rollout `step`'s prompts (their indices in the training split) and each one's sampling seed."""
+    indices = prompt_indices_for_step(step, len(inputs.train.token_ids), sizes.batch_size, args.seed)
+    return indices, [args.seed * 1_000_003 + step * sizes.batch_size + i for i in range(len(indices))]
 
 
 def generation_thread(engine, channel, schedule: list[Event], inputs: Inputs, args: Args, sizes):
@@ -1312,33 +1384,93 @@ def generation_thread(engine, channel, schedule: list[Event], inputs: Inputs, ar
     stops the run if a call to the engine (a push, a generation) passes its deadline."""
     version, eos, train = 0, inputs.tokenizer.eos_token_id, inputs.train.token_ids
     for event in schedule:
-        wait_start, sync_time, sync_start = time.perf_counter(), 0.0, None
-        while version < event.version:
-            weights = channel.get(channel.weights)
-            push_start = time.perf_counter()
-            sync_start = sync_start or push_start
-            engine.push(weights)  # into every running engine, in place (plumbing/weights.py)
-            sync_time += time.perf_counter() - push_start
-            version = engine.version  # each engine proved it holds it (check_loaded)
-        if version != event.version:
-            raise RuntimeError(f"{event.kind} {event.index} needs version {event.version}, has {version}")
-        wait_time, gen_start = time.perf_counter() - wait_start - sync_time, time.perf_counter()
+        version, timings = load_version(engine, channel, version, event)
         if event.kind == "eval":
-            prompts = inputs.evaluation.token_ids
-            seeds = [args.seed + i for i in range(len(prompts))]
-            temperature = 0.0 if TASKS[args.task].eval_greedy else args.temperature
-            call = ("evaluation", version)
-            responses, _ = generate(engine, call, prompts, 1, temperature, args.response_length, eos, seeds)
-            channel.evals.put(EvalRollout(version, responses, time.perf_counter() - gen_start, gen_start))
+            run_evaluation(engine, channel, version, inputs, args)
             continue
-        indices = prompt_indices_for_step(event.index, len(train), sizes.batch_size, args.seed)
-        seeds = [args.seed * 1_000_003 + event.index * sizes.batch_size + i for i in range(len(indices))]
+        gen_start = time.perf_counter()
+        indices, seeds = rollout_prompts(event.index, inputs, args, sizes)
         prompts, n = [train[i] for i in indices], completions_per_prompt(args)
         sampling = (args.temperature, args.response_length, eos, seeds, ROLLOUT_LOGPROBS)
         responses, logprobs = generate(engine, ("rollout", event.index), prompts, n, *sampling)
-        timings = {"generation": (gen_start, time.perf_counter() - gen_start)}
-        timings |= {"generator_wait": (None, wait_time), "weight_sync": (sync_start or gen_start, sync_time)}
+        timings |= {"generation": (gen_start, time.perf_counter() - gen_start)}
         channel.rollouts.put(Rollout(event.index, version, indices, responses, logprobs, timings))
+
+
+# == In-flight weight updates (--inflight_updates): new policy versions between two segments of tokens =======
+class InFlight(NamedTuple):
+    """A rollout the engine is decoding, not yet delivered to the trainer."""
+
+    step: int
+    version: int  # the policy version the engine held when it joined: max(0, step - k)
+    prompt_indices: np.ndarray
+    sequences: list  # plumbing's Sequence, a completion each, those of each prompt one after the other
+    timings: dict[str, tuple[float | None, float]]  # as Rollout's; generation from its start
+
+
+def may_start(event: Event, in_flight: list[InFlight], decoding: int, args: Args, sizes: Sizes) -> bool:
+    """Whether the generator takes up `event`, the schedule's next, beside the rollouts `in_flight` (with
+    `decoding` sequences not yet done). Its version, if new, may be waited for only once every rollout
+    before it was delivered: the trainer publishes version v after training on rollout v - 1. A rollout
+    joins when fewer than a batch's sequences are decoding: the engine decodes the next batch beside the
+    longest completions of the last. One at a checkpoint step (every --save_freq) starts alone, on an empty
+    prefix cache, as it does after --resume from that checkpoint: the resumed run decodes what the
+    uninterrupted one did."""
+    if any(flight.step < event.version for flight in in_flight):
+        return False
+    if event.kind == "eval":
+        return True
+    if args.save_freq and event.index % args.save_freq == 0:
+        return not in_flight
+    return decoding < sizes.batch_size * completions_per_prompt(args)
+
+
+def inflight_generation_thread(engine, channel, schedule: list[Event], inputs: Inputs, args: Args, sizes):
+    """generation_thread's work with --inflight_updates (docs/algorithms.md#in-flight-weight-updates): the
+    rollouts in flight decode --inflight_segment_tokens tokens at a time (plumbing's decode_segment), each
+    completion a sequence of its own, and between two segments the schedule's next events start (may_start):
+    an evaluation, or a rollout, which first loads its version max(0, m - k), the sequences in flight keeping
+    their KV (--inflight_kv keep) or not. Every token records the version that sampled it and the engine's
+    logprob of it; a rollout is delivered, in order, once all its sequences are done. Where each version
+    begins in each sequence depends on the run alone, never on the clock."""
+    version, eos, train = 0, inputs.tokenizer.eos_token_id, inputs.train.token_ids
+    K, keep = completions_per_prompt(args), args.inflight_kv == "keep"
+    events, in_flight = list(schedule), []
+    while events or in_flight:
+        decoding = sum(not sequence.done for flight in in_flight for sequence in flight.sequences)
+        while events and may_start(events[0], in_flight, decoding, args, sizes):
+            event = events.pop(0)
+            version, timings = load_version(engine, channel, version, event, keep_cache=keep)
+            if event.kind == "eval":  # salted by its version: it reads no KV another version computed
+                run_evaluation(engine, channel, version, inputs, args, salt=f"e{version}")
+                continue
+            if not in_flight:  # it starts on an empty cache, as after --resume
+                engine.reset_prefix_cache()
+            indices, seeds = rollout_prompts(event.index, inputs, args, sizes)
+            salt, length = f"r{event.index}", args.response_length  # its sequences read only its own KV
+            sequences = [
+                plumbing.Sequence(train[i], seed * K + j, length, salt)
+                for i, seed in zip(indices, seeds)
+                for j in range(K)
+            ]
+            timings |= {"generation": (time.perf_counter(), 0.0)}
+            in_flight.append(InFlight(event.index, version, indices, sequences, timings))
+            decoding += len(sequences)
+        if not in_flight:  # the schedule ended with evaluations
+            continue
+        sequences = [sequence for flight in in_flight for sequence in flight.sequences]
+        call = ("segment", in_flight[0].step)
+        plumbing.decode_segment(
+            engine, sequences, args.inflight_segment_tokens, version, args.temperature, eos, call
+        )
+        while in_flight and all(sequence.done for sequence in in_flight[0].sequences):
+            flight = in_flight.pop(0)
+            gen_start = flight.timings["generation"][0]
+            timings = flight.timings | {"generation": (gen_start, time.perf_counter() - gen_start)}
+            responses, versions = [s.tokens for s in flight.sequences], [s.versions for s in flight.sequences]
+            logprobs = [s.logprobs for s in flight.sequences] if ROLLOUT_LOGPROBS else None
+            sampled = (responses, logprobs, timings, versions)
+            channel.rollouts.put(Rollout(flight.step, flight.version, flight.prompt_indices, *sampled))
 
 
 if __name__ == "__main__":

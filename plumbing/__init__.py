@@ -14,6 +14,7 @@
    receiver.py      the push's engine side: what vLLM's worker runs to load and prove a version
    lora.py          LoRA: the policy's adapter, the reference with it off, the adapter as a version
    lora_push.py     LoRA's push: the adapter the engine serves, and its proof
+   inflight.py      in-flight weight updates: sequences decoded a segment at a time, each token's version
 5. watchdog.py      a program of its own that ends the engine's processes if the trainer dies
    tidy.py          nothing left half done: a file written whole, a process group stopped whole
 
@@ -48,10 +49,12 @@ _NAMES = {
     "PolicySnapshots": "weights",
     "add_adapter": "lora",
     "AdapterOff": "lora",
+    "Sequence": "inflight",
+    "decode_segment": "inflight",
 }
 __all__ = list(_NAMES)
 _MODULES = {"flags", "inputs", "run_folder", "checkpoints", "timings", "distributed", "placement", "engine"}
-_MODULES |= {"channel", "stops", "weights", "receiver", "lora", "lora_push", "watchdog", "tidy"}
+_MODULES |= {"channel", "stops", "weights", "receiver", "lora", "lora_push", "inflight", "watchdog", "tidy"}
 
 
 def __getattr__(name: str):

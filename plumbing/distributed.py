@@ -17,6 +17,7 @@ from accelerate import Accelerator, PartialState
 from accelerate.utils import broadcast_object_list, gather_object, parse_flag_from_env
 
 from plumbing.flags import RunArgs
+from plumbing.inflight import check_inflight_flags
 from plumbing.lora import check_lora_flags
 
 
@@ -54,6 +55,7 @@ class Processes:
         self.is_main = self.accelerator.is_main_process
         self.zero_stage = _zero_stage(self.accelerator)
         check_lora_flags(args, self.zero_stage)  # before any model loads
+        check_inflight_flags(args)
         # each process's machine and pid, by rank: what names a process that dies (lost)
         place = (socket.gethostname(), os.getpid())
         self.places = gather_object([place]) if self.accelerator.num_processes > 1 else [place]

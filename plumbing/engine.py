@@ -225,11 +225,12 @@ class Engine:
         """The run's last line once the engine failed: why, and where to resume from."""
         return f"error: {self.failure}; {self.resume()}"
 
-    def push(self, weights) -> None:
+    def push(self, weights, keep_cache: bool = False) -> None:
         """Loads a policy version into every running engine, in place (push_weights, each through its own
         bucket, all at the same time), under one deadline; each engine proves it holds it (check_loaded).
         Under LoRA the version is an adapter, written once, which every engine serves (push_adapter) and
-        proves it serves; then the previous version's goes."""
+        proves it serves; then the previous version's goes. `keep_cache`: the prefix cache, the old version's
+        KV, stays (in-flight updates' keep, inflight.py); else it is reset."""
         with self.deadlines.call("weight push", weights.version):
             every = list(range(len(self.llms)))
             if self.lora:
@@ -240,8 +241,18 @@ class Engine:
                     shutil.rmtree(self.adapter.lora_path, ignore_errors=True)
                 self.adapter = served[0]
             else:
-                self.on_each(lambda llm, bucket: push_weights(llm, bucket, weights), every, self.buckets)
+
+                def push(llm, bucket) -> None:
+                    push_weights(llm, bucket, weights, reset_prefix_cache=not keep_cache)
+
+                self.on_each(push, every, self.buckets)
         self.versions = [weights.version] * len(self.llms)
+
+    def reset_prefix_cache(self) -> None:
+        """Every engine forgets the KV its prefix cache holds (in-flight updates: a rollout that starts with
+        nothing else in flight starts on an empty cache, as it does after --resume)."""
+        every = list(range(len(self.llms)))
+        self.on_each(lambda llm, _: llm.reset_prefix_cache(), every, every)
 
     @property
     def version(self) -> int:

@@ -249,6 +249,17 @@ class RunArgs:
     # adapter in policy/
     lora_save_merged: bool = False
 
+    # in-flight weight updates (docs/algorithms.md#in-flight-weight-updates---inflight_updates)
+    # decode the rollouts a segment of tokens at a time, the next batch's beside the last one's longest
+    # completions, each new policy version loaded between two segments as soon as it is published; every
+    # token records the version that sampled it, none more than --async_level versions older than its step
+    inflight_updates: bool = False
+    inflight_segment_tokens: int = 16  # tokens each sequence decodes between two loads of a new version
+    # after an update, the tokens decoded before it keep the keys and values the old version computed
+    # (keep: PipelineRL's, free) or the new version computes them again (recompute: a prefill of each
+    # sequence in flight at each update, and each token's logprob is the new policy's given its prefix)
+    inflight_kv: Literal["keep", "recompute"] = "keep"
+
     # checkpoints
     # checkpoint every this many steps (0: none on a schedule; one is also written on SIGTERM / Ctrl-C)
     save_freq: int = 0
@@ -271,6 +282,7 @@ COMMON_DOMAINS = {
     "lora_rank": (">= 0", "0 trains the whole policy"),
     "lora_alpha": ("> 0", "the adapter's update is scaled by alpha / rank"),
     "lora_dropout": ("in [0, 1]", "a probability"),
+    "inflight_segment_tokens": (">= 1", "a segment decodes at least one token"),
 }
 
 

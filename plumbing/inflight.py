@@ -24,6 +24,37 @@ What a sequence's keys and values are computed with after a push, which the push
 
 from dataclasses import dataclass, field
 
+from plumbing.flags import RunArgs, UsageError
+
+# in-flight updates' flags but their switch, with their defaults: set without --inflight_updates, they
+# would do nothing
+_SETTINGS = {name: getattr(RunArgs, name) for name in ("inflight_segment_tokens", "inflight_kv")}
+
+
+def check_inflight_flags(args: RunArgs) -> None:
+    """In-flight updates' flags before any model loads: its settings need its switch; `keep` needs one
+    engine without LoRA: vLLM's prefix cache keys each block by the adapter that computed it (under LoRA a
+    version is an adapter of its own, so no block would be found), and Engine.generate cuts each segment's
+    sequences among several engines by their count, so a sequence's next segment may land on an engine that
+    holds none of its blocks."""
+    if not args.inflight_updates:
+        given = [f"--{name}" for name, default in _SETTINGS.items() if getattr(args, name) != default]
+        if given:
+            raise UsageError(
+                f"{', '.join(given)} set in-flight updates, which only --inflight_updates turns on"
+            )
+        return
+    if args.inflight_kv == "keep" and args.lora_rank:
+        raise UsageError(
+            "--inflight_kv keep under --lora_rank: vLLM's prefix cache keys each block by its adapter, a "
+            "version's own, so no sequence would keep its KV; use --inflight_kv recompute"
+        )
+    if args.inflight_kv == "keep" and args.vllm_num_engines > 1:
+        raise UsageError(
+            "--inflight_kv keep with --vllm_num_engines > 1: a sequence's next segment may go to an engine "
+            "that holds none of its KV; use --inflight_kv recompute"
+        )
+
 
 @dataclass
 class Sequence:

@@ -29,6 +29,7 @@ _SLOWEST_MULTIPLE = 10  # a later call may take this many times the slowest of i
 _KINDS = {
     "weight push": "the weight push of policy version {}",
     "rollout": "the rollout of step {}",
+    "segment": "a segment of the rollouts in flight from step {}",
     "evaluation": "the evaluation of policy version {}",
 }
 
