@@ -100,10 +100,10 @@ def inject(fault: str, module) -> None:
     if where == "freeze_push":
         push = plumbing.engine.Engine.push
 
-        def freezing_push(engine, weights):
+        def freezing_push(engine, weights, keep_cache=False):
             if weights.version == at:
                 signal_engine(signal.SIGSTOP, "VLLM::Worker", f"as the weight push of policy version {at} begins")
-            return push(engine, weights)
+            return push(engine, weights, keep_cache)
 
         plumbing.engine.Engine.push = freezing_push
     if where in ("freeze_generation", "kill_generation", "kill_engine", "freeze_evaluation"):

@@ -443,6 +443,7 @@ def test_the_flag_list_has_each_flag_s_values_default_domain_and_text():
         "the engine",
         "trainer numerics and memory",
         "LoRA",
+        "weight updates in flight",
         "checkpoints",
         "data and models",
         "batch sizes",
@@ -458,7 +459,7 @@ def test_the_flag_list_has_each_flag_s_values_default_domain_and_text():
 SCRIPTS = {name: importlib.import_module(name) for name in ("online_dpo_async", "rloo_async", "ppo_async")}
 ALGORITHM_SECTIONS = {"online_dpo_async": "online DPO", "rloo_async": "RLOO", "ppo_async": "PPO"}
 # RunArgs' sections (plumbing/flags.py), first in every file; then each file's own
-RUN_SECTIONS = ["run", "the engine", "trainer numerics and memory", "LoRA", "checkpoints"]
+RUN_SECTIONS = ["run", "the engine", "trainer numerics and memory", "LoRA", "weight updates in flight", "checkpoints"]
 # shared flags whose text says what differs between the algorithms: completions per prompt, the value model
 SAID_PER_FILE = {"total_episodes", "local_rollout_forward_batch_size", "learning_rate", "reward_model_path"}
 
