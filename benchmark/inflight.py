@@ -35,14 +35,19 @@ FIGURES = {
 }
 
 
+def medians(metrics: Path) -> dict[str, float]:
+    """The medians of FIGURES over a run's timed steps (its metrics.jsonl)."""
+    lines = [json.loads(line) for line in metrics.read_text().splitlines()]
+    steps = [line for line in lines if "time/step" in line][SKIPPED_STEPS:]
+    return {name: statistics.median(line[key] for line in steps) for name, key in FIGURES.items()}
+
+
 def run(script: str, flags: list[str], out: Path) -> dict[str, float]:
-    """One run; the medians of FIGURES over its timed steps."""
+    """One run, its output in `out` (and out.log); its medians."""
     argv = [sys.executable, script, *LONG_TAILED, *flags, "--output_dir", str(out)]
     with open(out.with_suffix(".log"), "w") as log:
         subprocess.run(argv, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, check=True)
-    lines = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    steps = [line for line in lines if "time/step" in line][SKIPPED_STEPS:]
-    return {name: statistics.median(line[key] for line in steps) for name, key in FIGURES.items()}
+    return medians(out / "metrics.jsonl")
 
 
 def table(results: dict[str, list[dict[str, float]]]) -> str:
@@ -51,7 +56,8 @@ def table(results: dict[str, list[dict[str, float]]]) -> str:
     rows = ["| mode | " + " | ".join(FIGURES) + " |", "|---" * (len(FIGURES) + 1) + "|"]
     rows += [f"| {mode} | " + " | ".join(f"{m[f]:.3f}" for f in FIGURES) + " |" for mode, m in medians.items()]
     whole, inflight = medians["whole batch"], medians["in-flight"]
-    rows.append("| in-flight / whole batch | " + " | ".join(f"{inflight[f] / whole[f]:.2f}x" for f in FIGURES) + " |")
+    ratios = [f"{inflight[f] / whole[f]:.2f}x" if whole[f] > 0.01 else "-" for f in FIGURES]  # no ratio to ~0
+    rows.append("| in-flight / whole batch | " + " | ".join(ratios) + " |")
     return "\n".join(rows)
 
 

@@ -9,6 +9,7 @@ import pytest
 from conftest import ROOT
 
 sys.path.insert(0, str(ROOT / "benchmark"))
+import inflight  # noqa: E402
 import timing  # noqa: E402
 
 
@@ -315,3 +316,21 @@ def test_the_help_benchmark_times_every_algorithm_file():
     for _, seconds in rows:
         low, median, high = (float(x) for x in seconds.split(" / "))
         assert 0 < low <= median <= high
+
+
+def test_the_in_flight_benchmark_s_medians_and_table_by_hand(tmp_path):
+    """benchmark/inflight.py: a run's medians leave out its first three steps and its evaluation lines; the table
+    holds the median of the rounds' medians and the ratio of the modes, none where whole-batch's figure is ~0."""
+    steps = [(9.0, 9.0, 9.0, 1.0)] * 3 + [(1.0, 0.5, 0.0, 100.0), (2.0, 0.7, 0.0, 300.0), (4.0, 0.9, 0.0, 200.0)]
+    keys = ("time/step", "time/generation", "time/wait_for_rollouts", "throughput/tokens_per_second")
+    lines = [json.dumps(dict(zip(keys, figures))) for figures in steps] + [json.dumps({"eval/win_rate": 0.5})]
+    (tmp_path / "metrics.jsonl").write_text("\n".join(lines) + "\n")
+    whole = inflight.medians(tmp_path / "metrics.jsonl")
+    assert whole == {"step": 2.0, "generation": 0.7, "waiting": 0.0, "tokens/s": 200.0}
+    other = {"step": 3.0, "generation": 1.4, "waiting": 0.5, "tokens/s": 100.0}
+    text = inflight.table({"whole batch": [whole], "in-flight": [other, {**other, "step": 5.0}]})
+    assert text.splitlines()[2:] == [
+        "| whole batch | 2.000 | 0.700 | 0.000 | 200.000 |",
+        "| in-flight | 4.000 | 1.400 | 0.500 | 100.000 |",
+        "| in-flight / whole batch | 2.00x | 2.00x | - | 0.50x |",
+    ]
