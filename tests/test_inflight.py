@@ -10,7 +10,7 @@ import sys
 
 import numpy as np
 import pytest
-from conftest import ROOT, assert_resumed_run_matches, read_metrics, run_with_fault, shared_run
+from conftest import ROOT, SMALL_RUN, assert_resumed_run_matches, read_metrics, run_script, run_with_fault, shared_run
 from test_faults_and_resume import FROZEN_ENGINE_MINUTES, PROMPTLY
 
 import online_dpo_async as dpo
@@ -161,3 +161,19 @@ def test_an_engine_frozen_in_a_push_between_two_segments_stops_the_run_within_it
     print(f"stopped before step {stop_step}, {seconds:.1f} s after the fault, deadline {deadline} s")
     assert 14 <= stop_step <= 16 and f"stopped before step {stop_step}; resume from {checkpoint}" in output
     assert deadline - 1 < seconds < deadline + PROMPTLY and "Traceback" not in output
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("script, kv", [("rloo_async.py", "keep"), ("ppo_async.py", "recompute")])
+def test_at_async_level_0_every_token_s_engine_logprob_is_the_trainer_s(script, kv, tmp_path):
+    """In-flight updates at k = 0 (one rollout in flight, one version): the logprobs the segments record, token by
+    token, are the trainer's of its own policy at every step (policy/engine_logprob_diff, the mean |trainer's -
+    engine's| over the batch's tokens, under 2e-6, float32 as the default run at k = 0), under either --inflight_kv:
+    a logprob recorded for another token, in another order, or under another version would be off by far more."""
+    flags = [*INFLIGHT, "--inflight_kv", kv, *SMALL_RUN, "--async_level", "0", "--old_logprobs", "engine"]
+    run_script([sys.executable, script, *flags, "--output_dir", str(tmp_path)])
+    train, _ = read_metrics(tmp_path)
+    diffs = [m["policy/engine_logprob_diff"] for m in train]
+    print(f"{script} --inflight_kv {kv}: the largest engine_logprob_diff {max(diffs):.2e} over {len(diffs)} steps")
+    assert all(m["async/token_version_min"] == m["async/token_version_max"] == m["step"] for m in train)
+    assert max(diffs) < 2e-6 and len(diffs) >= 16
