@@ -325,6 +325,35 @@ def advice(plan: Plan, hardware: Hardware) -> str:
     return text + f" Up to K = {samples} (--num_samples, now {now}) keeps generation within training's time."
 
 
+# Mean completion lengths, as fractions of --response_length, at which a plan shows the step with in-flight updates;
+# the scripts' page shows the middle one.
+INFLIGHT_FRACTIONS = (0.25, 0.5, 0.75)
+
+
+def inflight_step(plan: Plan, f: float) -> tuple[float, float]:
+    """Generation and the async step with in-flight updates (--inflight_updates), modelled: whole-batch generation
+    decodes each wave for response_length steps, waiting for its longest completion; in flight, the engine fills the
+    places of the completions that end with the next batch's, so it decodes about as many steps as the completions
+    hold tokens per place: a fraction f of the decode time where they average f of response_length (a step's cost a
+    full wave's). Not counted: each segment's own cost (a request, its partial KV block computed again; it is what
+    makes the mode slower on the tiny task on a CPU, docs/speed.md) and the wait for each version: an upper bound
+    on the gain."""
+    generation = plan.prefill + f * plan.decode
+    return generation, max(generation, plan.training)
+
+
+def inflight_report(plan: Plan) -> str:
+    """In-flight updates' step at each of INFLIGHT_FRACTIONS (inflight_step), against the async step's."""
+    async_step, cells = max(plan.generation, plan.training), []
+    for f in INFLIGHT_FRACTIONS:
+        generation, step = inflight_step(plan, f)
+        cells.append(f"f = {f}: G = {generation:.2f} s, async step {step:.2f} s ({async_step / step:.2f}x)")
+    return (
+        "In-flight updates (--inflight_updates; an upper bound, segments' own cost aside), if the completions average "
+        "a fraction f of the response length: " + "; ".join(cells) + "."
+    )
+
+
 def gib(n: float) -> str:
     return f"{n / GIB:.1f} GiB" if n >= GIB else f"{n / 2**20:.1f} MiB" if n >= 2**20 else f"{n / 2**10:.1f} KiB"
 
@@ -401,6 +430,8 @@ def report(plan: Plan, hardware: Hardware) -> str:
         f"| step, sync: G + T | {G + T:.2f} | |",
         f"| step, async: max(G, T) | {max(G, T):.2f} | |",
         f"| **async speed-up** | **{(G + T) / max(G, T):.2f}x** | sync / async |",
+        "",
+        inflight_report(plan),
         "",
         advice(plan, hardware),
         "",
@@ -494,17 +525,20 @@ def summary(results: list[tuple[list[str], Plan, str]], hardware: Hardware) -> s
     (engine_layouts). benchmark/gpu_check.py reads the first nine columns."""
     lines = [
         "| runs | in flight / an engine's completions | waves | G (s) | T (s) | sync: G + T (s) | async: max (s) "
-        "| speed-up | bound | engines x GPUs | training bounds it from: engines, step (s) |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "| speed-up | bound | engines x GPUs | training bounds it from: engines, step (s) "
+        f"| in flight, f = {INFLIGHT_FRACTIONS[1]}: async (s) |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for names, plan, _ in results:
         G, T = plan.generation, plan.training
         best = training_bound(engine_layouts(plan, hardware))
         fewest = "none" if best is None else f"{best.run.engines}, {best.training:.2f}"
+        inflight = inflight_step(plan, INFLIGHT_FRACTIONS[1])[1]
         lines.append(
             f"| {', '.join(f'`{name}`' for name in names)} | {plan.in_flight} / {plan.per_engine} | {plan.waves} "
             f"| {G:.2f} | {T:.2f} | {G + T:.2f} | {max(G, T):.2f} | {(G + T) / max(G, T):.2f}x "
-            f"| {'generation' if G >= T else 'training'} | {plan.run.engines} x {plan.run.tensor_parallel} | {fewest} |"
+            f"| {'generation' if G >= T else 'training'} | {plan.run.engines} x {plan.run.tensor_parallel} | {fewest} "
+            f"| {inflight:.2f} ({max(G, T) / inflight:.2f}x) |"
         )
     return "\n".join(lines)
 

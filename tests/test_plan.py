@@ -422,3 +422,20 @@ def test_with_lora_the_8b_no_robots_online_dpo_fits_on_one_gpu_and_the_plan_says
     zero3 = NO_ROBOTS.split() + ["--lora_rank", "8"]
     with pytest.raises(SystemExit, match="--lora_rank under ZeRO-3 is refused by the run"):
         memory.plan(zero3, int(79 * GIB), None)
+
+
+def test_in_flight_updates_cut_decoding_to_the_tokens_the_completions_hold_and_no_further_than_training():
+    """No Robots 8B at 0.91 (G 19.8 s: a 4.55 s prefill and one wave of 1024 decoding steps of 14.89 ms, 15.25 s; T
+    12.20 s): completions averaging half the response length decode in 7.62 s, G = 12.18 s, under T, so the async step
+    is training's, 19.80 / 12.20 = 1.62x, as at f = 0.25: nothing beyond training's time is gained; at f = 0.75 G =
+    4.55 + 11.44 = 15.99 s bounds it (1.24x)."""
+    p = plan.make_plan(NO_ROBOTS.split() + ["--vllm_gpu_memory_utilization", "0.91", "--async_level", "1"], H100, None)
+    assert round(p.prefill, 2) == 4.55 and round(p.full_step.memory * 1e3, 2) == 14.89 and p.waves == 1
+    assert round(p.decode, 2) == round(1024 * p.full_step.memory, 2) == 15.25
+    generation, step = plan.inflight_step(p, 0.5)
+    assert (round(generation, 2), round(step, 2)) == (12.18, 12.20) and step == p.training
+    assert round(plan.inflight_step(p, 0.75)[1], 2) == 15.99
+    assert plan.inflight_report(p).endswith(
+        "f = 0.25: G = 8.37 s, async step 12.20 s (1.62x); f = 0.5: G = 12.18 s, async step 12.20 s (1.62x); "
+        "f = 0.75: G = 15.99 s, async step 15.99 s (1.24x)."
+    )
