@@ -251,9 +251,9 @@ class RunArgs:
 
     # weight updates in flight
     # decode the rollouts a segment of tokens at a time, the next batch's beside the last one's longest
-    # completions, each new policy version loaded between two segments as soon as it is published; every
-    # token records the version that sampled it, none more than --async_level versions older than its step
-    # (docs/algorithms.md#in-flight-weight-updates---inflight_updates)
+    # completions, each new policy version loaded between two segments as the rollout that needs it joins;
+    # every token records the version that sampled it, none more than --async_level versions older than its
+    # step (docs/algorithms.md#in-flight-weight-updates---inflight_updates)
     inflight_updates: bool = False
     inflight_segment_tokens: int = 16  # tokens each sequence decodes between two loads of a new version
     # after an update, the tokens decoded before it keep the keys and values the old version computed
