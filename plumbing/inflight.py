@@ -1,7 +1,8 @@
-"""4d. In-flight weight updates, their first part (issue 54): sequences decoded a segment of tokens at a time,
-so that a new policy version can reach the engine between two segments of the sequences in flight, and every
-token records the version that sampled it, with the engine's own logprob of it (the behaviour policy of that
-token).
+"""4d. In-flight weight updates (--inflight_updates, issue 54), the engine's side: sequences decoded a segment
+of tokens at a time, so that a new policy version can reach the engine between two segments of the sequences
+in flight, and every token records the version that sampled it, with the engine's own logprob of it (the
+behaviour policy of that token); and the flags' checks. Which rollout joins when, and so which version samples
+which token, is the method's: each algorithm file's inflight_generation_thread.
 
 Why segments, and not vLLM's own decoding loop, paused at a step: vLLM's engine runs its decoding steps in a
 process of its own, ahead of its client, so the step at which a push lands there depends on the clock; a
