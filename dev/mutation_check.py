@@ -701,6 +701,7 @@ LEFT_OUT = {
     "tests/test_rloo_runs.py": "whole runs, each starting an engine",
     "tests/test_ppo_runs.py": "whole runs, each starting an engine",
     "tests/test_faults_and_resume.py": "whole runs: faults, signals, resume",
+    "tests/test_inflight.py": "in-flight updates: whole runs, each starting an engine, and a command line's refusal",
     "tests/test_run_folder.py": "the run folder (plumbing's): checkpoints, its lock and space, a full disk",
     "tests/test_gpu.py": "needs a GPU",
     "tests/test_benchmark_scripts.py": "the benchmark scripts' commands",

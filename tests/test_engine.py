@@ -144,8 +144,8 @@ def test_the_engine_device_holds_one_bucket_at_every_async_level(engine, policy_
     link = plumbing.Engine.around([engine], [bucket])
     channel = plumbing.Channel(link)
 
-    def push(weights):
-        plumbing.Engine.push(link, weights)  # push_weights through the bucket
+    def push(weights, keep_cache=False):
+        plumbing.Engine.push(link, weights, keep_cache)  # push_weights through the bucket
         files = {f.name: f.stat().st_size for f in folder.iterdir()}
         on_device = [(name, size) for name, size in files.items() if name.startswith(("bucket-", "header-"))]
         held.append((weights.version, sorted(on_device), sum(name.startswith("snapshot-") for name in files)))

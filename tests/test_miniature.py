@@ -243,6 +243,8 @@ def test_plan_spells_out_every_flag_that_defines_a_run(script):
     later = {"dataset_eval_file"}
     # and LoRA's (issue 53): left out, --lora_rank 0, the whole policy trains, as the runs did
     later |= {"lora_rank", "lora_alpha", "lora_dropout", "lora_target_modules", "lora_save_merged", "lora_value_model"}
+    # and in-flight updates' (issue 54): off, each batch generated whole, as the runs did
+    later |= {"inflight_updates", "inflight_segment_tokens", "inflight_kv"}
     # the file's methods (Best-of-2 is online DPO's with another loss); PRIME-RL's objective sets its loss, its mu and
     # its KL term on purpose too, and GRPO (the corrections sweep's) its loss, advantage, normaliser and KL term
     methods = {"online_dpo_async.py": ["dpo"], "rloo_async.py": ["rloo", "prime_rl", "grpo"], "ppo_async.py": ["ppo"]}
