@@ -154,7 +154,7 @@ FULL_TIER = {
     "tests/test_rloo_runs.py::test_engine_logprobs_with_truncated_importance_weights_at_async_2": "RLOO's unit tests",
     "tests/test_ppo_runs.py::test_engine_logprobs_with_truncated_importance_weights_at_async_2": "PPO's unit tests",
     "tests/test_ppo_runs.py::test_adaptive_kl_follows_the_controller_step_by_step": "PPO's controller unit test",
-    "tests/test_rloo_runs.py::test_a_fork_is_a_copy_with_its_own_method_section": "the drift test of the shared text",
+    "tests/test_rloo_runs.py::test_a_fork_is_a_copy_with_its_own_method_section": "the run of rloo_async.py",
     # configurations of training: CI runs two CPU processes (the README's example) and the ZeRO-3 push
     # (test_gpu_path.py); DeepSpeed's ZeRO-2 and ZeRO-3 runs, two machines, bf16 with gradient checkpointing here
     "tests/test_online_dpo_runs.py::test_deepspeed_trains_pushes_and_resumes_exactly": "the ZeRO-3 push",
@@ -171,8 +171,12 @@ FULL_TIER = {
     "tests/test_lora.py::test_a_lora_run_killed_by_sigkill_resumes_exactly_from_checkpoints_of_the_adapter_alone": (
         "test_a_checkpoint_holds_the_weights_that_train_and_a_resume_reads_exactly_those_back"
     ),
-    "tests/test_lora.py::test_lora_trains_and_resumes_exactly_over_two_processes_and_under_zero2": "the same",
-    "tests/test_lora.py::test_ppo_s_value_model_gets_an_adapter_of_its_own_and_a_sigterm_resumes_exactly": "the same",
+    "tests/test_lora.py::test_lora_trains_and_resumes_exactly_over_two_processes_and_under_zero2": (
+        "test_a_checkpoint_holds_the_weights_that_train_and_a_resume_reads_exactly_those_back, two processes"
+    ),
+    "tests/test_lora.py::test_ppo_s_value_model_gets_an_adapter_of_its_own_and_a_sigterm_resumes_exactly": (
+        "test_a_checkpoint_holds_the_weights_that_train_and_a_resume_reads_exactly_those_back"
+    ),
     # in-flight updates: CI runs RLOO's at k = 0 (every token's logprob the trainer's) and the fast tier the schedule
     "tests/test_inflight.py::test_a_run_with_in_flight_updates_learns_and_each_batch_spans_the_versions_the_contract_"
     "allows": "RLOO's run at k = 0",
