@@ -898,27 +898,36 @@ def test_a_training_process_that_dies_leaves_one_line_from_rank_0_naming_it_and_
     }
 
 
-# vLLM's worker raises SystemExit from its SIGTERM handler (vllm/v1/executor/multiproc_executor.py, worker_main).
-# The launcher sends SIGTERM to rank 0's whole process group, the engine's worker in it; when the signal finds the
-# worker inside an object's finalizer, Python prints "Exception ignored in: ..." and that traceback. The worker is
-# vLLM's process, stopping as it should; the block is taken out before looking for a traceback of ours.
+# The launcher sends SIGTERM to rank 0's whole process group, the engine's processes in it, which stop as vLLM has
+# them stop; two of vLLM's reports of that are taken out before looking for a traceback of ours:
+# - its worker raises SystemExit from its SIGTERM handler (vllm/v1/executor/multiproc_executor.py, worker_main); when
+#   the signal finds the worker inside an object's finalizer, Python prints "Exception ignored in: ..." and that
+#   traceback;
+# - when the worker exits (code 0, from that SystemExit) while the engine core waits on its step, before the core's
+#   own SIGTERM handler has run, the core says the worker "died unexpectedly", dumps its input and prints its fatal
+#   error, "RuntimeError: cancelled" (vllm/v1/engine/core.py, run_engine_core), every line "(EngineCore pid=N) ERROR".
 VLLM_WORKER_SIGTERM = re.compile(
     r"Exception ignored in: [^\n]*\nTraceback \(most recent call last\):\n(?:  [^\n]*\n)+SystemExit: *\n"
 )
+VLLM_CORE_SEES_ITS_WORKER_STOP = re.compile(
+    r"(\(EngineCore pid=\d+\) ERROR )[^\n]*Worker proc VllmWorker-\d+ died unexpectedly \(exit code: 0\)[^\n]*\n"
+    r"(?:\1[^\n]*\n)*?\1[^\n]*\] RuntimeError: cancelled\n"
+)
 
 
-def without_vllm_workers_sigterm(output: str) -> str:
+def without_vllms_reports_of_the_sigterm(output: str) -> str:
     def keep_unless_vllms(block: re.Match) -> str:
         vllms = "vllm/v1/executor/multiproc_executor.py" in block.group() and "in signal_handler" in block.group()
         return "" if vllms else block.group()
 
-    return VLLM_WORKER_SIGTERM.sub(keep_unless_vllms, output)
+    return VLLM_CORE_SEES_ITS_WORKER_STOP.sub("", VLLM_WORKER_SIGTERM.sub(keep_unless_vllms, output))
 
 
-def test_without_vllm_workers_sigterm_takes_out_only_that_block():
-    """The block as CI printed it (a finalizer of vLLM's CPU GEMM handler met by the worker's SIGTERM) goes; the
-    same shape from another file, or another exception, stays."""
-    vllms = (
+def test_without_vllms_reports_of_the_sigterm_takes_out_only_those_blocks():
+    """The worker's block as CI printed it (a finalizer of vLLM's CPU GEMM handler met by the worker's SIGTERM) goes;
+    the same shape from another file, or another exception, stays. The engine core's block as a run printed it goes;
+    the same with the worker gone another way (exit code -9), or another error, stays."""
+    worker = (
         "Exception ignored in: <function CPUDNNLGEMMHandler.__del__ at 0x7f51a67f9440>\n"
         "Traceback (most recent call last):\n"
         '  File "/x/site-packages/vllm/_custom_ops.py", line 3728, in __del__\n'
@@ -927,11 +936,33 @@ def test_without_vllm_workers_sigterm_takes_out_only_that_block():
         "    raise SystemExit()\n"
         "SystemExit: \n"
     )
-    assert without_vllm_workers_sigterm(f"steps: 6/32\n{vllms}\nerror: x\n") == "steps: 6/32\n\nerror: x\n"
-    ours = vllms.replace("vllm/v1/executor/multiproc_executor.py", "plumbing/channel.py")
-    assert without_vllm_workers_sigterm(ours) == ours
-    other = vllms.replace("SystemExit: \n", "ConnectionError: closed\n")
-    assert without_vllm_workers_sigterm(other) == other
+    assert without_vllms_reports_of_the_sigterm(f"steps: 6/32\n{worker}\nerror: x\n") == "steps: 6/32\n\nerror: x\n"
+    ours = worker.replace("vllm/v1/executor/multiproc_executor.py", "plumbing/channel.py")
+    assert without_vllms_reports_of_the_sigterm(ours) == ours
+    other = worker.replace("SystemExit: \n", "ConnectionError: closed\n")
+    assert without_vllms_reports_of_the_sigterm(other) == other
+
+    core = "(EngineCore pid=9803) ERROR 12-02 16:43:26 "
+    cores = (
+        f"{core}[multiproc_executor.py:315] Worker proc VllmWorker-0 died unexpectedly (exit code: 0), shutting down "
+        "executor.\n"
+        f"{core}[dump_input.py:72] Dumping input data for V1 LLM engine (v0.32.0) with config: model='tiny'\n"
+        f"{core}[core.py:1512] EngineCore encountered a fatal error.\n"
+        f"{core}[core.py:1512] Traceback (most recent call last):\n"
+        f'{core}[core.py:1512]   File "/x/site-packages/vllm/v1/engine/core.py", line 1496, in run_engine_core\n'
+        f"{core}[core.py:1512]     raise RuntimeError(\"cancelled\")\n"
+        f"{core}[core.py:1512] RuntimeError: cancelled\n"
+    )
+    after = "error: training process 1 (pid 9710) of 2 died\n"
+    assert without_vllms_reports_of_the_sigterm(f"steps: 6/32\n{cores}{after}") == f"steps: 6/32\n{after}"
+    killed = cores.replace("(exit code: 0)", "(exit code: -9)")
+    assert without_vllms_reports_of_the_sigterm(killed) == killed
+    another = cores.replace("RuntimeError: cancelled", "RuntimeError: CUDA error")
+    assert without_vllms_reports_of_the_sigterm(another) == another
+    two_cores = cores.replace("RuntimeError: cancelled", "ok").replace("pid=9803", "pid=1") + cores
+    assert without_vllms_reports_of_the_sigterm(two_cores) == cores.replace("RuntimeError: cancelled", "ok").replace(
+        "pid=9803", "pid=1"
+    )
 
 
 def run_and_act(argv: list[str], log: Path, act, env: dict | None = None) -> tuple[int, float, list[int]]:
@@ -997,7 +1028,7 @@ def test_a_training_process_killed_mid_run_leaves_rank_0_s_line_naming_it_and_th
         "--resume",
         ours[0],
     ), output[-4000:]
-    before_launcher = without_vllm_workers_sigterm(output[: output.index(ours[0])])
+    before_launcher = without_vllms_reports_of_the_sigterm(output[: output.index(ours[0])])
     assert "Traceback" not in before_launcher and "Connection" not in before_launcher, output[-4000:]
     assert newest.name in ("step_000004", "step_000008") and left == []
 
