@@ -950,7 +950,7 @@ def test_without_vllms_reports_of_the_sigterm_takes_out_only_those_blocks():
         f"{core}[core.py:1512] EngineCore encountered a fatal error.\n"
         f"{core}[core.py:1512] Traceback (most recent call last):\n"
         f'{core}[core.py:1512]   File "/x/site-packages/vllm/v1/engine/core.py", line 1496, in run_engine_core\n'
-        f"{core}[core.py:1512]     raise RuntimeError(\"cancelled\")\n"
+        f'{core}[core.py:1512]     raise RuntimeError("cancelled")\n'
         f"{core}[core.py:1512] RuntimeError: cancelled\n"
     )
     after = "error: training process 1 (pid 9710) of 2 died\n"
