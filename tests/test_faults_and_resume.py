@@ -905,13 +905,15 @@ def test_a_training_process_that_dies_leaves_one_line_from_rank_0_naming_it_and_
 #   traceback;
 # - when the worker exits (code 0, from that SystemExit) while the engine core waits on its step, before the core's
 #   own SIGTERM handler has run, the core says the worker "died unexpectedly", dumps its input and prints its fatal
-#   error, "RuntimeError: cancelled" (vllm/v1/engine/core.py, run_engine_core), every line "(EngineCore pid=N) ERROR".
+#   error, "RuntimeError: cancelled" (vllm/v1/engine/core.py, run_engine_core), every line "(EngineCore pid=N) ERROR";
+#   when the core lives on long enough to re-raise it, multiprocessing prints it again ("Process EngineCore:").
 VLLM_WORKER_SIGTERM = re.compile(
     r"Exception ignored in: [^\n]*\nTraceback \(most recent call last\):\n(?:  [^\n]*\n)+SystemExit: *\n"
 )
 VLLM_CORE_SEES_ITS_WORKER_STOP = re.compile(
     r"(\(EngineCore pid=\d+\) ERROR )[^\n]*Worker proc VllmWorker-\d+ died unexpectedly \(exit code: 0\)[^\n]*\n"
     r"(?:\1[^\n]*\n)*?\1[^\n]*\] RuntimeError: cancelled\n"
+    r"(?:Process EngineCore:\nTraceback \(most recent call last\):\n(?:  [^\n]*\n)+RuntimeError: cancelled\n)?"
 )
 
 
@@ -955,6 +957,17 @@ def test_without_vllms_reports_of_the_sigterm_takes_out_only_those_blocks():
     )
     after = "error: training process 1 (pid 9710) of 2 died\n"
     assert without_vllms_reports_of_the_sigterm(f"steps: 6/32\n{cores}{after}") == f"steps: 6/32\n{after}"
+    raised = (
+        "Process EngineCore:\n"
+        "Traceback (most recent call last):\n"
+        '  File "/x/python3.11/multiprocessing/process.py", line 314, in _bootstrap\n'
+        "    self.run()\n"
+        '  File "/x/site-packages/vllm/v1/engine/core.py", line 1514, in run_engine_core\n'
+        "    raise e\n"
+        "RuntimeError: cancelled\n"
+    )
+    assert without_vllms_reports_of_the_sigterm(f"{cores}{raised}{after}") == after
+    assert without_vllms_reports_of_the_sigterm(f"{raised}{after}") == f"{raised}{after}"  # alone, it stays
     killed = cores.replace("(exit code: 0)", "(exit code: -9)")
     assert without_vllms_reports_of_the_sigterm(killed) == killed
     another = cores.replace("RuntimeError: cancelled", "RuntimeError: CUDA error")
