@@ -899,36 +899,42 @@ def test_a_training_process_that_dies_leaves_one_line_from_rank_0_naming_it_and_
 
 
 # The launcher sends SIGTERM to rank 0's whole process group, the engine's processes in it, which stop as vLLM has
-# them stop; two of vLLM's reports of that are taken out before looking for a traceback of ours:
+# them stop, and say so in their own ways; those reports are taken out before looking for a traceback of ours, unless
+# they pass through our code (plumbing/, which runs in the engine's worker too):
 # - its worker raises SystemExit from its SIGTERM handler (vllm/v1/executor/multiproc_executor.py, worker_main); when
 #   the signal finds the worker inside an object's finalizer, Python prints "Exception ignored in: ..." and that
 #   traceback;
-# - when the worker exits (code 0, from that SystemExit) while the engine core waits on its step, before the core's
-#   own SIGTERM handler has run, the core says the worker "died unexpectedly", dumps its input and prints its fatal
-#   error, "RuntimeError: cancelled" (vllm/v1/engine/core.py, run_engine_core), every line "(EngineCore pid=N) ERROR";
-#   when the core lives on long enough to re-raise it, multiprocessing prints it again ("Process EngineCore:").
+# - its engine core, when the worker stops before the core's own SIGTERM handler has run, logs what failed with it, as
+#   the race goes: the worker "died unexpectedly" (exit code 0 or None), the step's or a call's traceback, "RuntimeError:
+#   cancelled" (vllm/v1/engine/core.py); every line of its log starts "(EngineCore pid=N) ";
+# - and when the core lives on long enough to re-raise that error, multiprocessing prints it again ("Process
+#   EngineCore:" and its traceback).
 VLLM_WORKER_SIGTERM = re.compile(
     r"Exception ignored in: [^\n]*\nTraceback \(most recent call last\):\n(?:  [^\n]*\n)+SystemExit: *\n"
 )
-VLLM_CORE_SEES_ITS_WORKER_STOP = re.compile(
-    r"(\(EngineCore pid=\d+\) ERROR )[^\n]*Worker proc VllmWorker-\d+ died unexpectedly \(exit code: 0\)[^\n]*\n"
-    r"(?:\1[^\n]*\n)*?\1[^\n]*\] RuntimeError: cancelled\n"
-    r"(?:Process EngineCore:\nTraceback \(most recent call last\):\n(?:  [^\n]*\n)+RuntimeError: cancelled\n)?"
+VLLM_ENGINE_CORE_LOG = re.compile(r"(?:\(EngineCore pid=\d+\) [^\n]*\n)+")
+VLLM_ENGINE_CORE_RAISED = re.compile(
+    r"Process EngineCore:\nTraceback \(most recent call last\):\n(?:  [^\n]*\n)+\S[^\n]*\n"
 )
 
 
 def without_vllms_reports_of_the_sigterm(output: str) -> str:
-    def keep_unless_vllms(block: re.Match) -> str:
+    def unless_ours(block: re.Match) -> str:
+        return block.group() if "plumbing/" in block.group() else ""
+
+    def worker_unless_ours(block: re.Match) -> str:
         vllms = "vllm/v1/executor/multiproc_executor.py" in block.group() and "in signal_handler" in block.group()
         return "" if vllms else block.group()
 
-    return VLLM_CORE_SEES_ITS_WORKER_STOP.sub("", VLLM_WORKER_SIGTERM.sub(keep_unless_vllms, output))
+    output = VLLM_WORKER_SIGTERM.sub(worker_unless_ours, output)
+    return VLLM_ENGINE_CORE_RAISED.sub(unless_ours, VLLM_ENGINE_CORE_LOG.sub(unless_ours, output))
 
 
 def test_without_vllms_reports_of_the_sigterm_takes_out_only_those_blocks():
     """The worker's block as CI printed it (a finalizer of vLLM's CPU GEMM handler met by the worker's SIGTERM) goes;
-    the same shape from another file, or another exception, stays. The engine core's block as a run printed it goes;
-    the same with the worker gone another way (exit code -9), or another error, stays."""
+    the same shape from another file, or another exception, stays. The engine core's log and its error re-raised, as
+    runs printed them, go, whatever the error; either stays where our code is in it, and a traceback of rank 0's own
+    between them stays."""
     worker = (
         "Exception ignored in: <function CPUDNNLGEMMHandler.__del__ at 0x7f51a67f9440>\n"
         "Traceback (most recent call last):\n"
@@ -945,7 +951,7 @@ def test_without_vllms_reports_of_the_sigterm_takes_out_only_those_blocks():
     assert without_vllms_reports_of_the_sigterm(other) == other
 
     core = "(EngineCore pid=9803) ERROR 12-02 16:43:26 "
-    cores = (
+    logged = (
         f"{core}[multiproc_executor.py:315] Worker proc VllmWorker-0 died unexpectedly (exit code: 0), shutting down "
         "executor.\n"
         f"{core}[dump_input.py:72] Dumping input data for V1 LLM engine (v0.32.0) with config: model='tiny'\n"
@@ -955,8 +961,6 @@ def test_without_vllms_reports_of_the_sigterm_takes_out_only_those_blocks():
         f'{core}[core.py:1512]     raise RuntimeError("cancelled")\n'
         f"{core}[core.py:1512] RuntimeError: cancelled\n"
     )
-    after = "error: training process 1 (pid 9710) of 2 died\n"
-    assert without_vllms_reports_of_the_sigterm(f"steps: 6/32\n{cores}{after}") == f"steps: 6/32\n{after}"
     raised = (
         "Process EngineCore:\n"
         "Traceback (most recent call last):\n"
@@ -966,15 +970,15 @@ def test_without_vllms_reports_of_the_sigterm_takes_out_only_those_blocks():
         "    raise e\n"
         "RuntimeError: cancelled\n"
     )
-    assert without_vllms_reports_of_the_sigterm(f"{cores}{raised}{after}") == after
-    assert without_vllms_reports_of_the_sigterm(f"{raised}{after}") == f"{raised}{after}"  # alone, it stays
-    killed = cores.replace("(exit code: 0)", "(exit code: -9)")
-    assert without_vllms_reports_of_the_sigterm(killed) == killed
-    another = cores.replace("RuntimeError: cancelled", "RuntimeError: CUDA error")
-    assert without_vllms_reports_of_the_sigterm(another) == another
-    # a block is one engine core's lines: another core's "cancelled" does not end it
-    unended = cores.replace("RuntimeError: cancelled", "RuntimeError: CUDA error").replace("pid=9803", "pid=1")
-    assert without_vllms_reports_of_the_sigterm(unended + cores) == unended
+    after = "error: training process 1 (pid 9710) of 2 died\n"
+    assert without_vllms_reports_of_the_sigterm(f"steps: 6/32\n{logged}{after}") == f"steps: 6/32\n{after}"
+    assert without_vllms_reports_of_the_sigterm(f"{logged}{raised}{after}") == after
+    ours = logged.replace("/x/site-packages/vllm/v1/engine/core.py", "/x/plumbing/engine.py")
+    assert without_vllms_reports_of_the_sigterm(f"{ours}{after}") == f"{ours}{after}"
+    ours = raised.replace("/x/site-packages/vllm/v1/engine/core.py", "/x/plumbing/engine.py")
+    assert without_vllms_reports_of_the_sigterm(f"{ours}{after}") == f"{ours}{after}"
+    rank_0s = raised.replace("Process EngineCore:\n", "")
+    assert without_vllms_reports_of_the_sigterm(f"{logged}{rank_0s}{logged}") == rank_0s
 
 
 def run_and_act(argv: list[str], log: Path, act, env: dict | None = None) -> tuple[int, float, list[int]]:
