@@ -919,15 +919,15 @@ VLLM_ENGINE_CORE_RAISED = re.compile(
 
 
 def without_vllms_reports_of_the_sigterm(output: str) -> str:
-    def unless_ours(block: re.Match) -> str:
+    def gone_unless_ours(block: re.Match) -> str:
         return block.group() if "plumbing/" in block.group() else ""
 
-    def worker_unless_ours(block: re.Match) -> str:
+    def kept_unless_vllms_handler(block: re.Match) -> str:
         vllms = "vllm/v1/executor/multiproc_executor.py" in block.group() and "in signal_handler" in block.group()
         return "" if vllms else block.group()
 
-    output = VLLM_WORKER_SIGTERM.sub(worker_unless_ours, output)
-    return VLLM_ENGINE_CORE_RAISED.sub(unless_ours, VLLM_ENGINE_CORE_LOG.sub(unless_ours, output))
+    output = VLLM_WORKER_SIGTERM.sub(kept_unless_vllms_handler, output)
+    return VLLM_ENGINE_CORE_RAISED.sub(gone_unless_ours, VLLM_ENGINE_CORE_LOG.sub(gone_unless_ours, output))
 
 
 def test_without_vllms_reports_of_the_sigterm_takes_out_only_those_blocks():
